@@ -1,0 +1,34 @@
+# `make test` works on a fresh machine: it creates .venv, installs everything and runs the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint gpu-test demo clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	@# The CPU build of torch 2.13.0 is on disk on our machines; on a CUDA machine keep what is there.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check specserve tests benchmarks
+	$(BIN)/ruff format --check specserve tests benchmarks
+
+test: $(STAMP)
+	$(MAKE) lint
+	$(BIN)/python -m pytest -x -n 0 2>/dev/null || $(BIN)/python -m pytest
+
+gpu-test:
+	$(PY) -m pytest -m gpu -q tests
+
+demo: $(STAMP)
+	$(BIN)/specserve generate --max-tokens 64
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,123 @@
+"""Attention backend interface: common metadata in, backend-specific metadata out.
+
+The runner builds one `CommonAttentionMetadata` per forward (target, draft prefill, each draft
+decode step). Each backend's `build` derives what its kernels need; that derived state may depend
+on positions (e.g. sliding-window bounds), so anything that advances positions must rebuild it or
+call `advance_decode_` (graph-safe, in place) where the backend supports it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    # [num_reqs + 1] int32: token offsets of each request in the flattened batch
+    query_start_loc: torch.Tensor
+    # [num_reqs] int32: context length including this step's tokens
+    seq_lens: torch.Tensor
+    # [num_tokens] int64
+    positions: torch.Tensor
+    # [num_reqs, max_blocks_per_req] int32
+    block_table: torch.Tensor
+    # [num_tokens] int64; -1 for padding tokens (their KV goes to the null slot)
+    slot_mapping: torch.Tensor
+    # [num_tokens] int64: batch row of each token
+    token_req: torch.Tensor
+    num_reqs: int
+    num_tokens: int
+    # Host-side upper bounds (never read back from the device).
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class ForwardContext:
+    """What a model forward needs for attention; passed explicitly, never global."""
+
+    backend: AttentionBackend
+    # One KV tensor per attention layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: list[torch.Tensor]
+    # Backend metadata per sliding window (None = full attention).
+    metadata: dict[int | None, Any] = field(default_factory=dict)
+
+    def meta(self, sliding_window: int | None) -> Any:
+        return self.metadata[sliding_window]
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+    # True when `advance_decode_` can update metadata inside a captured CUDA graph.
+    supports_inplace_advance: bool = False
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata, sliding_window: int | None) -> Any:
+        """Derive this backend's metadata from the common metadata."""
+
+    @abstractmethod
+    def forward(
+        self,
+        # [num_tokens, num_heads, head_dim]
+        q: torch.Tensor,
+        # [num_tokens, num_kv_heads, head_dim]
+        k: torch.Tensor,
+        # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        meta: Any,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Write k/v at meta's slot mapping, then attend. Returns [num_tokens, num_heads, head_dim]."""
+
+    def advance_decode_(self, meta: Any, block_size: int) -> None:
+        """Every request advanced by one decode token: update `meta` in place (graph-safe)."""
+        raise NotImplementedError(f"{self.name} has no in-place metadata update")
+
+
+def build_forward_context(
+    backend: AttentionBackend,
+    common: CommonAttentionMetadata,
+    kv_caches: list[torch.Tensor],
+    sliding_windows: set[int | None],
+) -> ForwardContext:
+    meta = {w: backend.build(common, w) for w in sliding_windows}
+    return ForwardContext(backend=backend, kv_caches=kv_caches, metadata=meta)
+
+
+def write_kv(
+    # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,
+    # [num_tokens, num_kv_heads, head_dim]
+    k: torch.Tensor,
+    v: torch.Tensor,
+    # [num_tokens] int64, -1 = padding
+    slot_mapping: torch.Tensor,
+) -> None:
+    # NOTE: slot -1 indexes the last slot of the flattened cache: that block is reserved as the
+    # null block and never handed out, so padded tokens write there harmlessly.
+    nb, bs, hk, d = kv_cache.shape[1:]
+    kv_cache[0].view(nb * bs, hk, d)[slot_mapping] = k.to(kv_cache.dtype)
+    kv_cache[1].view(nb * bs, hk, d)[slot_mapping] = v.to(kv_cache.dtype)
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from specserve.attention.torch_ref import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("attention_backend=triton needs a CUDA device.")
+        from specserve.attention.triton_paged import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton).")

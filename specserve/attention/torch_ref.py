@@ -1,0 +1,77 @@
+"""Reference attention in plain torch (any device): gathers pages, exact causal + window masks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention.backend import AttentionBackend, CommonAttentionMetadata, write_kv
+
+
+@dataclass
+class TorchAttentionMetadata:
+    common: CommonAttentionMetadata
+    # [num_tokens] int64: offset of each token inside its request's query
+    token_offset: torch.Tensor
+    # [num_tokens] int64: first key position each token may see (window bound; 0 without one)
+    window_start: torch.Tensor
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def build(self, common: CommonAttentionMetadata, sliding_window: int | None) -> TorchAttentionMetadata:
+        qsl = common.query_start_loc.long()
+        token_offset = (
+            torch.arange(common.num_tokens, device=qsl.device) - qsl[common.token_req]
+        )
+        if sliding_window is None:
+            window_start = torch.zeros_like(common.positions)
+        else:
+            window_start = (common.positions - sliding_window + 1).clamp_min(0)
+        return TorchAttentionMetadata(common, token_offset, window_start)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        c = meta.common
+        write_kv(kv_cache, k, v, c.slot_mapping)
+        num_tokens, num_heads, head_dim = q.shape
+        bs, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        nblk = (c.max_seq_len + bs - 1) // bs
+        # [2, B, nblk * bs, Hkv, D]: each request's pages gathered into one contiguous run.
+        kv = kv_cache[:, c.block_table[:, :nblk].long()].flatten(2, 3).float()
+        B, S = kv.shape[1], kv.shape[2]
+        qp = q.new_zeros(B, c.max_query_len, num_heads, head_dim, dtype=torch.float32)
+        qp[c.token_req, meta.token_offset] = q.float()
+        pos = torch.full((B, c.max_query_len), -1, dtype=torch.long, device=q.device)
+        pos[c.token_req, meta.token_offset] = c.positions
+        wstart = torch.zeros_like(pos)
+        wstart[c.token_req, meta.token_offset] = meta.window_start
+        # [B, Hkv, G, Q, D] x [B, Hkv, S, D] -> [B, Hkv, G, Q, S]
+        qg = qp.view(B, -1, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+        keys = kv[0].permute(0, 2, 1, 3)
+        vals = kv[1].permute(0, 2, 1, 3)
+        scores = torch.einsum("bhgqd,bhsd->bhgqs", qg, keys) * scale
+        key_pos = torch.arange(S, device=q.device)
+        visible = (key_pos[None, None, :] <= pos[:, :, None]) & (
+            key_pos[None, None, :] >= wstart[:, :, None]
+        )
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        # Padded query rows see nothing; keep them finite (their output is dropped).
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out = torch.einsum("bhgqs,bhsd->bhgqd", probs, vals)
+        out = out.permute(0, 3, 1, 2, 4).reshape(B, -1, num_heads, head_dim)
+        return out[c.token_req, meta.token_offset].to(q.dtype)
+
+    def advance_decode_(self, meta: TorchAttentionMetadata, block_size: int) -> None:
+        raise NotImplementedError("torch reference backend rebuilds metadata each step")

@@ -1,0 +1,297 @@
+"""LLMEngine: requests in, RequestOutputs out; one `step()` = schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.kv_cache import KVCacheManager
+from specserve.engine.request import Request, RequestStatus
+from specserve.engine.scheduler import Scheduler, SchedulerOutput
+from specserve.metrics.stats import EngineStats
+from specserve.models.registry import load_model
+from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.speculator import build_speculator
+from specserve.worker.model_runner import ModelRunner, StepOutput
+
+logger = logging.getLogger("specserve")
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+def _load_tokenizer(path: str) -> Any:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        logger.warning("%s has no tokenizer files: only token-id prompts will work", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_ids(model_dir: str, cfg: dict[str, Any], tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+
+    def add(v: Any) -> None:
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, list):
+            ids.update(int(x) for x in v)
+
+    add(cfg.get("eos_token_id"))
+    gen = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen):
+        with open(gen) as f:
+            add(json.load(f).get("eos_token_id"))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device, dtype = config.torch_device, config.torch_dtype
+        self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
+        spec = config.spec
+        self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
+        from specserve.models.loader import read_config
+
+        raw_cfg = read_config(config.model)
+        max_pos = raw_cfg.get("max_position_embeddings", 4096)
+        self.max_model_len = config.max_model_len or max_pos
+        rope_len = max(self.max_model_len, max_pos) + self.num_spec_tokens + 2
+        self.model, self.hf_config = load_model(config.model, dtype, device, rope_len)
+        self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
+        self.speculator = (
+            build_speculator(spec, self.model, config.model, rope_len, dtype, device)
+            if spec is not None
+            else None
+        )
+        num_blocks = self._num_kv_blocks()
+        self.runner = ModelRunner(config, self.model, self.max_model_len, num_blocks, self.speculator)
+        self.kv = KVCacheManager(num_blocks, config.block_size, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            config.enable_chunked_prefill, num_lookahead_tokens=self.num_spec_tokens,
+        )
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats(self.num_spec_tokens)
+        self._rng = np.random.default_rng(config.seed)
+        self._last_log = time.monotonic()
+
+    # ---- sizing --------------------------------------------------------------------------
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        from specserve.models.layers import Attention
+
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.speculator is not None and self.speculator.model is not None:
+            layers += [m for m in self.speculator.model.modules() if isinstance(m, Attention)]
+        per_block = ModelRunner.kv_bytes_per_block(layers, c.block_size, c.torch_dtype)
+        if c.num_gpu_blocks_override is not None:
+            return c.num_gpu_blocks_override
+        if c.kv_cache_memory is not None:
+            return max(1, c.kv_cache_memory // per_block)
+        full = c.max_num_seqs * ((self.max_model_len + c.block_size - 1) // c.block_size)
+        if c.torch_device.type == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            # Headroom for activations and logits of the largest step.
+            reserve = (1 - c.gpu_memory_utilization) * total + (1 << 30)
+            reserve += 4 * c.max_num_batched_tokens * self.hf_config["vocab_size"] * 4
+            budget = int(free - reserve)
+            if budget < per_block:
+                raise RuntimeError("no GPU memory left for the KV cache; lower max_num_seqs or "
+                                   "raise gpu_memory_utilization")
+            return min(budget // per_block, full)
+        return max(1, min(full, (1 << 30) // per_block))
+
+    # ---- requests ------------------------------------------------------------------------
+    def tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, list):
+            return None, [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer: pass prompt_token_ids")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | dict[str, Any] | list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has {len(ids)} input tokens. Please reduce the length of the "
+                "input messages."
+            )
+        vocab = self.hf_config["vocab_size"]
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seed = sampling_params.seed
+        if seed is None:
+            seed = int(self._rng.integers(0, 2**62))
+        detok = None
+        if self.tokenizer is not None:
+            from specserve.engine.detokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, sampling_params.skip_special_tokens,
+                sampling_params.stop_strings, sampling_params.include_stop_str_in_output,
+            )
+        req = Request(request_id, ids, sampling_params, text, seed, detok, arrival_time)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.stats.prompt_tokens += len(ids)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.scheduler.remove(req)
+        self.runner.remove_request(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule(self._spec_budget())
+        for r in sched.preempted:
+            self.runner.remove_request(r)
+            self.stats.num_preemptions += 1
+        if sched.is_empty:
+            return []
+        lp = [s.req.sampling_params.logprobs for s in sched.scheduled
+              if s.req.sampling_params.logprobs is not None]
+        out = self.runner.execute(sched, lp)
+        outputs = self._update(sched, out)
+        self.stats.maybe_log(self)
+        return outputs
+
+    def _spec_budget(self) -> int | None:
+        spec = self.config.spec
+        if spec is None:
+            return None
+        n = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if spec.disable_by_batch_size is not None and n >= spec.disable_by_batch_size:
+            return 0
+        sched = spec.num_speculative_tokens_per_batch_size
+        if sched:
+            fits = [k for bs, k in sorted((int(b), int(k)) for b, k in sched.items()) if n <= bs]
+            return fits[0] if fits else 0
+        return None
+
+    def _update(self, sched: SchedulerOutput, out: StepOutput) -> list[RequestOutput]:
+        outputs = []
+        for i, s in enumerate(sched.scheduled):
+            req = s.req
+            if not s.samples:
+                req.num_computed_tokens += s.num_tokens
+                continue
+            n_acc = int(out.num_accepted[i])
+            req.num_computed_tokens = s.start + s.num_tokens - s.num_draft + n_acc
+            if s.num_draft > 0:
+                self.stats.record_draft(req, s.num_draft, n_acc)
+            new = out.tokens[i, : n_acc + 1].tolist()
+            lps = out.logprobs[i] if out.logprobs is not None else None
+            outputs.append(self._append(req, new, lps))
+        return outputs
+
+    def _append(
+        self, req: Request, new: list[int], lps: list[dict[int, float]] | None
+    ) -> RequestOutput:
+        sp = req.sampling_params
+        added: list[int] = []
+        for tok in new:
+            req.output_token_ids.append(tok)
+            added.append(tok)
+            n = req.num_output_tokens
+            if n >= sp.min_tokens:
+                if not sp.ignore_eos and tok in self.eos_token_ids:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                elif tok in sp.stop_token_ids:
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+            if not req.is_finished() and (n >= req.max_tokens or req.num_tokens >= self.max_model_len):
+                req.status = RequestStatus.FINISHED_LENGTH
+            if req.is_finished():
+                break
+        if lps is not None:
+            req.output_logprobs.extend(lps[: len(added)])
+        self.stats.generation_tokens += len(added)
+        now = time.time()
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        delta_text = ""
+        if req.detokenizer is not None:
+            # Tokens that end the request (eos) are not shown as text.
+            show = added
+            if req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason is None:
+                show = added[:-1]
+            stop = req.detokenizer.update(show)
+            if stop is not None and req.num_output_tokens >= sp.min_tokens:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            if req.is_finished():
+                req.detokenizer.flush()
+            delta_text = req.detokenizer.get_delta()
+        if req.is_finished():
+            req.metrics.finished_time = now
+            self.requests.pop(req.request_id, None)
+            self._release(req)
+        elif self.speculator is not None:
+            self._plan_drafts(req)
+        return self._make_output(req, delta_text, added, lps[: len(added)] if lps else None)
+
+    def _plan_drafts(self, req: Request) -> None:
+        """How many of the K drafts the next step may verify (never past max_model_len or
+        max_tokens); n-gram drafts are found here, on the host."""
+        room = min(self.max_model_len - 1 - req.num_tokens,
+                   req.max_tokens - req.num_output_tokens - 1)
+        k = max(0, min(self.num_spec_tokens, room))
+        if self.speculator.proposes_on_host:
+            req.host_draft_tokens = self.speculator.propose_host(req.all_token_ids, k)
+            k = len(req.host_draft_tokens)
+        req.num_draft_tokens = k
+
+    def _make_output(
+        self, req: Request, delta_text: str, delta_ids: list[int],
+        delta_lps: list[dict[int, float]] | None,
+    ) -> RequestOutput:
+        finish = req.status.value if req.is_finished() else None
+        text = req.detokenizer.output_text if req.detokenizer is not None else ""
+        comp = CompletionOutput(
+            index=0, text=text, token_ids=list(req.output_token_ids), finish_reason=finish,
+            stop_reason=req.stop_reason,
+            logprobs=req.output_logprobs if req.sampling_params.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp], finished=req.is_finished(), metrics=req.metrics,
+            delta_text=delta_text, delta_token_ids=delta_ids, delta_logprobs=delta_lps,
+        )

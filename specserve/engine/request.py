@@ -1,0 +1,84 @@
+"""Host-side request state: tokens, status, blocks and per-request speculation counters."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from specserve.outputs import RequestMetrics
+from specserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        seed: int = 0,
+        detokenizer: Any = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict[int, float]] = []
+        self.status = RequestStatus.WAITING
+        # Tokens whose KV is in the cache (or being written by this step).
+        self.num_computed_tokens = 0
+        # Drafts waiting on the device for this request's next verification.
+        self.num_draft_tokens = 0
+        # Host-side drafts (n-gram) to upload with the next step's inputs.
+        self.host_draft_tokens: list[int] = []
+        self.block_ids: list[int] = []
+        self.row = -1  # row in the runner's persistent request-state tensors
+        self.seed = seed
+        self.detokenizer = detokenizer
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        mt = self.sampling_params.max_tokens
+        return mt if mt is not None else 1 << 30
+
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,133 @@
+"""Continuous batching: FCFS, a token budget, chunked prefill, preemption by recompute."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.engine.kv_cache import KVCacheManager
+from specserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    req: Request
+    # Tokens fed to the target this step: a prefill chunk, or 1 + num_draft when decoding.
+    num_tokens: int
+    num_draft: int
+    # num_computed_tokens before this step: the position of the first scheduled token.
+    start: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step produces a token for the request (not a mid-prompt chunk)."""
+        return self.start + self.num_tokens - self.num_draft >= self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        # Drafter decode steps write KV up to K positions past the verified tokens.
+        self.lookahead = num_lookahead_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Drop a finished or aborted request and free its blocks at once."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _kv_tokens(self, req: Request, start: int, n: int) -> int:
+        return min(start + n + self.lookahead, self.max_model_len)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_draft_tokens = 0
+        victim.host_draft_tokens = []
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def schedule(self, num_spec_tokens: int | None = None) -> SchedulerOutput:
+        """`num_spec_tokens` caps the drafts verified this step (dynamic speculation)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            start = req.num_computed_tokens
+            remaining = req.num_tokens - start
+            if remaining > 1:  # still prefilling (chunked) or recomputing
+                n, k = min(remaining, budget), 0
+            else:
+                k = req.num_draft_tokens
+                if num_spec_tokens is not None:
+                    k = min(k, num_spec_tokens)
+                k = max(0, min(k, budget - 1))
+                n = 1 + k
+            while not self.kv.allocate(req, self._kv_tokens(req, start, n)):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.PREEMPTED:
+                continue  # `req` itself was the newest and got preempted; nothing at index i
+            out.scheduled.append(ScheduledRequest(req, n, k, start))
+            scheduled.add(id(req))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            start = req.num_computed_tokens
+            remaining = req.num_tokens - start
+            if remaining > budget and not self.chunked:
+                break
+            n = min(remaining, budget)
+            if not self.kv.allocate(req, self._kv_tokens(req, start, n)):
+                break  # new work never preempts running work
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, 0, start))
+            budget -= n
+        return out

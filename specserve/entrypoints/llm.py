@@ -1,0 +1,102 @@
+"""Offline API: `LLM(model=DIR, ...).generate(prompts, sampling_params)`, vLLM-style."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from specserve.config import EngineConfig
+from specserve.engine.engine import LLMEngine
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s): {', '.join(sorted(unknown))}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(self.config)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+        order: list[tuple[str, int]] = []
+        # Validate and add every prompt first: a bad prompt fails before any work starts.
+        for prompt, sp in zip(prompts, params):
+            base = str(self._counter)
+            self._counter += 1
+            for i in range(sp.n):
+                child = sp if sp.n == 1 else _child_params(sp, i)
+                self.engine.add_request(f"{base}-{i}", prompt, child)
+                order.append((base, i))
+        finished = self._run(len(order), use_tqdm)
+        outs: list[RequestOutput] = []
+        for base, i in order:
+            r = finished[f"{base}-{i}"]
+            if i == 0:
+                r.request_id = base
+                outs.append(r)
+            else:
+                r.outputs[0].index = i
+                outs[-1].outputs.append(r.outputs[0])
+        return outs
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [
+            {"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)}
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self.engine.stats.snapshot(self.engine)
+
+    def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and total >= 8:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return finished
+
+
+def _child_params(sp: SamplingParams, i: int) -> SamplingParams:
+    from dataclasses import replace
+
+    seed = None if sp.seed is None else sp.seed + i
+    return replace(sp, n=1, seed=seed)

@@ -1,0 +1,108 @@
+"""Engine counters (vLLM's names and log line) shared by LLM.get_metrics() and /metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from specserve.engine.request import Request
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import LLMEngine
+
+logger = logging.getLogger("specserve")
+
+
+@dataclass
+class SpecDecodingStats:
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_spec_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def per_position_rate(self) -> list[float]:
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
+
+    def log_line(self) -> str:
+        per_pos = ", ".join(f"{r:.3f}" for r in self.per_position_rate())
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: {self.mean_acceptance_length:.2f}, "
+            f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} "
+            f"tokens, Per-position acceptance rate: {per_pos}, "
+            f"Avg Draft acceptance rate: {100 * self.acceptance_rate:.1f}%"
+        )
+
+
+class EngineStats:
+    def __init__(self, num_spec_tokens: int) -> None:
+        self.spec = SpecDecodingStats(num_spec_tokens)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_preemptions = 0
+        self._last_log = time.monotonic()
+        self._logged = SpecDecodingStats(num_spec_tokens)
+
+    def record_draft(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        s = self.spec
+        s.num_drafts += 1
+        s.num_draft_tokens += num_draft
+        s.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            s.accepted_per_pos[i] += 1
+        m = req.metrics
+        m.num_drafts += 1
+        m.num_draft_tokens += num_draft
+        m.num_accepted_tokens += num_accepted
+
+    def snapshot(self, engine: LLMEngine) -> dict[str, Any]:
+        s = self.spec
+        return {
+            "num_requests_running": len(engine.scheduler.running),
+            "num_requests_waiting": len(engine.scheduler.waiting),
+            "kv_cache_usage_perc": engine.kv.usage(),
+            "prompt_tokens_total": self.prompt_tokens,
+            "generation_tokens_total": self.generation_tokens,
+            "num_preemptions_total": self.num_preemptions,
+            "spec_decode_num_drafts_total": s.num_drafts,
+            "spec_decode_num_draft_tokens_total": s.num_draft_tokens,
+            "spec_decode_num_accepted_tokens_total": s.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos_total": list(s.accepted_per_pos),
+            "spec_decode_mean_acceptance_length": s.mean_acceptance_length,
+            "spec_decode_acceptance_rate": s.acceptance_rate,
+        }
+
+    def maybe_log(self, engine: LLMEngine) -> None:
+        cfg = engine.config
+        now = time.monotonic()
+        if cfg.disable_log_stats or now - self._last_log < cfg.log_stats_interval:
+            return
+        self._last_log = now
+        if self.spec.num_spec_tokens:
+            # The line covers the interval since the previous one, as vLLM's does.
+            d = SpecDecodingStats(self.spec.num_spec_tokens)
+            d.num_drafts = self.spec.num_drafts - self._logged.num_drafts
+            d.num_draft_tokens = self.spec.num_draft_tokens - self._logged.num_draft_tokens
+            d.num_accepted_tokens = self.spec.num_accepted_tokens - self._logged.num_accepted_tokens
+            d.accepted_per_pos = [
+                a - b for a, b in zip(self.spec.accepted_per_pos, self._logged.accepted_per_pos)
+            ]
+            logger.info(d.log_line())
+            self._logged = SpecDecodingStats(self.spec.num_spec_tokens)
+            self._logged.num_drafts = self.spec.num_drafts
+            self._logged.num_draft_tokens = self.spec.num_draft_tokens
+            self._logged.num_accepted_tokens = self.spec.num_accepted_tokens
+            self._logged.accepted_per_pos = list(self.spec.accepted_per_pos)

@@ -1,0 +1,190 @@
+"""Draft models: a separate causal LM, EAGLE-1, EAGLE-3 and DeepSeek-style MTP heads.
+
+Every drafter exposes the same small surface used by the drafting loop:
+  shift            1: input at position p is token p+1 paired with the target's hidden at p
+                   (EAGLE/MTP); 0: input at position p is token p (a separate draft model)
+  uses_hidden      whether forward() takes hidden states
+  combine_hidden() target hidden (+ EAGLE-3 aux taps) -> drafter hidden input
+  forward()        -> (hidden for logits, hidden carried to the next draft step)
+  draft_logits()   logits over the drafter's vocabulary; `to_target_ids` maps its ids
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.attention.backend import ForwardContext
+from specserve.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM
+
+
+class Drafter(nn.Module):
+    shift = 1
+    uses_hidden = True
+    # EAGLE-3 style reduced vocabulary: draft id + d2t[draft id] = target id.
+    d2t: torch.Tensor | None = None
+
+    def combine_hidden(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        return hidden
+
+    def aux_layers(self) -> tuple[int, ...]:
+        return ()
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.d2t is None else ids + self.d2t[ids]
+
+    def sliding_windows(self) -> set[int | None]:
+        return {m.sliding_window for m in self.modules() if isinstance(m, Attention)}
+
+
+class DraftModelDrafter(Drafter):
+    """A separate small causal LM with the target's tokenizer; K autoregressive steps."""
+
+    shift = 0
+    uses_hidden = False
+
+    def __init__(self, lm: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h, _ = self.lm(input_ids, positions, ctx)
+        return h, None
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm.compute_logits(h)
+
+
+class Eagle1Drafter(Drafter):
+    """EAGLE-1: fc([embed(x); h]) -> decoder layer(s) (no input norm on the first) -> lm_head."""
+
+    def __init__(self, c: ArchConfig, max_position: int, fc_bias: bool, target: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=fc_bias)
+        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(c, rope, None) for _ in range(c.num_hidden_layers))
+        self.layers[0].input_layernorm = nn.Identity()
+        # Shared with the target unless the checkpoint brings its own (see loading).
+        self.embed_tokens = target.model.embed_tokens
+        self.lm_head = target.lm_head
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], -1))
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
+        out = x + residual
+        return out, out
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's midlayer: attention over [input_norm(embed); hidden_norm(h)] (2x hidden)."""
+
+    def __init__(self, c: ArchConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, rope,
+            c.rms_norm_eps, c.qkv_bias, False, None, input_size=2 * c.hidden_size,
+        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(
+        self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Eagle3Drafter(Drafter):
+    def __init__(
+        self, c: ArchConfig, max_position: int, target: LlamaForCausalLM, draft_vocab: int,
+        aux_layers: tuple[int, ...], target_hidden: int,
+    ) -> None:
+        super().__init__()
+        self._aux = aux_layers
+        self.fc = nn.Linear(3 * target_hidden, c.hidden_size, bias=False)
+        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
+        self.midlayer = Eagle3Layer(c, rope)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, draft_vocab, bias=False)
+        self.embed_tokens = target.model.embed_tokens
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+
+    def aux_layers(self) -> tuple[int, ...]:
+        return self._aux
+
+    def combine_hidden(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        return self.fc(torch.cat(aux, -1).to(self.fc.weight.dtype))
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.midlayer(positions, self.embed_tokens(input_ids), hidden, ctx)
+        normed, prenorm = self.norm(x, residual)
+        return normed, prenorm
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+
+class MTPDrafter(Drafter):
+    """DeepSeek-style MTP: eh_proj([enorm(embed(x)); hnorm(h)]) -> decoder layer -> shared head.
+    One module reused for all K steps."""
+
+    def __init__(self, c: ArchConfig, max_position: int, target: LlamaForCausalLM) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
+        self.layer = DecoderLayer(c, rope, None)
+        self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.embed_tokens = target.model.embed_tokens
+        self.head = target.lm_head
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.embed_tokens(input_ids)
+        # DeepSeek's MTP sees no token embedding at position 0 (there is no previous token).
+        e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
+        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], -1))
+        x, residual = self.layer(positions, x, None, ctx)
+        out = x + residual
+        return out, out
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared_head_norm(h))
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """vLLM's EAGLE-3 default taps (2, L // 2, L - 3), clamped for shallow targets."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
+
+
+def eagle3_aux_layers(cfg: dict[str, Any], target_layers: int) -> tuple[int, ...]:
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = ids or cfg.get("eagle_aux_hidden_state_layer_ids")
+    return tuple(int(i) for i in ids) if ids else default_aux_layers(target_layers)

@@ -1,0 +1,160 @@
+"""Building blocks shared by every architecture: norm, rotary embedding, attention, MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.attention.backend import ForwardContext
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # NOTE: with a residual, add first and return (normed, new residual) as vLLM does; this
+        # keeps the residual stream in one tensor and matches HF's arithmetic order.
+        if residual is not None:
+            x = x + residual
+            residual = x
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        return out if residual is None else (out, residual)
+
+
+def rope_parameters(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from either transformers 4 (`rope_theta`, `rope_scaling`) or 5
+    (`rope_parameters`) config layouts."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        kind = params.get("rope_type", params.get("type", "default"))
+        return theta, (params if kind not in (None, "default") else None)
+    theta = float(cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    return theta, scaling
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin table."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            elif kind == "linear":
+                inv_freq = inv_freq / scaling["factor"]
+            else:
+                raise ValueError(f"unsupported rope scaling type {kind!r} (default, linear, llama3)")
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq).float()
+        # [max_position, head_dim] as cat(cos, cos) / cat(sin, sin), matching HF's layout.
+        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1), persistent=False)
+        self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], -1), persistent=False)
+
+    def forward(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        # [num_tokens, heads, head_dim]
+        x: torch.Tensor,
+    ) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        xf = x.float()
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope: RotaryEmbedding,
+        rms_norm_eps: float,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        sliding_window: int | None = None,
+        input_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        # EAGLE-3's first layer reads [embed; hidden] (2x hidden) into q/k/v.
+        self.qkv_proj = nn.Linear(input_size or hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.rope = rope
+        self.sliding_window = sliding_window
+        self.scale = head_dim**-0.5
+        self.kv_index = -1  # position of this layer's cache in ForwardContext.kv_caches
+
+    def forward(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        # [num_tokens, input_size]
+        x: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q), self.rope(positions, k)
+        out = ctx.backend.forward(
+            q, k, v, ctx.kv_caches[self.kv_index], ctx.meta(self.sliding_window), self.scale,
+            self.sliding_window,
+        )
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,182 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral): one implementation, config switches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.attention.backend import ForwardContext
+from specserve.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, rope_parameters
+
+
+@dataclass
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    qkv_bias: bool
+    qk_norm: bool
+    # One entry per layer: None = full attention.
+    sliding_windows: list[int | None]
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        n_layers = cfg["num_hidden_layers"]
+        heads = cfg["num_attention_heads"]
+        theta, scaling = rope_parameters(cfg)
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            qkv_bias=bool(cfg.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_windows=_sliding_windows(cfg, arch, n_layers),
+            raw=cfg,
+        )
+
+
+def _sliding_windows(cfg: dict[str, Any], arch: str, n_layers: int) -> list[int | None]:
+    window = cfg.get("sliding_window")
+    if window is None:
+        return [None] * n_layers
+    if "layer_types" in cfg and cfg["layer_types"]:
+        return [window if t == "sliding_attention" else None for t in cfg["layer_types"]]
+    if arch.startswith("Qwen"):
+        # Qwen uses the window only when asked, and only from max_window_layers on.
+        if not cfg.get("use_sliding_window", False):
+            return [None] * n_layers
+        start = cfg.get("max_window_layers", n_layers)
+        return [window if i >= start else None for i in range(n_layers)]
+    return [window] * n_layers
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        c: ArchConfig,
+        rope: RotaryEmbedding,
+        sliding_window: int | None,
+        attn_input_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, rope,
+            c.rms_norm_eps, c.qkv_bias, c.qk_norm, sliding_window, attn_input_size,
+        )
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        # [num_tokens, hidden]
+        x: torch.Tensor,
+        # [num_tokens, hidden] or None for the first layer
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c: ArchConfig, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, rope, c.sliding_windows[i]) for i in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(
+        self,
+        # [num_tokens]
+        input_ids: torch.Tensor,
+        # [num_tokens]
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final-norm hidden states [num_tokens, hidden] and, for EAGLE-3, the
+        residual-stream inputs of the layers in `aux_layers`."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                taps[i] = x if residual is None else x + residual
+            x, residual = layer(positions, x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x, [taps[i] for i in aux_layers]
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, c: ArchConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = c
+        self.model = LlamaModel(c, max_position)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def from_config_dict(cls, cfg: dict[str, Any], max_position: int) -> LlamaForCausalLM:
+        return cls(ArchConfig.from_dict(cfg), max_position)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        aux_layers: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model(input_ids, positions, ctx, aux_layers)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_rename(self, name: str) -> str | None:
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        # MTP layers stored after the decoder layers belong to the MTP drafter, not the target.
+        if name.startswith("model.layers."):
+            idx = int(name.split(".")[2])
+            if idx >= self.config.num_hidden_layers:
+                return None
+        return name
+
+    def sliding_windows(self) -> set[int | None]:
+        return set(self.config.sliding_windows)

@@ -1,0 +1,123 @@
+"""Reading Hugging Face-format directories: config.json and (sharded) safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+# (fused parameter, HF name part, shard index): q/k/v and gate/up live in one matmul each.
+STACKED_PARAMS = [
+    (".qkv_proj", ".q_proj", 0),
+    (".qkv_proj", ".k_proj", 1),
+    (".qkv_proj", ".v_proj", 2),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+def read_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path}: missing (a Hugging Face model directory needs config.json)")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from e
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(model_dir, name)):
+                raise ModelLoadError(f"{index}: lists shard {name}, which is missing")
+        return [os.path.join(model_dir, n) for n in files]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weight files found")
+    return [os.path.join(model_dir, n) for n in files]
+
+
+def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yields (name, tensor, file) for every tensor in the directory's safetensors files."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name), path
+
+
+def _fused_slice(param: nn.Parameter, name: str, shard: int, module: nn.Module) -> torch.Tensor:
+    if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        q, kv = module.q_size, module.kv_size
+        start, size = [(0, q), (q, kv), (q + kv, kv)][shard]
+    else:
+        n = module.intermediate_size
+        start, size = shard * n, n
+    return param.data.narrow(0, start, size)
+
+
+def load_weights(
+    model: nn.Module,
+    weights: Iterator[tuple[str, torch.Tensor, str]],
+    rename: Any = None,
+    allow_missing: tuple[str, ...] = (),
+) -> None:
+    """Copy HF tensors into `model`, fusing stacked params, checking every shape.
+
+    `rename(name) -> str | None` maps a checkpoint name to this model's name (None: skip it).
+    """
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
+    # Persistent buffers (e.g. EAGLE-3's d2t / t2d) load like parameters.
+    for bname, buf in model.named_buffers():
+        if bname in model.state_dict():
+            params[bname] = buf
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor, path in weights:
+        name = rename(name) if rename is not None else name
+        if name is None:
+            continue
+        target, shard = name, None
+        for fused, part, idx in STACKED_PARAMS:
+            if part in name:
+                target, shard = name.replace(part, fused), idx
+                break
+        if target not in params:
+            continue  # e.g. rotary inv_freq buffers or unused heads
+        param = params[target]
+        dst = param.data if isinstance(param, nn.Parameter) else param
+        if shard is not None:
+            dst = _fused_slice(param, target, shard, modules[target.rsplit(".", 2)[0]])
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"{path}: tensor {name} has shape {tuple(tensor.shape)} but the config implies "
+                f"{tuple(dst.shape)}"
+            )
+        dst.copy_(tensor.to(dst.dtype))
+        loaded.add(target if shard is None else f"{target}#{shard}")
+    missing = []
+    for pname, p in params.items():
+        want = [pname]
+        if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            want = [f"{pname}#{i}" for i in range(3)]
+        elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+            want = [f"{pname}#{i}" for i in range(2)]
+        if any(w not in loaded for w in want) and not pname.startswith(allow_missing):
+            missing.append(pname)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ModelLoadError(f"checkpoint is missing {len(missing)} weight(s): {shown}")

@@ -1,0 +1,61 @@
+"""Maps a config's `architectures` entry to the class that implements it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from specserve.models.loader import ModelLoadError
+
+_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "specserve.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "specserve.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "specserve.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "specserve.models.llama:LlamaForCausalLM",
+}
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in `dtype` (an 8B model never exists in fp32)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_architecture(cfg: dict[str, Any], path: str) -> type[nn.Module]:
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in _REGISTRY:
+            module, cls = _REGISTRY[arch].split(":")
+            return getattr(__import__(module, fromlist=[cls]), cls)
+    raise ModelLoadError(
+        f"{path}/config.json: unsupported architecture {archs or '(none given)'}; "
+        f"specserve supports {', '.join(supported_architectures())}"
+    )
+
+
+def load_model(
+    model_dir: str, dtype: Any, device: Any, max_position: int
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the target from config.json and load its safetensors, checking every shape."""
+    from specserve.models.loader import iter_weights, load_weights, read_config
+
+    cfg = read_config(model_dir)
+    cls = resolve_architecture(cfg, model_dir)
+    with torch.device(device), default_dtype(dtype):
+        model = cls.from_config_dict(cfg, max_position)
+    load_weights(model, iter_weights(model_dir), model.checkpoint_rename)
+    return model.eval(), cfg

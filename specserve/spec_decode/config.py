@@ -1,0 +1,94 @@
+"""SpeculativeConfig: `speculative_config={...}` / `--speculative-config '<json>'`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("draft_model", "eagle", "eagle3", "mtp", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    model: str | None = None
+    num_speculative_tokens: int = 3
+    draft_sample_method: str = "greedy"  # greedy | probabilistic
+    rejection_sample_method: str = "strict"  # strict | probabilistic | synthetic
+    synthetic_acceptance_rate: float = 1.0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    disable_by_batch_size: int | None = None
+    # Speculation off (K = 0) for a batch larger than a key; "auto" K from measured costs.
+    num_speculative_tokens_per_batch_size: dict[int, int] | None = None
+    parallel_draft: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        if not isinstance(d, dict):
+            raise ValueError("speculative_config must be a JSON object / dict.")
+        known = {f.name: f for f in fields(cls)}
+        for k in d:
+            if k not in known:
+                raise ValueError(
+                    f"speculative_config has unknown field {k!r}; known fields: {', '.join(known)}."
+                )
+        if "method" not in d:
+            raise ValueError(f"speculative_config.method is required (one of {', '.join(METHODS)}).")
+        return cls(**d)
+
+    def __post_init__(self) -> None:
+        def check_type(name: str, types: tuple[type, ...], allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+                raise ValueError(
+                    f"speculative_config.{name} must be {' or '.join(t.__name__ for t in types)}"
+                    f", got {type(v).__name__} {v!r}."
+                )
+
+        check_type("method", (str,))
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config.method must be one of {', '.join(METHODS)}; got {self.method!r}."
+            )
+        check_type("model", (str,), allow_none=True)
+        check_type("num_speculative_tokens", (int,))
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                "speculative_config.num_speculative_tokens must be in 1..16, "
+                f"got {self.num_speculative_tokens}."
+            )
+        check_type("draft_sample_method", (str,))
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(
+                "speculative_config.draft_sample_method must be greedy or probabilistic, "
+                f"got {self.draft_sample_method!r}."
+            )
+        check_type("rejection_sample_method", (str,))
+        if self.rejection_sample_method not in ("strict", "probabilistic", "synthetic"):
+            raise ValueError(
+                "speculative_config.rejection_sample_method must be strict, probabilistic or "
+                f"synthetic, got {self.rejection_sample_method!r}."
+            )
+        check_type("synthetic_acceptance_rate", (float, int))
+        if not 0 <= self.synthetic_acceptance_rate <= 1:
+            raise ValueError("speculative_config.synthetic_acceptance_rate must be in [0, 1].")
+        check_type("prompt_lookup_min", (int,))
+        check_type("prompt_lookup_max", (int,))
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min}, {self.prompt_lookup_max}."
+            )
+        check_type("disable_by_batch_size", (int,), allow_none=True)
+        check_type("parallel_draft", (bool,))
+        if self.method in ("draft_model", "eagle", "eagle3") and self.model is None:
+            raise ValueError(
+                f"speculative_config.model (the drafter directory) is required for {self.method}."
+            )
+
+    @property
+    def uses_hidden_states(self) -> bool:
+        return self.method in ("eagle", "eagle3", "mtp")

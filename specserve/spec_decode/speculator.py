@@ -1,0 +1,189 @@
+"""Building a speculator from SpeculativeConfig: loads the drafter and checks it fits."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.models.drafters import (
+    DraftModelDrafter,
+    Drafter,
+    Eagle1Drafter,
+    Eagle3Drafter,
+    MTPDrafter,
+    eagle3_aux_layers,
+)
+from specserve.models.llama import ArchConfig, LlamaForCausalLM
+from specserve.models.loader import ModelLoadError, iter_weights, load_weights, read_config
+from specserve.models.registry import default_dtype, resolve_architecture
+from specserve.spec_decode.config import SpeculativeConfig
+
+
+def _fit_error(field: str, msg: str) -> ValueError:
+    return ValueError(f"speculative_config.{field}: {msg}")
+
+
+def _check_fit(spec: SpeculativeConfig, c: ArchConfig, target: ArchConfig, hidden: bool) -> None:
+    if hidden and c.hidden_size != target.hidden_size and spec.method != "eagle3":
+        raise _fit_error(
+            "model", f"drafter hidden_size {c.hidden_size} does not match the target's "
+            f"{target.hidden_size}",
+        )
+    if c.vocab_size != target.vocab_size:
+        raise _fit_error(
+            "model", f"drafter vocab_size {c.vocab_size} does not match the target's "
+            f"{target.vocab_size} (the drafter must share the target's tokenizer)",
+        )
+
+
+def _own_or_shared(names: set[str], key: str) -> bool:
+    return any(n.endswith(key) for n in names)
+
+
+def load_drafter(
+    spec: SpeculativeConfig, target: LlamaForCausalLM, target_dir: str, max_position: int,
+    dtype: torch.dtype, device: torch.device,
+) -> Drafter:
+    tc = target.config
+    if spec.method == "mtp" and spec.model is None:
+        draft_dir, cfg = target_dir, read_config(target_dir)
+    else:
+        draft_dir = spec.model or ""
+        if not os.path.isdir(draft_dir):
+            raise _fit_error("model", f"drafter directory {draft_dir!r} does not exist")
+        cfg = read_config(draft_dir)
+    names = {n for n, _, _ in _iter_names(draft_dir)}
+    with torch.device(device), default_dtype(dtype):
+        drafter, rename, allow_missing = _construct(spec, cfg, tc, target, max_position, names)
+    if isinstance(drafter, Eagle3Drafter):
+        drafter.d2t.data = drafter.d2t.data.long()
+    load_weights(drafter, iter_weights(draft_dir), rename, allow_missing)
+    if isinstance(drafter, Eagle3Drafter):
+        drafter.d2t.data = drafter.d2t.data.long()
+    return drafter.eval()
+
+
+def _iter_names(model_dir: str) -> list[tuple[str, Any, str]]:
+    from safetensors import safe_open
+
+    from specserve.models.loader import safetensors_files
+
+    out = []
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            out += [(n, None, path) for n in f.keys()]  # noqa: SIM118
+    return out
+
+
+def _construct(
+    spec: SpeculativeConfig, cfg: dict[str, Any], tc: ArchConfig, target: LlamaForCausalLM,
+    max_position: int, names: set[str],
+) -> tuple[Drafter, Any, tuple[str, ...]]:
+    if spec.method == "draft_model":
+        resolve_architecture(cfg, spec.model or "")
+        c = ArchConfig.from_dict(cfg)
+        _check_fit(spec, c, tc, hidden=False)
+        lm = LlamaForCausalLM(c, max_position)
+        return DraftModelDrafter(lm), lambda n: "lm." + n if lm.checkpoint_rename(n) else None, ()
+    if spec.method == "mtp":
+        return _construct_mtp(spec, cfg, tc, target, max_position, names)
+    c = ArchConfig.from_dict({**cfg, "architectures": ["LlamaForCausalLM"]})
+    if spec.method == "eagle":
+        _check_fit(spec, c, tc, hidden=True)
+        d = Eagle1Drafter(c, max_position, _own_or_shared(names, "fc.bias"), target)
+        allow: tuple[str, ...] = ("lm_head",)
+        if _own_or_shared(names, "embed_tokens.weight"):
+            d.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        else:
+            allow += ("embed_tokens",)
+
+        def rename(n: str) -> str | None:
+            n = n.removeprefix("model.")
+            return None if n.startswith("lm_head") else n
+
+        return d, rename, allow
+    # eagle3
+    draft_vocab = cfg.get("draft_vocab_size") or c.vocab_size
+    if draft_vocab > c.vocab_size:
+        raise _fit_error("model", f"draft_vocab_size {draft_vocab} exceeds vocab_size {c.vocab_size}")
+    _check_fit(spec, c, tc, hidden=True)
+    target_hidden = cfg.get("target_hidden_size") or c.hidden_size
+    if target_hidden != tc.hidden_size:
+        raise _fit_error(
+            "model", f"EAGLE-3 head expects target hidden size {target_hidden}, the target has "
+            f"{tc.hidden_size}",
+        )
+    aux = eagle3_aux_layers(cfg, tc.num_hidden_layers)
+    if any(not 0 <= i < tc.num_hidden_layers for i in aux):
+        raise _fit_error("model", f"aux hidden-state layers {aux} are outside the target's layers")
+    d = Eagle3Drafter(c, max_position, target, draft_vocab, aux, target_hidden)
+    allow = ("t2d",)
+    if _own_or_shared(names, "embed_tokens.weight"):
+        d.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+    else:
+        allow += ("embed_tokens",)
+    if "d2t" not in names:
+        allow += ("d2t",)
+    return d, lambda n: n.removeprefix("model."), allow
+
+
+def _construct_mtp(
+    spec: SpeculativeConfig, cfg: dict[str, Any], tc: ArchConfig, target: LlamaForCausalLM,
+    max_position: int, names: set[str],
+) -> tuple[Drafter, Any, tuple[str, ...]]:
+    n_mtp = cfg.get("num_nextn_predict_layers", 0 if spec.model is None else 1)
+    if n_mtp < 1:
+        raise _fit_error(
+            "model", "the target checkpoint has no MTP layers (num_nextn_predict_layers is 0); "
+            "pass the MTP module directory as speculative_config.model",
+        )
+    c = ArchConfig.from_dict({**cfg, "architectures": [tc.architecture]})
+    _check_fit(spec, c, tc, hidden=True)
+    layer_ids = sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.")})
+    # The MTP module is the first layer past the target's decoder layers (or the only one).
+    mtp_ids = [i for i in layer_ids if i >= tc.num_hidden_layers] if spec.model is None else layer_ids
+    if not mtp_ids:
+        raise ModelLoadError("no MTP layer weights (model.layers.<N>.eh_proj ...) found")
+    prefix = f"model.layers.{mtp_ids[0]}."
+    d = MTPDrafter(c, max_position, target)
+    allow: tuple[str, ...] = ()
+    if _own_or_shared(names, prefix + "embed_tokens.weight"):
+        d.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+    else:
+        allow += ("embed_tokens",)
+    if _own_or_shared(names, prefix + "shared_head.head.weight"):
+        d.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+    else:
+        allow += ("head",)
+    own = ("enorm.", "hnorm.", "eh_proj.", "embed_tokens.")
+
+    def rename(n: str) -> str | None:
+        if not n.startswith(prefix):
+            return None
+        n = n[len(prefix) :]
+        if n.startswith(own):
+            return n
+        if n.startswith("shared_head.norm."):
+            return "shared_head_norm." + n.removeprefix("shared_head.norm.")
+        if n.startswith("shared_head.head."):
+            return "head." + n.removeprefix("shared_head.head.")
+        return "layer." + n
+
+    return d, rename, allow
+
+
+def build_speculator(
+    spec: SpeculativeConfig, target: LlamaForCausalLM, target_dir: str, max_position: int,
+    dtype: torch.dtype, device: torch.device,
+) -> Any:
+    if spec.method == "ngram":
+        from specserve.spec_decode.ngram import NgramSpeculator
+
+        return NgramSpeculator(spec)
+    from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
+
+    drafter = load_drafter(spec, target, target_dir, max_position, dtype, device)
+    return AutoregressiveSpeculator(spec, drafter, device)

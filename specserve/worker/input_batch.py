@@ -1,0 +1,91 @@
+"""Host-side preparation of one step's inputs: O(num_tokens) numpy, then ONE upload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    # Host copies the engine needs afterwards.
+    num_draft_np: np.ndarray
+    samples_np: np.ndarray
+    # Device tensors (views into one uploaded buffer).
+    # [B] persistent-state row of each batch row
+    idx_mapping: torch.Tensor
+    # [B + 1]
+    query_start_loc: torch.Tensor
+    # [T] batch row of each token
+    token_req: torch.Tensor
+    # [T]
+    positions: torch.Tensor
+    # [B, K + 1] flattened-token index of each verified slot (clamped to the request's last token)
+    logits_indices: torch.Tensor
+    # [B]
+    num_draft: torch.Tensor
+    # [B] position the token of output slot 0 lands at
+    out_pos0: torch.Tensor
+    # [B]
+    seq_lens: torch.Tensor
+    # [B] 1 where this step produces a token for the request (0 for a mid-prompt chunk)
+    samples: torch.Tensor
+    # [3, N] (row, position, token) of host-proposed drafts (n-gram), N may be 0
+    host_drafts: torch.Tensor
+
+
+def prepare_inputs(
+    sched: SchedulerOutput, num_spec_tokens: int, device: torch.device
+) -> StepInputs:
+    s = sched.scheduled
+    B = len(s)
+    k1 = num_spec_tokens + 1
+    rows = np.fromiter((x.req.row for x in s), np.int64, B)
+    num_sched = np.fromiter((x.num_tokens for x in s), np.int64, B)
+    starts = np.fromiter((x.start for x in s), np.int64, B)
+    num_draft = np.fromiter((x.num_draft for x in s), np.int64, B)
+    samples = np.fromiter((x.samples for x in s), np.int64, B)
+    qsl = np.zeros(B + 1, np.int64)
+    np.cumsum(num_sched, out=qsl[1:])
+    T = int(qsl[-1])
+    token_req = np.repeat(np.arange(B), num_sched)
+    positions = starts[token_req] + np.arange(T) - qsl[token_req]
+    last = qsl[1:] - 1
+    logits_idx = np.minimum((last - num_draft)[:, None] + np.arange(k1), last[:, None])
+    out_pos0 = starts + num_sched - num_draft
+    seq_lens = starts + num_sched
+    hd = [(x.req.row, x.start + 1 + j, t) for x in s for j, t in enumerate(x.req.host_draft_tokens[: x.num_draft])]
+    host_drafts = np.array(hd, np.int64).reshape(-1, 3).T
+    parts = [rows, qsl, token_req, positions, logits_idx.ravel(), num_draft, out_pos0, seq_lens,
+             samples, host_drafts.ravel()]
+    packed = torch.from_numpy(np.concatenate(parts))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    sizes = [B, B + 1, T, T, B * k1, B, B, B, B, host_drafts.size]
+    v = torch.split(packed, sizes)
+    return StepInputs(
+        num_reqs=B,
+        num_tokens=T,
+        max_query_len=int(num_sched.max()),
+        max_seq_len=int(seq_lens.max()),
+        num_draft_np=num_draft,
+        samples_np=samples,
+        idx_mapping=v[0],
+        query_start_loc=v[1],
+        token_req=v[2],
+        positions=v[3],
+        logits_indices=v[4].view(B, k1),
+        num_draft=v[5],
+        out_pos0=v[6],
+        seq_lens=v[7],
+        samples=v[8],
+        host_drafts=v[9].view(3, -1),
+    )

@@ -1,0 +1,235 @@
+"""The model runner: one target forward per step, verification, sampling, drafting.
+
+Per step: prepare inputs (host numpy -> one upload) -> gather input ids from the persistent
+token buffer -> target forward (eager or CUDA graph) -> verify drafts / sample -> write accepted
+tokens back on the device -> drafter proposes the next drafts from the device state -> ONE
+device-to-host copy of (tokens, accept counts, logprobs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specserve.attention.backend import (
+    CommonAttentionMetadata,
+    ForwardContext,
+    build_forward_context,
+    get_backend,
+)
+from specserve.config import EngineConfig
+from specserve.engine.request import Request
+from specserve.engine.scheduler import SchedulerOutput
+from specserve.sample.rejection import rejection_sample
+from specserve.sample.sampler import SamplingTensors, compute_logprobs, sample
+from specserve.worker.input_batch import StepInputs, prepare_inputs
+from specserve.worker.request_states import RequestStates
+
+
+@dataclass
+class StepOutput:
+    # [B, K + 1] sampled / verified tokens (only the first num_accepted + 1 are valid)
+    tokens: np.ndarray
+    # [B]
+    num_accepted: np.ndarray
+    # Per batch row: per valid slot, {token: logprob} of the sampled token and the top-N.
+    logprobs: list[list[dict[int, float]]] | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        max_model_len: int,
+        num_blocks: int,
+        speculator: object | None = None,
+    ) -> None:
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.model = model
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.speculator = speculator
+        spec = config.spec
+        self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.backend = get_backend(config.attention_backend, self.device)
+        self.null_block = num_blocks
+        self.max_blocks_per_req = (max_model_len + self.block_size - 1) // self.block_size
+        self.states = RequestStates(
+            config.max_num_seqs, max_model_len, self.max_blocks_per_req, self.null_block,
+            self.num_spec_tokens, self.device,
+        )
+        self.kv_caches = self._allocate_kv(num_blocks)
+        self.windows = set(model.sliding_windows())
+        if speculator is not None:
+            self.windows |= speculator.sliding_windows()
+        self.aux_layers = speculator.aux_layers() if speculator is not None else ()
+        self.cudagraphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            from specserve.worker.cudagraph import CudaGraphRunner
+
+            self.cudagraphs = CudaGraphRunner(self)
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def attention_layers(self) -> list[torch.nn.Module]:
+        from specserve.models.layers import Attention
+
+        mods = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.speculator is not None and self.speculator.model is not None:
+            mods += [m for m in self.speculator.model.modules() if isinstance(m, Attention)]
+        return mods
+
+    def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        caches = []
+        for i, layer in enumerate(self.attention_layers()):
+            layer.kv_index = i
+            # +1: the null block (see BlockPool).
+            shape = (2, num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
+            caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return caches
+
+    @staticmethod
+    def kv_bytes_per_block(layers: list[torch.nn.Module], block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * block_size * m.num_kv_heads * m.head_dim * elem for m in layers)
+
+    # ---- request rows ---------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.states.add(req)
+
+    def remove_request(self, req: Request) -> None:
+        self.states.remove(req)
+
+    # ---- one step -------------------------------------------------------------------------
+    def common_metadata(self, inp: StepInputs) -> CommonAttentionMetadata:
+        rows = inp.idx_mapping[inp.token_req]
+        bt = self.states.block_table
+        blk = bt[rows, inp.positions // self.block_size].long()
+        slot = blk * self.block_size + inp.positions % self.block_size
+        return CommonAttentionMetadata(
+            query_start_loc=inp.query_start_loc.to(torch.int32),
+            seq_lens=inp.seq_lens.to(torch.int32),
+            positions=inp.positions,
+            block_table=bt[inp.idx_mapping],
+            slot_mapping=slot,
+            token_req=inp.token_req,
+            num_reqs=inp.num_reqs,
+            num_tokens=inp.num_tokens,
+            max_query_len=inp.max_query_len,
+            max_seq_len=inp.max_seq_len,
+        )
+
+    def forward_context(self, common: CommonAttentionMetadata) -> ForwardContext:
+        return build_forward_context(self.backend, common, self.kv_caches, self.windows)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, reqs_logprobs: list[int]) -> StepOutput:
+        for s in sched.scheduled:
+            if s.req.row < 0:
+                self.add_request(s.req)
+            self.states.sync_blocks(s.req)
+        self.states.upload_block_table()
+        k = self.num_spec_tokens
+        inp = prepare_inputs(sched, k, self.device)
+        st_rows = inp.idx_mapping
+        tok = self.states.token_ids
+        if inp.host_drafts.shape[1] > 0:
+            tok[inp.host_drafts[0], inp.host_drafts[1]] = inp.host_drafts[2]
+        input_ids = tok[st_rows[inp.token_req], inp.positions]
+        common = self.common_metadata(inp)
+        hidden, aux, ctx = self._run_target(input_ids, inp, common)
+
+        B, k1 = inp.num_reqs, k + 1
+        logits = self.model.compute_logits(hidden[inp.logits_indices.flatten()]).float()
+        logits = logits.view(B, k1, -1)
+        st = self._sampling_tensors(sched)
+        if k == 0 or not inp.num_draft_np.any():
+            out_tokens = sample(logits[:, 0], st, inp.out_pos0).view(B, 1)
+            if k:
+                out_tokens = torch.cat([out_tokens, out_tokens.new_full((B, k), -1)], 1)
+            num_acc = torch.zeros(B, dtype=torch.int64, device=self.device)
+        else:
+            spec = self.config.spec
+            draft_pos = inp.out_pos0[:, None] + torch.arange(k, device=self.device)
+            draft_tokens = tok[st_rows[:, None], draft_pos]
+            draft_probs = self.speculator.draft_probs(st_rows) if self.speculator else None
+            out_tokens, num_acc = rejection_sample(
+                logits, draft_tokens, draft_probs, inp.num_draft, st, inp.out_pos0,
+                method=spec.rejection_sample_method,
+                synthetic_acceptance_rate=spec.synthetic_acceptance_rate,
+            )
+        self._write_tokens(inp, out_tokens, num_acc)
+        if self.speculator is not None:
+            self.speculator.propose(self, inp, common, ctx, hidden, aux, num_acc, st)
+        return self._to_host(inp, logits, out_tokens, num_acc, reqs_logprobs)
+
+    def _run_target(
+        self, input_ids: torch.Tensor, inp: StepInputs, common: CommonAttentionMetadata
+    ) -> tuple[torch.Tensor, list[torch.Tensor], ForwardContext]:
+        if self.cudagraphs is not None:
+            out = self.cudagraphs.maybe_run(input_ids, inp, common)
+            if out is not None:
+                return out
+        ctx = self.forward_context(common)
+        hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
+        return hidden, aux, ctx
+
+    def _sampling_tensors(self, sched: SchedulerOutput) -> SamplingTensors:
+        rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64)
+        s = self.states
+        return SamplingTensors.from_lists(
+            s.temperature[rows].tolist(), s.top_k[rows].tolist(), s.top_p[rows].tolist(),
+            s.min_p[rows].tolist(), s.seed[rows].tolist(), self.device,
+        )
+
+    def _write_tokens(self, inp: StepInputs, out_tokens: torch.Tensor, num_acc: torch.Tensor) -> None:
+        """Store verified tokens in the persistent buffer (drafts already there are overwritten
+        with identical values); masked-off slots go to the scratch column."""
+        k1 = out_tokens.shape[1]
+        j = torch.arange(k1, device=self.device)
+        pos = inp.out_pos0[:, None] + j
+        valid = (j[None, :] <= num_acc[:, None]) & (inp.samples[:, None] > 0)
+        pos = torch.where(valid, pos, self.states.width - 1)
+        self.states.token_ids[inp.idx_mapping[:, None], pos] = out_tokens
+
+    def _to_host(
+        self,
+        inp: StepInputs,
+        logits: torch.Tensor,
+        out_tokens: torch.Tensor,
+        num_acc: torch.Tensor,
+        reqs_logprobs: list[int],
+    ) -> StepOutput:
+        B, k1 = out_tokens.shape
+        parts = [out_tokens.double().flatten(), num_acc.double()]
+        n_top = max(reqs_logprobs) if reqs_logprobs else -1
+        if n_top >= 0:
+            lp, _, top_ids, top_lp = compute_logprobs(
+                logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
+            )
+            parts += [lp.double(), top_ids.double().flatten(), top_lp.double().flatten()]
+        # NOTE: the single device-to-host copy of the step; everything above stayed on device.
+        host = torch.cat(parts).cpu().numpy()
+        tokens = host[: B * k1].astype(np.int64).reshape(B, k1)
+        num_accepted = host[B * k1 : B * k1 + B].astype(np.int64)
+        logprobs = None
+        if n_top >= 0:
+            n = max(n_top, 1)
+            off = B * k1 + B
+            lp = host[off : off + B * k1].reshape(B, k1)
+            off += B * k1
+            top_ids = host[off : off + B * k1 * n].astype(np.int64).reshape(B, k1, n)
+            top_lp = host[off + B * k1 * n :].reshape(B, k1, n)
+            logprobs = []
+            for b in range(B):
+                rows = []
+                for j in range(int(num_accepted[b]) + 1):
+                    d = {int(top_ids[b, j, i]): float(top_lp[b, j, i]) for i in range(n_top)}
+                    d[int(tokens[b, j])] = float(lp[b, j])
+                    rows.append(d)
+                logprobs.append(rows)
+        return StepOutput(tokens, num_accepted, logprobs)

@@ -1,0 +1,77 @@
+"""Persistent per-request device state, one row per running request, reached via idx_mapping."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specserve.engine.request import Request
+
+
+class RequestStates:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        null_block: int,
+        num_spec_tokens: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.device = device
+        # [rows, max_model_len + K + 2]: all tokens, then the draft tail; the last column is a
+        # scratch column that masked-off writes are sent to.
+        self.width = max_model_len + num_spec_tokens + 2
+        self.token_ids = torch.zeros(max_num_seqs, self.width, dtype=torch.int64, device=device)
+        # Host mirror of the block table, uploaded in one copy when it changes.
+        self.block_table_cpu = np.full((max_num_seqs, max_blocks_per_req), null_block, np.int32)
+        self.block_table = torch.from_numpy(self.block_table_cpu.copy()).to(device)
+        self._block_table_dirty = False
+        self._num_blocks_in_row = np.zeros(max_num_seqs, np.int64)
+        self.null_block = null_block
+        self.free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # Per-row sampling parameters (host lists; gathered per step into SamplingTensors).
+        self.temperature = np.zeros(max_num_seqs, np.float32)
+        self.top_k = np.zeros(max_num_seqs, np.int64)
+        self.top_p = np.ones(max_num_seqs, np.float32)
+        self.min_p = np.zeros(max_num_seqs, np.float32)
+        self.seed = np.zeros(max_num_seqs, np.int64)
+
+    def add(self, req: Request) -> None:
+        """Give `req` a row and upload its tokens (new or resumed after preemption)."""
+        row = self.free_rows.pop()
+        req.row = row
+        toks = torch.tensor(req.all_token_ids, dtype=torch.int64)
+        self.token_ids[row, : len(toks)].copy_(toks, non_blocking=True)
+        sp = req.sampling_params
+        self.temperature[row] = 0.0 if sp.greedy else sp.temperature
+        self.top_k[row] = sp.top_k
+        self.top_p[row] = sp.top_p
+        self.min_p[row] = sp.min_p
+        self.seed[row] = req.seed
+        self._num_blocks_in_row[row] = 0
+        self.block_table_cpu[row] = self.null_block
+        self.sync_blocks(req)
+
+    def remove(self, req: Request) -> None:
+        if req.row < 0:
+            return
+        self.block_table_cpu[req.row] = self.null_block
+        self._num_blocks_in_row[req.row] = 0
+        self._block_table_dirty = True
+        self.free_rows.append(req.row)
+        req.row = -1
+
+    def sync_blocks(self, req: Request) -> None:
+        n_old, n_new = self._num_blocks_in_row[req.row], len(req.block_ids)
+        if n_new != n_old:
+            self.block_table_cpu[req.row, :n_new] = req.block_ids
+            self.block_table_cpu[req.row, n_new:] = self.null_block
+            self._num_blocks_in_row[req.row] = n_new
+            self._block_table_dirty = True
+
+    def upload_block_table(self) -> None:
+        if self._block_table_dirty:
+            self.block_table.copy_(torch.from_numpy(self.block_table_cpu), non_blocking=False)
+            self._block_table_dirty = False

@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random HF checkpoints written with transformers' save_pretrained."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+VOCAB = 384
+
+
+def _save(model: Any, path: str) -> str:
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides: Any) -> str:
+    """Write a tiny random checkpoint of `arch` (llama | qwen2 | qwen3 | mistral) to `path`."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        initializer_range=0.15,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    common.update(overrides)
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[arch]
+    cfg = cfg_cls(**common)
+    model = model_cls(cfg).eval()
+    return _save(model, path)
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Factory: ckpt_dir(name, arch, **overrides) -> path (cached per session)."""
+    root = tmp_path_factory.mktemp("ckpts")
+    cache: dict[str, str] = {}
+
+    def get(name: str, arch: str = "llama", **overrides: Any) -> str:
+        if name not in cache:
+            cache[name] = make_checkpoint(os.path.join(root, name), arch, **overrides)
+        return cache[name]
+
+    return get
+
+
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+            min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, VOCAB, (L,), generator=g).tolist() for L in lens]
