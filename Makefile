@@ -22,10 +22,12 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(MAKE) lint
-	$(BIN)/python -m pytest -x -n 0 2>/dev/null || $(BIN)/python -m pytest
+	$(BIN)/python -m pytest
+	@# Triton kernels against their torch references, on CPU through the interpreter.
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m interpret
 
 gpu-test:
-	$(PY) -m pytest -m gpu -q tests
+	$(PY) -m pytest -m gpu tests
 
 demo: $(STAMP)
 	$(BIN)/specserve generate --max-tokens 64

@@ -67,10 +67,14 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
     model = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-            min_new_tokens=max_new_tokens, pad_token_id=0, eos_token_id=None,
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=0,
+            eos_token_id=None,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

@@ -17,9 +17,16 @@ ARCHS = {
     "llama_gqa": ("llama", {}),
     "llama3_rope": (
         "llama",
-        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-         "rope_theta": 500000.0},
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "rope_theta": 500000.0,
+        },
     ),
     "qwen2": ("qwen2", {}),
     "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
@@ -27,7 +34,9 @@ ARCHS = {
 }
 
 
-def run_prefill(model: torch.nn.Module, prompts: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
+def run_prefill(
+    model: torch.nn.Module, prompts: list[list[int]], block_size: int = 16
+) -> list[torch.Tensor]:
     """One batched prefill of all prompts through the torch backend; returns per-prompt logits."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     num_blocks = sum((len(p) + block_size - 1) // block_size for p in prompts) + 1
@@ -52,10 +61,16 @@ def run_prefill(model: torch.nn.Module, prompts: list[list[int]], block_size: in
     lens = [len(p) for p in prompts]
     qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32),
-        positions=torch.tensor(pos), block_table=bt, slot_mapping=torch.tensor(slots),
-        token_req=torch.tensor(req), num_reqs=len(prompts), num_tokens=sum(lens),
-        max_query_len=max(lens), max_seq_len=max(lens),
+        query_start_loc=qsl,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        positions=torch.tensor(pos),
+        block_table=bt,
+        slot_mapping=torch.tensor(slots),
+        token_req=torch.tensor(req),
+        num_reqs=len(prompts),
+        num_tokens=sum(lens),
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
     )
     ctx = build_forward_context(TorchAttentionBackend(), common, caches, model.sliding_windows())
     ids = torch.tensor([t for p in prompts for t in p])

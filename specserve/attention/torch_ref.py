@@ -21,11 +21,11 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def build(self, common: CommonAttentionMetadata, sliding_window: int | None) -> TorchAttentionMetadata:
+    def build(
+        self, common: CommonAttentionMetadata, sliding_window: int | None
+    ) -> TorchAttentionMetadata:
         qsl = common.query_start_loc.long()
-        token_offset = (
-            torch.arange(common.num_tokens, device=qsl.device) - qsl[common.token_req]
-        )
+        token_offset = torch.arange(common.num_tokens, device=qsl.device) - qsl[common.token_req]
         if sliding_window is None:
             window_start = torch.zeros_like(common.positions)
         else:

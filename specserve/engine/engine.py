@@ -79,11 +79,17 @@ class LLMEngine:
             else None
         )
         num_blocks = self._num_kv_blocks()
-        self.runner = ModelRunner(config, self.model, self.max_model_len, num_blocks, self.speculator)
+        self.runner = ModelRunner(
+            config, self.model, self.max_model_len, num_blocks, self.speculator
+        )
         self.kv = KVCacheManager(num_blocks, config.block_size, self.max_model_len)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            config.enable_chunked_prefill, num_lookahead_tokens=self.num_spec_tokens,
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.enable_chunked_prefill,
+            num_lookahead_tokens=self.num_spec_tokens,
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(self.num_spec_tokens)
@@ -111,8 +117,10 @@ class LLMEngine:
             reserve += 4 * c.max_num_batched_tokens * self.hf_config["vocab_size"] * 4
             budget = int(free - reserve)
             if budget < per_block:
-                raise RuntimeError("no GPU memory left for the KV cache; lower max_num_seqs or "
-                                   "raise gpu_memory_utilization")
+                raise RuntimeError(
+                    "no GPU memory left for the KV cache; lower max_num_seqs or "
+                    "raise gpu_memory_utilization"
+                )
             return min(budget // per_block, full)
         return max(1, min(full, (1 << 30) // per_block))
 
@@ -157,8 +165,11 @@ class LLMEngine:
             from specserve.engine.detokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(
-                self.tokenizer, ids, sampling_params.skip_special_tokens,
-                sampling_params.stop_strings, sampling_params.include_stop_str_in_output,
+                self.tokenizer,
+                ids,
+                sampling_params.skip_special_tokens,
+                sampling_params.stop_strings,
+                sampling_params.include_stop_str_in_output,
             )
         req = Request(request_id, ids, sampling_params, text, seed, detok, arrival_time)
         self.requests[request_id] = req
@@ -188,8 +199,11 @@ class LLMEngine:
             self.stats.num_preemptions += 1
         if sched.is_empty:
             return []
-        lp = [s.req.sampling_params.logprobs for s in sched.scheduled
-              if s.req.sampling_params.logprobs is not None]
+        lp = [
+            s.req.sampling_params.logprobs
+            for s in sched.scheduled
+            if s.req.sampling_params.logprobs is not None
+        ]
         out = self.runner.execute(sched, lp)
         outputs = self._update(sched, out)
         self.stats.maybe_log(self)
@@ -238,7 +252,9 @@ class LLMEngine:
                     req.status = RequestStatus.FINISHED_STOPPED
                 elif tok in sp.stop_token_ids:
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
-            if not req.is_finished() and (n >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            if not req.is_finished() and (
+                n >= req.max_tokens or req.num_tokens >= self.max_model_len
+            ):
                 req.status = RequestStatus.FINISHED_LENGTH
             if req.is_finished():
                 break
@@ -271,8 +287,9 @@ class LLMEngine:
     def _plan_drafts(self, req: Request) -> None:
         """How many of the K drafts the next step may verify (never past max_model_len or
         max_tokens); n-gram drafts are found here, on the host."""
-        room = min(self.max_model_len - 1 - req.num_tokens,
-                   req.max_tokens - req.num_output_tokens - 1)
+        room = min(
+            self.max_model_len - 1 - req.num_tokens, req.max_tokens - req.num_output_tokens - 1
+        )
         k = max(0, min(self.num_spec_tokens, room))
         if self.speculator.proposes_on_host:
             req.host_draft_tokens = self.speculator.propose_host(req.all_token_ids, k)
@@ -280,18 +297,30 @@ class LLMEngine:
         req.num_draft_tokens = k
 
     def _make_output(
-        self, req: Request, delta_text: str, delta_ids: list[int],
+        self,
+        req: Request,
+        delta_text: str,
+        delta_ids: list[int],
         delta_lps: list[dict[int, float]] | None,
     ) -> RequestOutput:
         finish = req.status.value if req.is_finished() else None
         text = req.detokenizer.output_text if req.detokenizer is not None else ""
         comp = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output_token_ids), finish_reason=finish,
+            index=0,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=finish,
             stop_reason=req.stop_reason,
             logprobs=req.output_logprobs if req.sampling_params.logprobs is not None else None,
         )
         return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=[comp], finished=req.is_finished(), metrics=req.metrics,
-            delta_text=delta_text, delta_token_ids=delta_ids, delta_logprobs=delta_lps,
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[comp],
+            finished=req.is_finished(),
+            metrics=req.metrics,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            delta_logprobs=delta_lps,
         )

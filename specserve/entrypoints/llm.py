@@ -69,7 +69,11 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [
-            {"prompt_token_ids": tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)}
+            {
+                "prompt_token_ids": tok.apply_chat_template(
+                    c, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            }
             for c in convs
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -24,8 +24,11 @@ from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM
 class Drafter(nn.Module):
     shift = 1
     uses_hidden = True
-    # EAGLE-3 style reduced vocabulary: draft id + d2t[draft id] = target id.
-    d2t: torch.Tensor | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        # EAGLE-3 style reduced vocabulary: draft id + d2t[draft id] = target id (None: same vocab).
+        self.register_buffer("d2t", None)
 
     def combine_hidden(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
         return hidden
@@ -51,7 +54,10 @@ class DraftModelDrafter(Drafter):
         self.lm = lm
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h, _ = self.lm(input_ids, positions, ctx)
@@ -64,7 +70,9 @@ class DraftModelDrafter(Drafter):
 class Eagle1Drafter(Drafter):
     """EAGLE-1: fc([embed(x); h]) -> decoder layer(s) (no input norm on the first) -> lm_head."""
 
-    def __init__(self, c: ArchConfig, max_position: int, fc_bias: bool, target: LlamaForCausalLM) -> None:
+    def __init__(
+        self, c: ArchConfig, max_position: int, fc_bias: bool, target: LlamaForCausalLM
+    ) -> None:
         super().__init__()
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=fc_bias)
         rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
@@ -75,7 +83,10 @@ class Eagle1Drafter(Drafter):
         self.lm_head = target.lm_head
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], -1))
@@ -97,14 +108,25 @@ class Eagle3Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, rope,
-            c.rms_norm_eps, c.qkv_bias, False, None, input_size=2 * c.hidden_size,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            rope,
+            c.rms_norm_eps,
+            c.qkv_bias,
+            False,
+            None,
+            input_size=2 * c.hidden_size,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)
 
     def forward(
-        self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor,
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = hidden
@@ -116,8 +138,13 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Drafter(Drafter):
     def __init__(
-        self, c: ArchConfig, max_position: int, target: LlamaForCausalLM, draft_vocab: int,
-        aux_layers: tuple[int, ...], target_hidden: int,
+        self,
+        c: ArchConfig,
+        max_position: int,
+        target: LlamaForCausalLM,
+        draft_vocab: int,
+        aux_layers: tuple[int, ...],
+        target_hidden: int,
     ) -> None:
         super().__init__()
         self._aux = aux_layers
@@ -137,7 +164,10 @@ class Eagle3Drafter(Drafter):
         return self.fc(torch.cat(aux, -1).to(self.fc.weight.dtype))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.midlayer(positions, self.embed_tokens(input_ids), hidden, ctx)
@@ -164,7 +194,10 @@ class MTPDrafter(Drafter):
         self.head = target.lm_head
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.embed_tokens(input_ids)

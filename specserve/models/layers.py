@@ -76,7 +76,9 @@ class RotaryEmbedding(nn.Module):
             elif kind == "linear":
                 inv_freq = inv_freq / scaling["factor"]
             else:
-                raise ValueError(f"unsupported rope scaling type {kind!r} (default, linear, llama3)")
+                raise ValueError(
+                    f"unsupported rope scaling type {kind!r} (default, linear, llama3)"
+                )
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq).float()
         # [max_position, head_dim] as cat(cos, cos) / cat(sin, sin), matching HF's layout.
@@ -116,7 +118,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         # EAGLE-3's first layer reads [embed; hidden] (2x hidden) into q/k/v.
-        self.qkv_proj = nn.Linear(input_size or hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = nn.Linear(
+            input_size or hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
@@ -142,7 +146,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q), self.rope(positions, k)
         out = ctx.backend.forward(
-            q, k, v, ctx.kv_caches[self.kv_index], ctx.meta(self.sliding_window), self.scale,
+            q,
+            k,
+            v,
+            ctx.kv_caches[self.kv_index],
+            ctx.meta(self.sliding_window),
+            self.scale,
             self.sliding_window,
         )
         return self.o_proj(out.reshape(-1, self.q_size))

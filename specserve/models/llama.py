@@ -86,8 +86,16 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, rope,
-            c.rms_norm_eps, c.qkv_bias, c.qk_norm, sliding_window, attn_input_size,
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            rope,
+            c.rms_norm_eps,
+            c.qkv_bias,
+            c.qk_norm,
+            sliding_window,
+            attn_input_size,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c.hidden_size, c.intermediate_size)

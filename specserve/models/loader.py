@@ -110,7 +110,7 @@ def load_weights(
         dst.copy_(tensor.to(dst.dtype))
         loaded.add(target if shard is None else f"{target}#{shard}")
     missing = []
-    for pname, p in params.items():
+    for pname in params:
         want = [pname]
         if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
             want = [f"{pname}#{i}" for i in range(3)]

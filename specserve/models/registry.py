@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn

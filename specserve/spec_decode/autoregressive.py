@@ -78,8 +78,14 @@ class AutoregressiveSpeculator:
         )
 
     def _sample(
-        self, runner: ModelRunner, h: torch.Tensor, st: SamplingTensors, rows: torch.Tensor,
-        write_pos: torch.Tensor, samples: torch.Tensor, step: int,
+        self,
+        runner: ModelRunner,
+        h: torch.Tensor,
+        st: SamplingTensors,
+        rows: torch.Tensor,
+        write_pos: torch.Tensor,
+        samples: torch.Tensor,
+        step: int,
     ) -> None:
         logits = self.model.draft_logits(h).float()
         tokens, probs = sample_draft(logits, st, write_pos, self.greedy_draft)
@@ -95,7 +101,9 @@ class AutoregressiveSpeculator:
                 )
             if self.model.d2t is not None:
                 full = probs.new_zeros(probs.shape[0], self._draft_probs.shape[2])
-                full[:, self.model.to_target_ids(torch.arange(probs.shape[1], device=self.device))] = probs
+                full[
+                    :, self.model.to_target_ids(torch.arange(probs.shape[1], device=self.device))
+                ] = probs
                 probs = full
             self._draft_probs[rows, step] = probs
 

@@ -34,7 +34,9 @@ class SpeculativeConfig:
                     f"speculative_config has unknown field {k!r}; known fields: {', '.join(known)}."
                 )
         if "method" not in d:
-            raise ValueError(f"speculative_config.method is required (one of {', '.join(METHODS)}).")
+            raise ValueError(
+                f"speculative_config.method is required (one of {', '.join(METHODS)})."
+            )
         return cls(**d)
 
     def __post_init__(self) -> None:

@@ -44,7 +44,9 @@ class NgramSpeculator:
             return []
         toks = np.asarray(token_ids, dtype=np.int64)
         s = self.spec
-        return ngram_propose(toks, s.prompt_lookup_min, s.prompt_lookup_max, min(self.k, max_drafts))
+        return ngram_propose(
+            toks, s.prompt_lookup_min, s.prompt_lookup_max, min(self.k, max_drafts)
+        )
 
     def propose(self, *args: object, **kwargs: object) -> None:
         """Device-side proposal: nothing to do (drafts come from the host)."""

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from specserve.models.drafters import (
-    DraftModelDrafter,
     Drafter,
+    DraftModelDrafter,
     Eagle1Drafter,
     Eagle3Drafter,
     MTPDrafter,
@@ -29,12 +29,13 @@ def _fit_error(field: str, msg: str) -> ValueError:
 def _check_fit(spec: SpeculativeConfig, c: ArchConfig, target: ArchConfig, hidden: bool) -> None:
     if hidden and c.hidden_size != target.hidden_size and spec.method != "eagle3":
         raise _fit_error(
-            "model", f"drafter hidden_size {c.hidden_size} does not match the target's "
-            f"{target.hidden_size}",
+            "model",
+            f"drafter hidden_size {c.hidden_size} does not match the target's {target.hidden_size}",
         )
     if c.vocab_size != target.vocab_size:
         raise _fit_error(
-            "model", f"drafter vocab_size {c.vocab_size} does not match the target's "
+            "model",
+            f"drafter vocab_size {c.vocab_size} does not match the target's "
             f"{target.vocab_size} (the drafter must share the target's tokenizer)",
         )
 
@@ -44,8 +45,12 @@ def _own_or_shared(names: set[str], key: str) -> bool:
 
 
 def load_drafter(
-    spec: SpeculativeConfig, target: LlamaForCausalLM, target_dir: str, max_position: int,
-    dtype: torch.dtype, device: torch.device,
+    spec: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    target_dir: str,
+    max_position: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> Drafter:
     tc = target.config
     if spec.method == "mtp" and spec.model is None:
@@ -58,11 +63,7 @@ def load_drafter(
     names = {n for n, _, _ in _iter_names(draft_dir)}
     with torch.device(device), default_dtype(dtype):
         drafter, rename, allow_missing = _construct(spec, cfg, tc, target, max_position, names)
-    if isinstance(drafter, Eagle3Drafter):
-        drafter.d2t.data = drafter.d2t.data.long()
     load_weights(drafter, iter_weights(draft_dir), rename, allow_missing)
-    if isinstance(drafter, Eagle3Drafter):
-        drafter.d2t.data = drafter.d2t.data.long()
     return drafter.eval()
 
 
@@ -79,8 +80,12 @@ def _iter_names(model_dir: str) -> list[tuple[str, Any, str]]:
 
 
 def _construct(
-    spec: SpeculativeConfig, cfg: dict[str, Any], tc: ArchConfig, target: LlamaForCausalLM,
-    max_position: int, names: set[str],
+    spec: SpeculativeConfig,
+    cfg: dict[str, Any],
+    tc: ArchConfig,
+    target: LlamaForCausalLM,
+    max_position: int,
+    names: set[str],
 ) -> tuple[Drafter, Any, tuple[str, ...]]:
     if spec.method == "draft_model":
         resolve_architecture(cfg, spec.model or "")
@@ -108,12 +113,15 @@ def _construct(
     # eagle3
     draft_vocab = cfg.get("draft_vocab_size") or c.vocab_size
     if draft_vocab > c.vocab_size:
-        raise _fit_error("model", f"draft_vocab_size {draft_vocab} exceeds vocab_size {c.vocab_size}")
+        raise _fit_error(
+            "model", f"draft_vocab_size {draft_vocab} exceeds vocab_size {c.vocab_size}"
+        )
     _check_fit(spec, c, tc, hidden=True)
     target_hidden = cfg.get("target_hidden_size") or c.hidden_size
     if target_hidden != tc.hidden_size:
         raise _fit_error(
-            "model", f"EAGLE-3 head expects target hidden size {target_hidden}, the target has "
+            "model",
+            f"EAGLE-3 head expects target hidden size {target_hidden}, the target has "
             f"{tc.hidden_size}",
         )
     aux = eagle3_aux_layers(cfg, tc.num_hidden_layers)
@@ -131,20 +139,27 @@ def _construct(
 
 
 def _construct_mtp(
-    spec: SpeculativeConfig, cfg: dict[str, Any], tc: ArchConfig, target: LlamaForCausalLM,
-    max_position: int, names: set[str],
+    spec: SpeculativeConfig,
+    cfg: dict[str, Any],
+    tc: ArchConfig,
+    target: LlamaForCausalLM,
+    max_position: int,
+    names: set[str],
 ) -> tuple[Drafter, Any, tuple[str, ...]]:
     n_mtp = cfg.get("num_nextn_predict_layers", 0 if spec.model is None else 1)
     if n_mtp < 1:
         raise _fit_error(
-            "model", "the target checkpoint has no MTP layers (num_nextn_predict_layers is 0); "
+            "model",
+            "the target checkpoint has no MTP layers (num_nextn_predict_layers is 0); "
             "pass the MTP module directory as speculative_config.model",
         )
     c = ArchConfig.from_dict({**cfg, "architectures": [tc.architecture]})
     _check_fit(spec, c, tc, hidden=True)
     layer_ids = sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.")})
     # The MTP module is the first layer past the target's decoder layers (or the only one).
-    mtp_ids = [i for i in layer_ids if i >= tc.num_hidden_layers] if spec.model is None else layer_ids
+    mtp_ids = (
+        [i for i in layer_ids if i >= tc.num_hidden_layers] if spec.model is None else layer_ids
+    )
     if not mtp_ids:
         raise ModelLoadError("no MTP layer weights (model.layers.<N>.eh_proj ...) found")
     prefix = f"model.layers.{mtp_ids[0]}."
@@ -176,8 +191,12 @@ def _construct_mtp(
 
 
 def build_speculator(
-    spec: SpeculativeConfig, target: LlamaForCausalLM, target_dir: str, max_position: int,
-    dtype: torch.dtype, device: torch.device,
+    spec: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    target_dir: str,
+    max_position: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> Any:
     if spec.method == "ngram":
         from specserve.spec_decode.ngram import NgramSpeculator

@@ -62,10 +62,24 @@ def prepare_inputs(
     logits_idx = np.minimum((last - num_draft)[:, None] + np.arange(k1), last[:, None])
     out_pos0 = starts + num_sched - num_draft
     seq_lens = starts + num_sched
-    hd = [(x.req.row, x.start + 1 + j, t) for x in s for j, t in enumerate(x.req.host_draft_tokens[: x.num_draft])]
+    hd = [
+        (x.req.row, x.start + 1 + j, t)
+        for x in s
+        for j, t in enumerate(x.req.host_draft_tokens[: x.num_draft])
+    ]
     host_drafts = np.array(hd, np.int64).reshape(-1, 3).T
-    parts = [rows, qsl, token_req, positions, logits_idx.ravel(), num_draft, out_pos0, seq_lens,
-             samples, host_drafts.ravel()]
+    parts = [
+        rows,
+        qsl,
+        token_req,
+        positions,
+        logits_idx.ravel(),
+        num_draft,
+        out_pos0,
+        seq_lens,
+        samples,
+        host_drafts.ravel(),
+    ]
     packed = torch.from_numpy(np.concatenate(parts))
     if device.type == "cuda":
         packed = packed.pin_memory().to(device, non_blocking=True)

@@ -60,8 +60,12 @@ class ModelRunner:
         self.null_block = num_blocks
         self.max_blocks_per_req = (max_model_len + self.block_size - 1) // self.block_size
         self.states = RequestStates(
-            config.max_num_seqs, max_model_len, self.max_blocks_per_req, self.null_block,
-            self.num_spec_tokens, self.device,
+            config.max_num_seqs,
+            max_model_len,
+            self.max_blocks_per_req,
+            self.null_block,
+            self.num_spec_tokens,
+            self.device,
         )
         self.kv_caches = self._allocate_kv(num_blocks)
         self.windows = set(model.sliding_windows())
@@ -93,7 +97,9 @@ class ModelRunner:
         return caches
 
     @staticmethod
-    def kv_bytes_per_block(layers: list[torch.nn.Module], block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(
+        layers: list[torch.nn.Module], block_size: int, dtype: torch.dtype
+    ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return sum(2 * block_size * m.num_kv_heads * m.head_dim * elem for m in layers)
 
@@ -158,7 +164,12 @@ class ModelRunner:
             draft_tokens = tok[st_rows[:, None], draft_pos]
             draft_probs = self.speculator.draft_probs(st_rows) if self.speculator else None
             out_tokens, num_acc = rejection_sample(
-                logits, draft_tokens, draft_probs, inp.num_draft, st, inp.out_pos0,
+                logits,
+                draft_tokens,
+                draft_probs,
+                inp.num_draft,
+                st,
+                inp.out_pos0,
                 method=spec.rejection_sample_method,
                 synthetic_acceptance_rate=spec.synthetic_acceptance_rate,
             )
@@ -182,11 +193,17 @@ class ModelRunner:
         rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64)
         s = self.states
         return SamplingTensors.from_lists(
-            s.temperature[rows].tolist(), s.top_k[rows].tolist(), s.top_p[rows].tolist(),
-            s.min_p[rows].tolist(), s.seed[rows].tolist(), self.device,
+            s.temperature[rows].tolist(),
+            s.top_k[rows].tolist(),
+            s.top_p[rows].tolist(),
+            s.min_p[rows].tolist(),
+            s.seed[rows].tolist(),
+            self.device,
         )
 
-    def _write_tokens(self, inp: StepInputs, out_tokens: torch.Tensor, num_acc: torch.Tensor) -> None:
+    def _write_tokens(
+        self, inp: StepInputs, out_tokens: torch.Tensor, num_acc: torch.Tensor
+    ) -> None:
         """Store verified tokens in the persistent buffer (drafts already there are overwritten
         with identical values); masked-off slots go to the scratch column."""
         k1 = out_tokens.shape[1]

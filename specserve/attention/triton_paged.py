@@ -1,0 +1,377 @@
+"""Paged attention in Triton: one kernel for mixed prefill / decode / verification batches.
+
+Layout and launch (vLLM "unified attention" style):
+  grid = (num_tokens // BLOCK_Q + num_reqs, num_kv_heads)
+  Each program owns one q-block of one request: BLOCK_Q query tokens x GROUP query heads of one
+  KV head, flattened into BLOCK_M = BLOCK_Q * GROUP (padded to a power of two) rows, so every KV
+  tile is loaded once per GQA group. Request i's q-blocks are numbered from
+  query_start_loc[i] // BLOCK_Q + i, which over-covers every request with a grid that depends only
+  on host-side (num_tokens, num_reqs): programs past their request's query length exit at once.
+  The program walks the request's keys in tiles of BLOCK_N positions, gathering each key's page
+  through block_table, from the first tile inside the sliding window to the last visible key,
+  with an fp32 online softmax.
+
+The metadata holds no position-dependent derived state: window bounds are computed in the kernel
+from `positions`, so the per-window metadata of one forward all share one common metadata and
+`advance_decode_` only has to advance the common tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.attention.backend import AttentionBackend, CommonAttentionMetadata
+
+
+@dataclass
+class TritonAttentionMetadata:
+    common: CommonAttentionMetadata
+    sliding_window: int | None
+
+
+# ---- KV cache write ---------------------------------------------------------------------------
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    num_kv_heads,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t)
+    # NOTE: padding tokens (slot -1) write nothing, so the null block stays untouched.
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    mask = (h < num_kv_heads)[:, None]
+    src_k = t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
+    src_v = t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+    dst = dst + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + src_k, mask=mask)
+    v = tl.load(v_ptr + src_v, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    # [num_tokens, num_kv_heads, head_dim]
+    k: torch.Tensor,
+    # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,
+    # [num_tokens] int64, -1 = padding (skipped)
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _reshape_and_cache_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_kv_heads,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+    )
+
+
+# ---- attention ------------------------------------------------------------------------------
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """Largest request i whose first q-block (query_start_loc[i] // BLOCK_Q + i) <= q_block."""
+    lo = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    positions_ptr,
+    block_table_ptr,
+    scale,
+    num_reqs,
+    sliding_window,
+    max_blocks_per_req,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_off = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
+    if q_off >= q_len:
+        return
+
+    rows = tl.arange(0, BLOCK_M)
+    tok_in_req = q_off + rows // GROUP
+    # BLOCK_M may exceed BLOCK_Q * GROUP when GROUP is not a power of two.
+    row_valid = (tok_in_req < q_len) & (rows < BLOCK_Q * GROUP)
+    tok = (q_start + tok_in_req).to(tl.int64)
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, HEAD_DIM)
+
+    # Causal bound by absolute position; invalid rows get -1 and see nothing.
+    pos = tl.load(positions_ptr + tok, mask=row_valid, other=-1).to(tl.int32)
+    kv_end = tl.max(pos, axis=0) + 1
+    # Keys past seq_len were never written; past the table's width they have no page.
+    kv_end = tl.minimum(kv_end, tl.load(seq_lens_ptr + req))
+    kv_end = tl.minimum(kv_end, max_blocks_per_req * BLOCK_SIZE)
+    if USE_WINDOW:
+        win_start = tl.maximum(pos - sliding_window + 1, 0)
+        first = tl.min(tl.where(row_valid, win_start, kv_end), axis=0)
+        kv_begin = (first // BLOCK_N) * BLOCK_N
+    else:
+        win_start = tl.zeros([BLOCK_M], dtype=tl.int32)
+        kv_begin = 0
+
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_valid[:, None],
+        other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)
+    # exp2 on log2-scaled scores: one multiply per score instead of a multiply inside exp.
+    qk_scale = scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for start in range(kv_begin, kv_end, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        kmask = kpos < kv_end
+        page = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+        kv_off = page * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_off = kv_off[:, None] + d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = (kpos[None, :] <= pos[:, None]) & kmask[None, :]
+        if USE_WINDOW:
+            visible = visible & (kpos[None, :] >= win_start[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf: subtract 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )
+
+
+@dataclass(frozen=True)
+class _LaunchConfig:
+    block_m: int  # rows per program: BLOCK_Q query tokens x GROUP heads (padded to a power of 2)
+    block_n: int  # key positions per KV tile
+    num_warps: int
+
+
+def _launch_config(
+    group: int, max_query_len: int, head_dim: int, dtype: torch.dtype
+) -> _LaunchConfig:
+    """Tile sizes chosen so that sm_90 ptxas reports no register spills for head_dim <= 128.
+
+    A tl.dot needs at least 16 rows. 16-bit inputs run on tensor cores: up to 128 rows (8 warps)
+    for head_dim <= 128. fp32 uses exact (ieee) FMA dots, which need far more registers per row:
+    at most 32 rows with 32-key tiles; fp32 is for tests and tiny models, not for speed.
+    """
+    if dtype == torch.float32:
+        max_m, block_n = 32, 32
+    elif head_dim > 128:
+        max_m, block_n = 64, 32
+    else:
+        max_m, block_n = 128, 64
+    rows = triton.next_power_of_2(group * max(max_query_len, 1))
+    block_m = max(min(max(rows, 16), max_m), triton.next_power_of_2(group))
+    num_warps = 8 if block_m >= 128 or dtype == torch.float32 else 4
+    return _LaunchConfig(block_m, block_n, num_warps)
+
+
+def paged_attention(
+    # [num_tokens, num_heads, head_dim]
+    q: torch.Tensor,
+    # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,
+    common: CommonAttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}.")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim}: the Triton backend needs a power of two >= 16.")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    # NOTE: rows not covered by any request (none today) are left uninitialised; callers drop them.
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    cfg = _launch_config(group, common.max_query_len, head_dim, kv_cache.dtype)
+    block_q = cfg.block_m // group
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    bt = common.block_table
+    # Fixed by host-side sizes only, so a captured graph replays with any data.
+    grid = (num_tokens // block_q + common.num_reqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out,
+        q,
+        k_cache,
+        v_cache,
+        common.query_start_loc,
+        common.seq_lens,
+        common.positions,
+        bt,
+        scale,
+        common.num_reqs,
+        sliding_window or 0,
+        bt.shape[1],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        bt.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=cfg.block_n,
+        USE_WINDOW=sliding_window is not None,
+        # fp32 caches get exact fp32 dots (no tf32), so results track the reference closely.
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=2,
+    )
+    return out
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_inplace_advance = True
+
+    def build(
+        self, common: CommonAttentionMetadata, sliding_window: int | None
+    ) -> TritonAttentionMetadata:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}.")
+        return TritonAttentionMetadata(common, sliding_window)
+
+    def forward(
+        self,
+        # [num_tokens, num_heads, head_dim]
+        q: torch.Tensor,
+        # [num_tokens, num_kv_heads, head_dim]
+        k: torch.Tensor,
+        # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,
+        meta: TritonAttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        if sliding_window != meta.sliding_window:
+            raise ValueError(
+                f"metadata was built for sliding_window={meta.sliding_window}, "
+                f"forward got {sliding_window}: pass ForwardContext.meta(sliding_window)."
+            )
+        c = meta.common
+        reshape_and_cache(k, v, kv_cache, c.slot_mapping)
+        return paged_attention(q, kv_cache, c, scale, sliding_window)
+
+    def advance_decode_(self, meta: TritonAttentionMetadata, block_size: int) -> None:
+        """One decode token per request: advance positions, seq_lens and slots in place.
+
+        The metadata of every sliding window of a forward shares one common metadata, so call
+        this once per forward context, not once per window.
+        """
+        advance_decode_common_(meta.common, block_size)
+
+
+def advance_decode_common_(c: CommonAttentionMetadata, block_size: int) -> None:
+    """In place and graph-safe (no host sync, no tensor rebinding)."""
+    c.positions.add_(1)
+    c.seq_lens.add_(1)
+    bt = c.block_table
+    # Clamped so a position past the table (past max_model_len) cannot index out of bounds.
+    col = (c.positions // block_size).clamp_max(bt.shape[1] - 1)
+    slot = bt[c.token_req, col].long() * block_size + c.positions % block_size
+    # NOTE: padded rows keep slot -1 so the captured graph still writes no KV for them.
+    c.slot_mapping.copy_(torch.where(c.slot_mapping >= 0, slot, c.slot_mapping))
+    # Host-side bound stays an upper bound on seq_lens (eager callers may read it).
+    c.max_seq_len += 1

@@ -1,0 +1,1 @@
+"""Engine core: request lifecycle, scheduling, KV cache and detokenization."""

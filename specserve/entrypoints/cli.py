@@ -1,0 +1,148 @@
+"""`specserve generate | serve | bench serve | bench compare | train-draft`.
+
+Engine flags are generated from EngineConfig's fields, so CLI flags and `LLM(...)` arguments
+match 1:1 (`--max-num-seqs` <-> `max_num_seqs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import typing
+from typing import Any
+
+from specserve.config import EngineConfig
+
+_HELP = {
+    "model": "local Hugging Face model directory",
+    "speculative_config": 'JSON, e.g. \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\'',
+    "dtype": "auto | float32 | float16 | bfloat16 (auto: bf16 on CUDA, fp32 on CPU)",
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = None if f.default is dataclasses.MISSING else f.default
+        hint = str(hints[f.name])
+        if "bool" in hint:
+            p.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name)
+            )
+            continue
+        typ: Any = str
+        if hint.startswith("int"):
+            typ = int
+        elif hint.startswith("float"):
+            typ = float
+        kw: dict[str, Any] = {"type": typ, "default": default, "help": _HELP.get(f.name)}
+        if f.name == "model":
+            kw["required"] = model_required
+        p.add_argument(flag, **kw)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kw = {}
+    for f in dataclasses.fields(EngineConfig):
+        if f.name != "extra" and hasattr(args, f.name):
+            kw[f.name] = getattr(args, f.name)
+    return kw
+
+
+def default_model_dir() -> str:
+    from specserve.data import embedded_model_dir
+
+    return embedded_model_dir()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specserve import LLM, SamplingParams
+
+    kw = engine_kwargs(args)
+    if kw.get("model") is None:
+        kw["model"], spec = default_model_dir()
+        kw["speculative_config"] = kw.get("speculative_config") or spec
+    llm = LLM(**kw)
+    sp = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed_request,
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompt or [default_prompt()]
+    outs = llm.generate(prompts, sp)
+    for prompt, o in zip(prompts, outs):
+        print(f"--- prompt ---\n{prompt}\n--- completion ---\n{o.outputs[0].text}")
+        m = o.metrics
+        if m is not None and m.num_drafts:
+            print(f"[acceptance length {m.acceptance_length:.2f} over {m.num_drafts} drafts]")
+    metrics = llm.get_metrics()
+    if llm.config.spec is not None:
+        print(llm.engine.stats.spec.log_line())
+    if args.json:
+        print(json.dumps(metrics))
+    return 0
+
+
+def default_prompt() -> str:
+    from specserve.data import default_prompt as dp
+
+    return dp()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specserve", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text offline")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed-request", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print the engine metrics as JSON")
+    g.set_defaults(func=cmd_generate)
+    try:
+        from specserve.entrypoints.openai.cli import add_serve_parser
+
+        add_serve_parser(sub)
+    except ImportError:  # pragma: no cover - server extras missing
+        pass
+    try:
+        from specserve.bench.cli import add_bench_parser
+
+        add_bench_parser(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from specserve.train.cli import add_train_parser
+
+        add_train_parser(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

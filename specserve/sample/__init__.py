@@ -1,0 +1,1 @@
+"""Sampling: counter-based RNG, logits processing, sampling and lossless verification."""

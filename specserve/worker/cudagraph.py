@@ -1,0 +1,123 @@
+"""CUDA graphs for uniform decode batches (every request feeds 1 + K tokens).
+
+Captured at batch sizes 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to
+max_num_seqs, for query length 1 (plain decode) and 1 + K (verification). Each graph owns fixed
+input buffers; a step copies its inputs into them in place and replays. Metadata building is
+captured too (it only reads the buffers), so the backend's derived state is rebuilt per replay.
+Padded rows are inert: slot -1 (KV goes to the null block), outputs ignored.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
+
+if TYPE_CHECKING:
+    from specserve.worker.input_batch import StepInputs
+    from specserve.worker.model_runner import ModelRunner
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, 1025, 16))
+    out = [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+    return sorted(set(out))
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.sizes = capture_sizes(runner.config.max_num_seqs)
+        max_b = self.sizes[-1]
+        k = runner.num_spec_tokens
+        self.query_lens = sorted({1, 1 + k})
+        max_t = max_b * max(self.query_lens)
+        dev = runner.device
+        self.input_ids = torch.zeros(max_t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_t,), -1, dtype=torch.int64, device=dev)
+        self.token_req = torch.zeros(max_t, dtype=torch.int64, device=dev)
+        self.query_start_loc = torch.zeros(max_b + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_b, dtype=torch.int32, device=dev)
+        self.block_table = torch.full(
+            (max_b, runner.max_blocks_per_req), runner.null_block, dtype=torch.int32, device=dev
+        )
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self._capture_all()
+
+    def _common(self, b: int, q: int) -> CommonAttentionMetadata:
+        t = b * q
+        return CommonAttentionMetadata(
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            positions=self.positions[:t],
+            block_table=self.block_table[:b],
+            slot_mapping=self.slot_mapping[:t],
+            token_req=self.token_req[:t],
+            num_reqs=b,
+            num_tokens=t,
+            max_query_len=q,
+            max_seq_len=self.runner.max_model_len,
+        )
+
+    def _fill_dummy(self, b: int, q: int) -> None:
+        t = b * q
+        ar = torch.arange(t, device=self.positions.device)
+        self.positions[:t] = ar % q
+        self.token_req[:t] = ar // q
+        self.slot_mapping[:t] = -1
+        self.query_start_loc[: b + 1] = torch.arange(b + 1, device=ar.device, dtype=torch.int32) * q
+        self.seq_lens[:b] = q
+        self.input_ids[:t] = 0
+
+    def _run(self, b: int, q: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        r = self.runner
+        ctx = r.forward_context(self._common(b, q))
+        t = b * q
+        return r.model(self.input_ids[:t], self.positions[:t], ctx, r.aux_layers)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        for q in self.query_lens:
+            for b in reversed(self.sizes):
+                self._fill_dummy(b, q)
+                # Warm up on a side stream (Triton compiles, cuBLAS picks kernels) first.
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    self._run(b, q)
+                torch.cuda.current_stream().wait_stream(s)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    out = self._run(b, q)
+                self.graphs[(q, b)] = g
+                self.outputs[(q, b)] = out
+        torch.cuda.synchronize()
+
+    def maybe_run(
+        self, input_ids: torch.Tensor, inp: StepInputs, common: CommonAttentionMetadata
+    ) -> tuple[torch.Tensor, list[torch.Tensor], ForwardContext] | None:
+        """Replay a graph when the batch is a uniform decode batch that fits; else None."""
+        B, T = inp.num_reqs, inp.num_tokens
+        q = inp.max_query_len
+        if q not in self.query_lens or T != B * q or B > self.sizes[-1]:
+            return None
+        bg = next(s for s in self.sizes if s >= B)
+        self._fill_dummy(bg, q)  # padded rows: positions 0.., slot -1, own rows
+        self.input_ids[:T] = input_ids
+        self.positions[:T] = common.positions
+        self.slot_mapping[:T] = common.slot_mapping
+        self.token_req[:T] = common.token_req
+        self.query_start_loc[: B + 1] = common.query_start_loc
+        self.seq_lens[:B] = common.seq_lens
+        self.block_table[:B] = common.block_table
+        self.block_table[B:bg] = self.runner.null_block
+        self.graphs[(q, bg)].replay()
+        hidden, aux = self.outputs[(q, bg)]
+        # The drafter's prefill runs on the real (unpadded) batch: give it eager metadata.
+        ctx = self.runner.forward_context(common)
+        return hidden[:T], [a[:T] for a in aux], ctx

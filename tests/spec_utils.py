@@ -1,0 +1,125 @@
+"""Writers for tiny random drafter checkpoints in the reference layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .conftest import VOCAB
+
+
+def _layer(
+    prefix: str,
+    hidden: int,
+    inter: int,
+    heads: int,
+    kv: int,
+    hd: int,
+    qkv_in: int,
+    g: torch.Generator,
+    input_norm: bool = True,
+) -> dict[str, torch.Tensor]:
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.1
+
+    t = {
+        f"{prefix}self_attn.q_proj.weight": w(heads * hd, qkv_in),
+        f"{prefix}self_attn.k_proj.weight": w(kv * hd, qkv_in),
+        f"{prefix}self_attn.v_proj.weight": w(kv * hd, qkv_in),
+        f"{prefix}self_attn.o_proj.weight": w(hidden, heads * hd),
+        f"{prefix}mlp.gate_proj.weight": w(inter, hidden),
+        f"{prefix}mlp.up_proj.weight": w(inter, hidden),
+        f"{prefix}mlp.down_proj.weight": w(hidden, inter),
+        f"{prefix}post_attention_layernorm.weight": 1 + w(hidden),
+    }
+    if input_norm:
+        t[f"{prefix}input_layernorm.weight"] = 1 + w(hidden)
+    return t
+
+
+def _config(path: str, arch: str, **extra: object) -> None:
+    cfg = dict(
+        architectures=[arch],
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        torch_dtype="float32",
+    )
+    cfg.update(extra)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def write_eagle(path: str, seed: int = 0, with_embed: bool = False) -> str:
+    g = torch.Generator().manual_seed(seed)
+    _config(path, "LlamaForCausalLMEagle")
+    t = _layer("layers.0.", 64, 128, 4, 2, 16, 64, g, input_norm=False)
+    t["fc.weight"] = torch.randn(64, 128, generator=g) * 0.1
+    t["fc.bias"] = torch.randn(64, generator=g) * 0.1
+    if with_embed:
+        t["embed_tokens.weight"] = torch.randn(VOCAB, 64, generator=g) * 0.1
+    save_file(t, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def write_eagle3(
+    path: str,
+    seed: int = 0,
+    draft_vocab: int = 160,
+    aux: list[int] | None = None,
+    target_hidden: int = 64,
+) -> str:
+    g = torch.Generator().manual_seed(seed)
+    extra: dict[str, object] = {
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target_hidden,
+    }
+    if aux is not None:
+        extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux}
+    _config(path, "LlamaForCausalLMEagle3", **extra)
+    t = _layer("midlayer.", 64, 128, 4, 2, 16, 128, g)
+    t["midlayer.hidden_norm.weight"] = 1 + torch.randn(64, generator=g) * 0.1
+    t["fc.weight"] = torch.randn(64, 3 * target_hidden, generator=g) * 0.1
+    t["norm.weight"] = torch.ones(64)
+    t["lm_head.weight"] = torch.randn(draft_vocab, 64, generator=g) * 0.1
+    # Draft vocabulary: every other target id from 3 on (d2t holds target - draft offsets).
+    target_ids = torch.arange(draft_vocab) * 2 % VOCAB
+    t["d2t"] = (target_ids - torch.arange(draft_vocab)).long()
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[target_ids] = True
+    t["t2d"] = t2d
+    save_file(t, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def write_mtp_target(src: str, path: str, seed: int = 0) -> str:
+    """Copy the target checkpoint and append a DeepSeek-style MTP layer after its layers."""
+    g = torch.Generator().manual_seed(seed)
+    shutil.copytree(src, path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    n = cfg["num_hidden_layers"]
+    cfg["num_nextn_predict_layers"] = 1
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    w = load_file(os.path.join(path, "model.safetensors"))
+    p = f"model.layers.{n}."
+    w.update(_layer(p, 64, 128, 4, 2, 16, 64, g))
+    w[p + "enorm.weight"] = torch.ones(64)
+    w[p + "hnorm.weight"] = torch.ones(64)
+    w[p + "eh_proj.weight"] = torch.randn(64, 128, generator=g) * 0.1
+    w[p + "shared_head.norm.weight"] = torch.ones(64)
+    save_file(w, os.path.join(path, "model.safetensors"))
+    return path

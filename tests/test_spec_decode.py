@@ -1,0 +1,172 @@
+"""Speculative decoding end to end: lossless greedy equivalence for every method and K."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from specserve import LLM, SamplingParams
+
+from .conftest import random_prompts
+from .spec_utils import write_eagle, write_eagle3, write_mtp_target
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+TARGET = ("llama_gqa", "llama")
+
+
+@pytest.fixture(scope="module")
+def setup(ckpt_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("drafters")
+    target = ckpt_dir(*TARGET)
+    prompts = random_prompts(5, 4, 50, seed=21)
+    ref = LLM(target, max_model_len=256).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY
+    )
+    return {
+        "target": target,
+        "prompts": prompts,
+        "ref": [o.outputs[0].token_ids for o in ref],
+        "draft_model": ckpt_dir("small_draft", "llama", num_hidden_layers=2, seed=5),
+        "eagle": write_eagle(os.path.join(root, "eagle")),
+        "eagle3": write_eagle3(os.path.join(root, "eagle3")),
+        "mtp": write_mtp_target(target, os.path.join(root, "mtp_target")),
+    }
+
+
+def spec_llm(setup: dict, method: str, k: int, **kw) -> LLM:
+    target = setup["target"]
+    cfg = {"method": method, "num_speculative_tokens": k}
+    if method in ("draft_model", "eagle", "eagle3"):
+        cfg["model"] = setup[method]
+    if method == "mtp":
+        target = setup["mtp"]
+    return LLM(target, max_model_len=256, speculative_config=cfg, **kw)
+
+
+METHODS = ["draft_model", "eagle", "eagle3", "mtp", "ngram"]
+MODES = {
+    "plain": {},
+    "chunked": {"max_num_batched_tokens": 24},
+    "preempt": {"num_gpu_blocks_override": 9, "max_num_batched_tokens": 64},
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_equivalence(setup: dict, method: str, k: int, mode: str) -> None:
+    llm = spec_llm(setup, method, k, **MODES[mode])
+    outs = llm.generate([{"prompt_token_ids": p} for p in setup["prompts"]], GREEDY)
+    for o, ref in zip(outs, setup["ref"]):
+        assert o.outputs[0].token_ids == ref
+    m = llm.get_metrics()
+    if method != "ngram":
+        assert m["spec_decode_num_drafts_total"] > 0
+    if mode == "preempt":
+        assert m["num_preemptions_total"] > 0
+    assert m["kv_cache_usage_perc"] == 0.0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_self_drafting_accepts_everything(setup: dict, k: int) -> None:
+    cfg = {"method": "draft_model", "model": setup["target"], "num_speculative_tokens": k}
+    llm = LLM(setup["target"], max_model_len=256, speculative_config=cfg)
+    sp = SamplingParams(temperature=0.0, max_tokens=31, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in setup["prompts"]], sp)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"]
+    for o in outs:
+        assert o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens
+
+
+def test_ngram_rides_a_loop(setup: dict, tmp_path) -> None:
+    """A target stuck in a loop (zero lm_head: greedy always picks token 0) is what prompt lookup
+    is for: once the loop is in the context, nearly every n-gram draft must be accepted."""
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(setup["target"])
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    looped = str(tmp_path / "looped")
+    model.save_pretrained(looped)
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    prompt = {"prompt_token_ids": [7, 8, 9, 0, 0, 0, 5, 0, 0, 0]}
+    llm = LLM(looped, max_model_len=256, speculative_config=cfg)
+    out = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    ref = LLM(looped, max_model_len=256).generate(prompt, GREEDY)[0].outputs[0].token_ids
+    assert out == ref == [0] * GREEDY.max_tokens
+    m = llm.get_metrics()
+    assert m["spec_decode_num_drafts_total"] >= 5
+    assert m["spec_decode_acceptance_rate"] > 0.9, m
+    # Real prompts from the random target: n-gram drafts rarely match but never change the output.
+    llm = LLM(setup["target"], max_model_len=256, speculative_config=cfg)
+    p = setup["prompts"][0] * 3
+    ref = LLM(setup["target"], max_model_len=256).generate({"prompt_token_ids": p}, GREEDY)
+    out = llm.generate({"prompt_token_ids": p}, GREEDY)
+    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert llm.get_metrics()["spec_decode_num_drafts_total"] > 0
+
+
+def test_near_max_model_len(setup: dict) -> None:
+    """Prompts ending close to max_model_len: fewer drafts, never a position past the end."""
+    target = setup["target"]
+    prompts = random_prompts(3, 56, 62, seed=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    ref = LLM(target, max_model_len=64).generate([{"prompt_token_ids": p} for p in prompts], sp)
+    cfg = {"method": "eagle3", "model": setup["eagle3"], "num_speculative_tokens": 5}
+    outs = LLM(target, max_model_len=64, speculative_config=cfg).generate(
+        [{"prompt_token_ids": p} for p in prompts], sp
+    )
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert len(o.prompt_token_ids) + len(o.outputs[0].token_ids) <= 64
+
+
+def test_seeded_sampling_with_spec_is_batch_invariant(setup: dict) -> None:
+    cfg = {
+        "method": "eagle3",
+        "model": setup["eagle3"],
+        "num_speculative_tokens": 3,
+        "draft_sample_method": "probabilistic",
+        "rejection_sample_method": "probabilistic",
+    }
+    llm = LLM(setup["target"], max_model_len=256, speculative_config=cfg)
+    sp = SamplingParams(temperature=0.9, seed=77, max_tokens=24, ignore_eos=True)
+    p = {"prompt_token_ids": setup["prompts"][0]}
+    alone = llm.generate(p, sp)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": q} for q in setup["prompts"][1:]]
+    osp = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(others[:2] + [p] + others[2:], [osp, osp, sp, osp, osp])
+    assert batch[2].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize(
+    "cfg, match",
+    [
+        ({"method": "medusa"}, "method must be one of"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 0},
+            "num_speculative_tokens must be in 1..16",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": "3"}, "num_speculative_tokens must be int"),
+        ({"method": "ngram", "bogus": 1}, "unknown field 'bogus'"),
+        ({"method": "eagle"}, "speculative_config.model"),
+        ({"method": "ngram", "draft_sample_method": "beam"}, "draft_sample_method"),
+        ({"method": "ngram", "rejection_sample_method": "x"}, "rejection_sample_method"),
+    ],
+)
+def test_bad_configs(setup: dict, cfg: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        LLM(setup["target"], speculative_config=cfg)
+
+
+def test_drafter_that_does_not_fit(setup: dict, ckpt_dir) -> None:
+    wrong_vocab = ckpt_dir("wrong_vocab", "llama", vocab_size=400)
+    with pytest.raises(ValueError, match="speculative_config.model: drafter vocab_size 400"):
+        LLM(setup["target"], speculative_config={"method": "draft_model", "model": wrong_vocab})
+    wide = ckpt_dir("wide", "llama", hidden_size=96)
+    with pytest.raises(ValueError, match="hidden_size 96 does not match"):
+        LLM(setup["target"], speculative_config={"method": "eagle", "model": wide})

@@ -1,0 +1,372 @@
+"""Triton paged attention vs the torch reference backend on the same random paged caches.
+
+GPU tests run with `pytest -m gpu`. The interpreter tests run the same comparison on CPU when
+triton is installed and TRITON_INTERPRET=1 is set (slow, so they stay small).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import torch
+
+from specserve.attention.backend import CommonAttentionMetadata
+from specserve.attention.torch_ref import TorchAttentionBackend
+
+if TYPE_CHECKING:
+    from specserve.attention.triton_paged import TritonAttentionBackend
+
+BLOCK_SIZE = 16
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+_no_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run on CPU"
+)
+
+
+def needs_interpreter(fn: Any) -> Any:
+    """`make test` runs these in a second pass: TRITON_INTERPRET=1 pytest -m interpret."""
+    return pytest.mark.interpret(_no_interpreter(fn))
+
+
+def _backend() -> TritonAttentionBackend:
+    # Deferred import: CPU CI without triton skips instead of failing at collection.
+    pytest.importorskip("triton")
+    from specserve.attention.triton_paged import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+@pytest.fixture
+def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run kernels under the Triton (3.6) interpreter, working around two of its bugs.
+
+    1. It holds scalars as 1-element arrays and converts them with int(array), which numpy >= 2.3
+       rejects: `range(start, end)` with tensor bounds fails.
+    2. It keeps bf16 as raw uint16 and tl.dot multiplies those integers: widen them to fp32.
+    """
+    pytest.importorskip("triton")
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    patch_tensor = ti._patch_lang_tensor
+
+    def patch_lang_tensor(tensor: type, scope: ti._LangPatchScope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    create_dot = ti.InterpreterBuilder.create_dot
+
+    def widen(h: ti.TensorHandle) -> ti.TensorHandle:
+        if h.dtype != tl.bfloat16:
+            return h
+        return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot_bf16(
+        self: object, a: ti.TensorHandle, b: ti.TensorHandle, *args: object
+    ) -> ti.TensorHandle:
+        return create_dot(self, widen(a), widen(b), *args)
+
+    monkeypatch.setattr(ti, "_patch_lang_tensor", patch_lang_tensor)
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", create_dot_bf16)
+
+
+@dataclass
+class Pages:
+    # [num_reqs, max_blocks] int32, shuffled physical pages; unused columns hold the null block
+    block_table: torch.Tensor
+    num_blocks: int  # including the null block, which is the last one
+
+    @property
+    def null_block(self) -> int:
+        return self.num_blocks - 1
+
+
+def alloc_pages(capacities: list[int], gen: torch.Generator, spare_cols: int = 1) -> Pages:
+    """Give each request enough shuffled pages for `capacities[i]` tokens."""
+    need = [(c + BLOCK_SIZE - 1) // BLOCK_SIZE for c in capacities]
+    total = sum(need)
+    null = total + 3  # a few never-used pages, then the null block
+    perm = torch.randperm(total + 3, generator=gen)
+    table = torch.full((len(capacities), max(need) + spare_cols), null, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    return Pages(table, null + 1)
+
+
+def make_common(
+    pages: Pages,
+    # (num_cached, query_len) per real request
+    reqs: list[tuple[int, int]],
+    num_pad_reqs: int = 0,
+    pad_query_len: int = 1,
+    device: str = "cpu",
+) -> CommonAttentionMetadata:
+    """Real requests, then padded rows shaped like the CUDA-graph runner's (null pages, slot -1)."""
+    qlens = [q for _, q in reqs] + [pad_query_len] * num_pad_reqs
+    seq_lens = [c + q for c, q in reqs] + [pad_query_len] * num_pad_reqs
+    pad_rows = torch.full((num_pad_reqs, pages.block_table.shape[1]), pages.null_block)
+    block_table = torch.cat([pages.block_table, pad_rows.to(torch.int32)])
+    positions, slots, token_req = [], [], []
+    for r, (cached, q) in enumerate(reqs):
+        for p in range(cached, cached + q):
+            positions.append(p)
+            blk = int(block_table[r, p // BLOCK_SIZE])
+            slots.append(blk * BLOCK_SIZE + p % BLOCK_SIZE)
+            token_req.append(r)
+    for r in range(len(reqs), len(qlens)):
+        positions += list(range(pad_query_len))
+        slots += [-1] * pad_query_len
+        token_req += [r] * pad_query_len
+    qsl = [0]
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    return CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        block_table=block_table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        token_req=torch.tensor(token_req, dtype=torch.int64, device=device),
+        num_reqs=len(qlens),
+        num_tokens=len(positions),
+        max_query_len=max(qlens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def random_inputs(
+    common: CommonAttentionMetadata,
+    num_blocks: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    T = common.num_tokens
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    q = randn(T, num_heads, head_dim)
+    k = randn(T, num_kv_heads, head_dim)
+    v = randn(T, num_kv_heads, head_dim)
+    # Random prior context everywhere; the null block stays zero (nothing may read garbage).
+    kv_cache = randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    kv_cache[:, -1] = 0
+    return q, k, v, kv_cache
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-3 if dtype == torch.float32 else 2e-2
+
+
+def real_tokens(common: CommonAttentionMetadata) -> torch.Tensor:
+    return common.slot_mapping >= 0
+
+
+def compare_with_reference(
+    reqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window: int | None,
+    dtype: torch.dtype,
+    device: str,
+    num_pad_reqs: int = 1,
+    seed: int = 0,
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    pages = alloc_pages([c + q for c, q in reqs], gen)
+    pad_q = max(q for _, q in reqs)
+    common = make_common(pages, reqs, num_pad_reqs, pad_q, device)
+    q, k, v, kv_cache = random_inputs(
+        common, pages.num_blocks, num_heads, num_kv_heads, head_dim, dtype, device, gen
+    )
+    scale = head_dim**-0.5
+    ref_backend, backend = TorchAttentionBackend(), _backend()
+    ref_cache = kv_cache.clone()
+    ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.build(common, window), scale, window)
+    out = backend.forward(q, k, v, kv_cache, backend.build(common, window), scale, window)
+    real = real_tokens(common)
+    err = rel_err(out[real], ref[real])
+    assert err < tolerance(dtype), f"relative error {err:.2e}"
+    # The reference also writes padding into the null block's last slot; the kernel skips it.
+    torch.testing.assert_close(kv_cache[:, :-1], ref_cache[:, :-1], rtol=0, atol=0)
+    assert not kv_cache[:, -1].any(), "padding tokens must not write KV"
+
+
+# A mixed batch: a fresh prefill, prefill chunks on top of cached context, plain decodes and
+# 5-token verification queries, with contexts well past the sliding window below.
+MIXED = [(0, 37), (50, 20), (70, 1), (33, 1), (90, 5), (15, 5), (200, 1), (130, 64)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)])
+def test_mixed_batch_gpu(
+    heads: tuple[int, int], head_dim: int, window: int | None, dtype: torch.dtype
+) -> None:
+    compare_with_reference(MIXED, *heads, head_dim, window, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize(
+    "reqs",
+    [
+        [(0, 300)],  # one long prefill: many q-blocks and KV tiles
+        [(c, 1) for c in range(0, 640, 37)],  # decode only
+        [(c, 5) for c in range(3, 400, 51)],  # verification only
+    ],
+    ids=["prefill", "decode", "verify"],
+)
+def test_uniform_batches_gpu(
+    reqs: list[tuple[int, int]], window: int | None, dtype: torch.dtype
+) -> None:
+    compare_with_reference(reqs, 32, 8, 128, window, dtype, "cuda", num_pad_reqs=3)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", [(28, 4), (12, 4)])  # Qwen2-7B-like group 7; group 3
+def test_non_power_of_two_group_gpu(heads: tuple[int, int]) -> None:
+    compare_with_reference(MIXED, *heads, 128, 24, torch.bfloat16, "cuda")
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "dtype,window,heads,head_dim",
+    [
+        (torch.float32, None, (4, 1), 32),
+        (torch.float32, 12, (2, 2), 16),
+        (torch.bfloat16, 12, (6, 2), 16),  # group 3: padded BLOCK_M rows
+    ],
+)
+def test_mixed_batch_interpreter(
+    interpreter: None,
+    dtype: torch.dtype,
+    window: int | None,
+    heads: tuple[int, int],
+    head_dim: int,
+) -> None:
+    reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
+    compare_with_reference(reqs, *heads, head_dim, window, dtype, "cpu", num_pad_reqs=1)
+
+
+# ---- advance_decode_ ----------------------------------------------------------------------------
+DECODE = [(5, 1), (15, 1), (16, 1), (47, 1), (100, 1)]  # crosses page boundaries on advance
+
+
+def _assert_same_metadata(a: object, b: object) -> None:
+    for f in fields(a):  # type: ignore[arg-type]
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "common":
+            _assert_same_metadata(x, y)
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), f.name
+        elif f.name != "max_seq_len":  # a host-side upper bound only
+            assert x == y, f.name
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_advance_decode_matches_fresh_build(window: int | None) -> None:
+    backend = _backend()
+    gen = torch.Generator().manual_seed(1)
+    pages = alloc_pages([c + 4 for c, _ in DECODE], gen)
+    meta = backend.build(make_common(pages, DECODE, num_pad_reqs=2), window)
+    for step in range(1, 4):
+        backend.advance_decode_(meta, BLOCK_SIZE)
+        fresh = make_common(pages, [(c + step, 1) for c, _ in DECODE], num_pad_reqs=2)
+        # Padded rows are advanced too; they stay inert because their slot stays -1.
+        fresh.positions[len(DECODE) :] += step
+        fresh.seq_lens[len(DECODE) :] += step
+        _assert_same_metadata(meta, backend.build(fresh, window))
+        assert meta.common.max_seq_len >= int(meta.common.seq_lens.max())
+
+
+def _advance_then_attend(device: str, window: int | None, dtype: torch.dtype) -> None:
+    """Attention after advance_decode_ equals the reference on freshly built metadata."""
+    backend, ref_backend = _backend(), TorchAttentionBackend()
+    gen = torch.Generator().manual_seed(2)
+    pages = alloc_pages([c + 4 for c, _ in DECODE], gen)
+    meta = backend.build(make_common(pages, DECODE, 1, 1, device), window)
+    common = meta.common
+    q, k, v, kv_cache = random_inputs(common, pages.num_blocks, 8, 2, 32, dtype, device, gen)
+    ref_cache = kv_cache.clone()
+    for step in range(1, 3):
+        backend.advance_decode_(meta, BLOCK_SIZE)
+        out = backend.forward(q, k, v, kv_cache, meta, 0.2, window)
+        fresh = make_common(pages, [(c + step, 1) for c, _ in DECODE], 1, 1, device)
+        ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.build(fresh, window), 0.2, window)
+        real = real_tokens(common)
+        assert rel_err(out[real], ref[real]) < tolerance(dtype)
+        torch.testing.assert_close(kv_cache[:, :-1], ref_cache[:, :-1], rtol=0, atol=0)
+
+
+@needs_interpreter
+def test_advance_then_attend_interpreter(interpreter: None) -> None:
+    _advance_then_attend("cpu", 8, torch.float32)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 8])
+def test_advance_then_attend_gpu(window: int | None) -> None:
+    _advance_then_attend("cuda", window, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("window", [None, 8])
+def test_cuda_graph_advance_and_attend(window: int | None) -> None:
+    """advance_decode_ + forward captured in one graph; each replay matches eager reference."""
+    backend, ref_backend = _backend(), TorchAttentionBackend()
+    gen = torch.Generator().manual_seed(3)
+    pages = alloc_pages([c + 4 for c, _ in DECODE], gen)
+    common = make_common(pages, DECODE, 2, 1, "cuda")
+    meta = backend.build(common, window)
+    q, k, v, kv_cache = random_inputs(
+        common, pages.num_blocks, 32, 8, 128, torch.bfloat16, "cuda", gen
+    )
+    saved = [t.clone() for t in (common.positions, common.seq_lens, common.slot_mapping, kv_cache)]
+    ref_cache = kv_cache.clone()
+
+    def step() -> torch.Tensor:
+        backend.advance_decode_(meta, BLOCK_SIZE)
+        return backend.forward(q, k, v, kv_cache, meta, 0.1, window)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for dst, src in zip((common.positions, common.seq_lens, common.slot_mapping, kv_cache), saved):
+        dst.copy_(src)
+    real = real_tokens(common)
+    for i in range(1, 4):
+        graph.replay()
+        fresh = make_common(pages, [(c + i, 1) for c, _ in DECODE], 2, 1, "cuda")
+        ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.build(fresh, window), 0.1, window)
+        assert rel_err(out[real], ref[real]) < tolerance(torch.bfloat16)
+        torch.testing.assert_close(kv_cache[:, :-1], ref_cache[:, :-1], rtol=0, atol=0)
