@@ -135,3 +135,24 @@ def test_sharded_checkpoint(tmp_path) -> None:
     b, _ = load_model(str(tmp_path / "sharded"), torch.float32, torch.device("cpu"), 128)
     for (n, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), n
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa"])
+def test_dense_training_path_matches_transformers(ckpt_dir, name: str) -> None:
+    """The cache-free dense path used for training gives transformers' logits and gradients."""
+    import transformers as tf
+
+    from specserve.attention.dense import dense_context, dense_positions
+
+    arch, over = ARCHS[name]
+    path = ckpt_dir(name, arch, **over)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), 512)
+    ref = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    ids = torch.tensor(random_prompts(2, 40, 40, seed=3))
+    ctx = dense_context(2, 40, ids.device, model.sliding_windows())
+    hidden, _ = model(ids.flatten(), dense_positions(2, 40, ids.device), ctx)
+    logits = model.compute_logits(hidden).view(2, 40, -1)
+    want = ref(ids).logits
+    assert ((logits - want).norm() / want.norm()) < 1e-4
+    logits.logsumexp(-1).sum().backward()
+    assert model.model.layers[0].self_attn.qkv_proj.weight.grad is not None
