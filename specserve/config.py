@@ -49,6 +49,8 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    # auto: read the safetensors; dummy: random weights from config.json alone (benchmarks).
+    load_format: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     served_model_name: str | None = None
@@ -73,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}.")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be auto, torch or triton.")
         if isinstance(self.speculative_config, str):

@@ -71,7 +71,9 @@ class LLMEngine:
         max_pos = raw_cfg.get("max_position_embeddings", 4096)
         self.max_model_len = config.max_model_len or max_pos
         rope_len = max(self.max_model_len, max_pos) + self.num_spec_tokens + 2
-        self.model, self.hf_config = load_model(config.model, dtype, device, rope_len)
+        self.model, self.hf_config = load_model(
+            config.model, dtype, device, rope_len, config.load_format
+        )
         self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
         self.speculator = (
             build_speculator(spec, self.model, config.model, rope_len, dtype, device)

@@ -121,3 +121,16 @@ def load_weights(
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ModelLoadError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+@torch.no_grad()
+def dummy_weights_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place (norm weights 1): same shapes, bytes and kernels as real ones."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if "norm" in name.rsplit(".", 2)[-2]:
+            p.fill_(1.0)
+            continue
+        if p.device not in gens:  # generate where the weights live: fast on a GPU
+            gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        p.normal_(0.0, std, generator=gens[p.device])

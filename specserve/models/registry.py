@@ -47,14 +47,20 @@ def resolve_architecture(cfg: dict[str, Any], path: str) -> type[nn.Module]:
 
 
 def load_model(
-    model_dir: str, dtype: Any, device: Any, max_position: int
+    model_dir: str, dtype: Any, device: Any, max_position: int, load_format: str = "auto"
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Build the target from config.json and load its safetensors, checking every shape."""
-    from specserve.models.loader import iter_weights, load_weights, read_config
+    """Build the target from config.json and load its safetensors, checking every shape.
+
+    load_format="dummy" skips the safetensors and fills weights with small random values (as
+    vLLM's `--load-format dummy`): speed benchmarks of real shapes without real checkpoints."""
+    from specserve.models.loader import dummy_weights_, iter_weights, load_weights, read_config
 
     cfg = read_config(model_dir)
     cls = resolve_architecture(cfg, model_dir)
     with torch.device(device), default_dtype(dtype):
         model = cls.from_config_dict(cfg, max_position)
-    load_weights(model, iter_weights(model_dir), model.checkpoint_rename)
+    if load_format == "dummy":
+        dummy_weights_(model)
+    else:
+        load_weights(model, iter_weights(model_dir), model.checkpoint_rename)
     return model.eval(), cfg

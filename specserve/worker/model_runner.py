@@ -152,7 +152,7 @@ class ModelRunner:
         B, k1 = inp.num_reqs, k + 1
         logits = self.model.compute_logits(hidden[inp.logits_indices.flatten()]).float()
         logits = logits.view(B, k1, -1)
-        st = self._sampling_tensors(sched)
+        st = self._sampling_tensors(sched, inp.idx_mapping)
         if k == 0 or not inp.num_draft_np.any():
             out_tokens = sample(logits[:, 0], st, inp.out_pos0).view(B, 1)
             if k:
@@ -189,17 +189,11 @@ class ModelRunner:
         hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
         return hidden, aux, ctx
 
-    def _sampling_tensors(self, sched: SchedulerOutput) -> SamplingTensors:
+    def _sampling_tensors(
+        self, sched: SchedulerOutput, idx_mapping: torch.Tensor
+    ) -> SamplingTensors:
         rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64)
-        s = self.states
-        return SamplingTensors.from_lists(
-            s.temperature[rows].tolist(),
-            s.top_k[rows].tolist(),
-            s.top_p[rows].tolist(),
-            s.min_p[rows].tolist(),
-            s.seed[rows].tolist(),
-            self.device,
-        )
+        return self.states.sampling_tensors(rows, idx_mapping)
 
     def _write_tokens(
         self, inp: StepInputs, out_tokens: torch.Tensor, num_acc: torch.Tensor

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from specserve.engine.request import Request
+from specserve.sample.sampler import SamplingTensors
 
 
 class RequestStates:
@@ -31,12 +32,16 @@ class RequestStates:
         self._num_blocks_in_row = np.zeros(max_num_seqs, np.int64)
         self.null_block = null_block
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
-        # Per-row sampling parameters (host lists; gathered per step into SamplingTensors).
+        # Per-row sampling parameters: written once when a request joins, on the host (for the
+        # step's greedy/top-k/... flags) and on the device (gathered through idx_mapping).
         self.temperature = np.zeros(max_num_seqs, np.float32)
         self.top_k = np.zeros(max_num_seqs, np.int64)
         self.top_p = np.ones(max_num_seqs, np.float32)
         self.min_p = np.zeros(max_num_seqs, np.float32)
         self.seed = np.zeros(max_num_seqs, np.int64)
+        # [rows, 3] float32 (temperature, top_p, min_p); [rows, 2] int64 (top_k, seed)
+        self.float_params = torch.zeros(max_num_seqs, 3, dtype=torch.float32, device=device)
+        self.int_params = torch.zeros(max_num_seqs, 2, dtype=torch.int64, device=device)
 
     def add(self, req: Request) -> None:
         """Give `req` a row and upload its tokens (new or resumed after preemption)."""
@@ -50,6 +55,9 @@ class RequestStates:
         self.top_p[row] = sp.top_p
         self.min_p[row] = sp.min_p
         self.seed[row] = req.seed
+        fp = [self.temperature[row], self.top_p[row], self.min_p[row]]
+        self.float_params[row] = torch.tensor(fp, dtype=torch.float32)
+        self.int_params[row] = torch.tensor([sp.top_k, req.seed], dtype=torch.int64)
         self._num_blocks_in_row[row] = 0
         self.block_table_cpu[row] = self.null_block
         self.sync_blocks(req)
@@ -75,3 +83,23 @@ class RequestStates:
         if self._block_table_dirty:
             self.block_table.copy_(torch.from_numpy(self.block_table_cpu), non_blocking=False)
             self._block_table_dirty = False
+
+    def sampling_tensors(
+        self,
+        rows: np.ndarray,
+        # [B] device copy of `rows`
+        idx_mapping: torch.Tensor,
+    ) -> SamplingTensors:
+        """The step's sampling parameters: a device gather, flags from the host mirror."""
+        fp, ip = self.float_params[idx_mapping], self.int_params[idx_mapping]
+        return SamplingTensors(
+            temperature=fp[:, 0],
+            top_k=ip[:, 0],
+            top_p=fp[:, 1],
+            min_p=fp[:, 2],
+            seeds=ip[:, 1],
+            all_greedy=bool((self.temperature[rows] == 0).all()),
+            any_top_k=bool((self.top_k[rows] > 0).any()),
+            any_top_p=bool((self.top_p[rows] < 1).any()),
+            any_min_p=bool((self.min_p[rows] > 0).any()),
+        )

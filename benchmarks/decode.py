@@ -1,0 +1,214 @@
+"""Plain decode of a Llama-3-8B-shaped model (random bf16 weights) against the bandwidth floor.
+
+Batch 1 and 16, 128-token prompts, 256 new tokens. Prints tokens/s and ms/token for specserve,
+the floor (bytes one decode step must read / device-to-device copy bandwidth measured in this run)
+and the ratio to it, the captured target graph alone (no host work), and the same model under
+transformers' `generate` in the same run.
+
+    python benchmarks/decode.py [--batch-sizes 1,16] [--no-hf]   # writes $OUT/decode.json if set
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+
+def write_config(cfg: dict, path: str | None = None) -> str:
+    path = path or tempfile.mkdtemp(prefix="llama3-8b-shape-")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy: (bytes read + bytes written) per second, median of 20."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(25):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / sorted(times[5:])[len(times[5:]) // 2]
+
+
+def step_bytes(cfg: dict, batch: int, context: int) -> int:
+    """Bytes one decode step must read: every weight except the embedding table (one row per
+    token), plus the KV of `context` tokens per request (bf16)."""
+    h, i, L, v = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["num_hidden_layers"],
+        cfg["vocab_size"],
+    )
+    hd = h // cfg["num_attention_heads"]
+    kvh = cfg["num_key_value_heads"]
+    per_layer = h * (h + 2 * kvh * hd) + h * h + 3 * h * i + 2 * h
+    weights = L * per_layer + h + v * h  # + final norm + lm_head
+    kv = batch * context * L * 2 * kvh * hd
+    return 2 * (weights + kv + batch * h)
+
+
+def run_specserve(
+    model_dir: str, batch: int, prompt_len: int, new_tokens: int, **engine_kw: object
+) -> dict:
+    from specserve import SamplingParams
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=model_dir,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=prompt_len + new_tokens + 16,
+        max_num_seqs=max(batch, 1),
+        gpu_memory_utilization=0.5,
+        **engine_kw,  # type: ignore[arg-type]
+    )
+    engine = LLMEngine(cfg)
+    g = torch.Generator().manual_seed(0)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for r in range(2):  # round 0 warms up (Triton compiles, allocator settles)
+        for b in range(batch):
+            ids = torch.randint(0, 128000, (prompt_len,), generator=g).tolist()
+            engine.add_request(f"{r}-{b}", {"prompt_token_ids": ids}, sp)
+        engine.step()  # the prefill
+        torch.cuda.synchronize()
+        t0, steps = time.perf_counter(), 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        dt = time.perf_counter() - t0
+    graph_ms = time_graph(engine, batch)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {
+        "ms_per_step": 1e3 * dt / steps,
+        "tok_s": batch * steps / dt,
+        "graph_ms": graph_ms,
+    }
+
+
+def time_graph(engine: object, batch: int) -> float | None:
+    """Replay time of the captured decode graph alone (target forward, no host work)."""
+    cg = engine.runner.cudagraphs  # type: ignore[attr-defined]
+    if cg is None:
+        return None
+    bg = next(s for s in cg.sizes if s >= batch)
+    graph = cg.graphs[(1, bg)]
+    for _ in range(3):
+        graph.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(50):
+        graph.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / 50
+
+
+def run_hf(cfg: dict, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    import transformers as tf
+
+    hf_cfg = tf.LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
+    with torch.device("cuda"):
+        model = tf.LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 128000, (batch, prompt_len), device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"ms_per_step": 1e3 * dt / new_tokens, "tok_s": batch * new_tokens / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    model_dir = write_config(LLAMA3_8B)
+    bw = copy_bandwidth()
+    rows = []
+    for bs in [int(x) for x in args.batch_sizes.split(",")]:
+        ctx = args.prompt_len + args.new_tokens // 2  # mean context over the decode
+        floor_ms = 1e3 * step_bytes(LLAMA3_8B, bs, ctx) / bw
+        ours = run_specserve(model_dir, bs, args.prompt_len, args.new_tokens)
+        eager = run_specserve(
+            model_dir, bs, args.prompt_len, min(args.new_tokens, 64), enforce_eager=True
+        )
+        hf = None if args.no_hf else run_hf(LLAMA3_8B, bs, args.prompt_len, args.new_tokens)
+        rows.append(
+            {
+                "batch": bs,
+                "floor_ms": floor_ms,
+                "specserve": ours,
+                "specserve_eager": eager,
+                "hf": hf,
+                "pct_of_floor": floor_ms / ours["ms_per_step"],
+            }
+        )
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_bandwidth_GBs": bw / 1e9,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "decode.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    hdr = f"{'batch':>5} {'floor ms':>9} {'ms/step':>8} {'graph ms':>9} {'of floor':>9} "
+    hdr += f"{'tok/s':>8} {'eager tok/s':>12} {'HF tok/s':>9}"
+    print(hdr)
+    for r in rows:
+        s, e, hf = r["specserve"], r["specserve_eager"], r["hf"]
+        g = f"{s['graph_ms']:.2f}" if s["graph_ms"] else "-"
+        print(
+            f"{r['batch']:>5} {r['floor_ms']:>9.2f} {s['ms_per_step']:>8.2f} {g:>9} "
+            f"{100 * r['pct_of_floor']:>8.1f}% {s['tok_s']:>8.1f} {e['tok_s']:>12.1f} "
+            f"{(hf['tok_s'] if hf else float('nan')):>9.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""AsyncLLMEngine: one background thread owns the LLMEngine; asyncio code talks to it.
+
+The engine is not thread-safe and its steps are blocking torch work, so a single thread owns it:
+
+    HTTP handlers (asyncio) --commands (add / abort)--> engine thread
+    engine thread --outputs, via loop.call_soon_threadsafe--> per-request-group asyncio queues
+
+Between two steps the thread drains the command queue: new requests join the running batch at
+once (continuous batching) and aborted ones free their KV blocks before the next step. If a step
+raises, the thread records the error, fails every open request and stops; `is_alive` turns false
+(the server's /health answers 503 from then on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from specserve.config import EngineConfig
+from specserve.engine.engine import LLMEngine
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("specserve")
+
+PromptType = str | dict[str, Any] | list[int]
+# A prompt, or a function that makes one on the engine thread (where the tokenizer is used).
+PromptSource = PromptType | Callable[[], PromptType]
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class OutputTiming:
+    """Latencies of one output as the engine thread hands it out (seconds, monotonic clock)."""
+
+    ttft: float | None  # set on a request's first output
+    itl: float | None  # set on every later output (one step may carry several tokens)
+    e2e: float | None  # set when the request finishes
+    finish_reason: str | None
+
+
+class OutputObserver(Protocol):
+    """Called on the engine thread for every output (Prometheus histograms live behind this)."""
+
+    def observe(self, output: RequestOutput, timing: OutputTiming) -> None: ...
+
+
+@dataclass
+class _Stream:
+    group: RequestGroup
+    index: int
+    arrival: float
+    last_output: float | None = None
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptSource
+    params: SamplingParams
+    stream: _Stream
+    done: asyncio.Future[None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, observers: Sequence[OutputObserver] = ()) -> None:
+        self.engine = engine
+        self.observers = list(observers)
+        self._commands: queue.Queue[_Add | _Abort] = queue.Queue()
+        # Touched only by the engine thread.
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+        # Engine counters, refreshed by the engine thread after every step; readers (/metrics)
+        # get a consistent dict without touching the engine from another thread.
+        self.snapshot: dict[str, Any] = engine.stats.snapshot(engine)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def check_alive(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running ({self.error!r})")
+
+    # ---- requests (any thread) -----------------------------------------------------------
+    def new_group(self) -> RequestGroup:
+        return RequestGroup(self)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not eng.has_unfinished_requests())
+                if eng.has_unfinished_requests():
+                    self._dispatch(eng.step())
+                self.snapshot = eng.stats.snapshot(eng)
+        except BaseException as e:  # any failure kills the loop: report it to every caller
+            logger.exception("engine loop died")
+            self.error = e
+            self._fail_all(EngineDeadError(f"the engine loop died: {e!r}"))
+            return
+        self.error = EngineDeadError("the engine was shut down")
+        self._fail_all(self.error)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            # NOTE: the timeout bounds how late an idle thread notices shutdown.
+            cmd = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self.engine.abort_request(cmd.request_id)
+                self._streams.pop(cmd.request_id, None)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, cmd: _Add) -> None:
+        loop = cmd.stream.group.loop
+        try:
+            prompt = cmd.prompt() if callable(cmd.prompt) else cmd.prompt
+            self.engine.add_request(cmd.request_id, prompt, cmd.params, time.time())
+        except Exception as e:  # bad input: the caller answers 400, the loop goes on
+            _call_soon(loop, _settle, cmd.done, e)
+            return
+        self._streams[cmd.request_id] = cmd.stream
+        _call_soon(loop, _settle, cmd.done, None)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for out in outputs:
+            s = self._streams.get(out.request_id)
+            if s is None:
+                continue  # aborted while the step ran
+            finish = out.outputs[0].finish_reason
+            timing = OutputTiming(
+                ttft=now - s.arrival if s.last_output is None else None,
+                itl=now - s.last_output if s.last_output is not None else None,
+                e2e=now - s.arrival if out.finished else None,
+                finish_reason=finish,
+            )
+            s.last_output = now
+            for obs in self.observers:
+                obs.observe(out, timing)
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(s.group.loop, []).append((s, out))
+        # One wake-up per event loop per step, not one per request.
+        for loop, items in batches.items():
+            _call_soon(loop, _deliver, items)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for s in self._streams.values():
+            _call_soon(s.group.loop, s.group.queue.put_nowait, (s.index, err))
+        self._streams.clear()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                _call_soon(cmd.stream.group.loop, _settle, cmd.done, err)
+
+
+class RequestGroup:
+    """The outputs of several engine requests (the `n` choices of one HTTP request, or its
+    several prompts) interleaved on one asyncio queue as (index, RequestOutput)."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self.request_ids: list[str] = []
+        self._unfinished: set[int] = set()
+
+    async def add(self, requests: Sequence[tuple[str, PromptSource, SamplingParams]]) -> None:
+        """Add all requests; if any is rejected, abort the others and raise its error."""
+        self.engine.check_alive()
+        futures = []
+        now = time.monotonic()
+        for request_id, prompt, params in requests:
+            index = len(self.request_ids)
+            self.request_ids.append(request_id)
+            self._unfinished.add(index)
+            done: asyncio.Future[None] = self.loop.create_future()
+            self.engine._commands.put(
+                _Add(request_id, prompt, params, _Stream(self, index, now), done)
+            )
+            futures.append(done)
+        if self.engine.error is not None:
+            # The thread died after check_alive and may have drained the queue already.
+            for f in futures:
+                _settle(
+                    f, EngineDeadError(f"the engine loop is not running: {self.engine.error!r}")
+                )
+        try:
+            results = await asyncio.gather(*futures, return_exceptions=True)
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.abort()
+            raise errors[0]
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._unfinished:
+            index, item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self._unfinished.clear()
+                raise item
+            if item.finished:
+                self._unfinished.discard(index)
+            yield index, item
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        """Abort the requests that have not finished (client gone, or an error)."""
+        for index in sorted(self._unfinished):
+            self.engine.abort(self.request_ids[index])
+        self._unfinished.clear()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass  # the caller's event loop is closed: nobody is waiting any more
+
+
+def _settle(fut: asyncio.Future[None], err: BaseException | None) -> None:
+    if fut.done():  # the caller was cancelled
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
+
+
+def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for s, out in items:
+        s.group.queue.put_nowait((s.index, out))

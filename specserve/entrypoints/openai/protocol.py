@@ -1,0 +1,206 @@
+"""OpenAI request schemas (strict pydantic) and their mapping onto SamplingParams.
+
+Validation is strict (JSON types as sent: `"temperature": "1"` or `"max_tokens": true` are 400s)
+and rejects NaN/Infinity, so nothing the engine thread cannot handle gets past this file: a bad
+value there would kill the engine loop for every client, not fail one request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from specserve.sampling_params import SamplingParams
+
+# Bounds that keep values inside the engine's int64 per-row tensors and its top-k.
+INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20
+MAX_N = 128
+
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class OpenAIModel(BaseModel):
+    # NOTE: unknown fields are ignored (as vLLM does) so clients sending `user` etc. still work.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=2**31)
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        for name, neutral in (
+            ("presence_penalty", 0.0),
+            ("frequency_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
+            if getattr(self, name) != neutral:
+                raise APIError(f"{name} is not supported by specserve.", param=name)
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise APIError("stop strings must not be empty.", param="stop")
+        try:
+            return SamplingParams(
+                n=1,  # the server fans `n` out into n engine requests
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=stops,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            raise APIError(str(e), param=_param_from_message(str(e))) from e
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[str | list[int]] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            out = [list(p)]  # type: ignore[arg-type]
+        else:
+            out = list(p)  # type: ignore[arg-type]
+        if not out or any(len(x) == 0 for x in out):
+            raise APIError("prompt must not be empty.", param="prompt")
+        if len(out) * self.n > MAX_N:
+            raise APIError(f"at most {MAX_N} prompts x n per request.", param="prompt")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of other than n is not supported.", param="best_of")
+        if self.suffix:
+            raise APIError("suffix is not supported.", param="suffix")
+        return out
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, str]:
+        c = self.content
+        if isinstance(c, list):
+            if any(p.type != "text" or p.text is None for p in c):
+                raise APIError("only text content parts are supported.", param="messages")
+            c = "".join(p.text or "" for p in c)
+        return {"role": self.role, "content": c or ""}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        n_top = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self.sampling_params(max_tokens, n_top)
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [m.to_template() for m in self.messages]
+
+
+def parse(model: type[OpenAIModel], body: bytes) -> Any:
+    """Validate a raw JSON body; every failure (bad JSON, types, ranges) is a 400 APIError."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err["loc"]]
+        if err["type"] == "json_invalid":
+            raise APIError(f"Request body is not valid JSON: {err['msg']}") from None
+        param = loc[0] if loc else None
+        where = ".".join(loc) or "body"
+        raise APIError(f"{where}: {err['msg']}", param=param) from None
+
+
+def _param_from_message(msg: str) -> str | None:
+    # SamplingParams errors read "SamplingParams.<name> must ...".
+    if msg.startswith("SamplingParams."):
+        return msg.split(".", 1)[1].split(" ", 1)[0]
+    return None

@@ -1,0 +1,124 @@
+"""The CPU equivalence tests again on CUDA: Triton attention, CUDA graphs for the target.
+
+Run with `pytest -m gpu`. float32 end to end (TF32 off, IEEE dots in Triton) so greedy tokens
+can be compared with transformers on the CPU; one bf16 test compares graphs with eager mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+
+from .conftest import hf_greedy, random_prompts
+from .spec_utils import write_eagle, write_eagle3, write_mtp_target
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+ARCHS = {
+    "llama_gqa": ("llama", {}),
+    "qwen3_tied": ("qwen3", {"tie_word_embeddings": True, "head_dim": 32}),
+    "mistral_swa": ("mistral", {"sliding_window": 24}),
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+MODES = {
+    "plain": {},
+    "chunked": {"max_num_batched_tokens": 32},
+    "preempt": {"num_gpu_blocks_override": 10, "max_num_batched_tokens": 64},
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def cuda_llm(path: str, **kw: object) -> LLM:
+    kw.setdefault("dtype", "float32")
+    return LLM(path, device="cuda", max_model_len=256, **kw)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(6, 5, 60, seed=3)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_matches_transformers_cuda(ckpt_dir, prompts, name: str, mode: str) -> None:
+    arch, over = ARCHS[name]
+    path = ckpt_dir(name, arch, **over)
+    llm = cuda_llm(path, **MODES[mode])
+    assert llm.engine.runner.backend.name == "triton"
+    assert llm.engine.runner.cudagraphs is not None
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(path, p, GREEDY.max_tokens)
+    assert llm.engine.kv.usage() == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cudagraph_equals_eager(ckpt_dir, prompts, dtype: str) -> None:
+    path = ckpt_dir("llama_gqa", "llama")
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    graph = cuda_llm(path, dtype=dtype).generate(batch, [GREEDY, sp] * 3)
+    eager = cuda_llm(path, dtype=dtype, enforce_eager=True).generate(batch, [GREEDY, sp] * 3)
+    for g, e in zip(graph, eager):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+
+
+def test_seeded_request_batch_invariant_cuda(ckpt_dir, prompts) -> None:
+    llm = cuda_llm(ckpt_dir("llama_gqa", "llama"))
+    sp = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=24, ignore_eos=True)
+    p = {"prompt_token_ids": prompts[0]}
+    alone = llm.generate(p, sp)[0].outputs[0].token_ids
+    osp = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    others = [{"prompt_token_ids": q} for q in prompts[1:]]
+    batch = llm.generate(others[:2] + [p] + others[2:], [osp, osp, sp, osp, osp, osp])
+    assert batch[2].outputs[0].token_ids == alone
+
+
+@pytest.fixture(scope="module")
+def drafters(ckpt_dir, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gpu_drafters")
+    target = ckpt_dir("llama_gqa", "llama")
+    return {
+        "target": target,
+        "draft_model": ckpt_dir("small_draft", "llama", num_hidden_layers=2, seed=5),
+        "eagle": write_eagle(os.path.join(root, "eagle")),
+        "eagle3": write_eagle3(os.path.join(root, "eagle3")),
+        "mtp": write_mtp_target(target, os.path.join(root, "mtp_target")),
+    }
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "mtp", "ngram"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_spec_greedy_equivalence_cuda(drafters, prompts, method: str, k: int, mode: str) -> None:
+    target = drafters["mtp"] if method == "mtp" else drafters["target"]
+    cfg: dict = {"method": method, "num_speculative_tokens": k}
+    if method in ("draft_model", "eagle", "eagle3"):
+        cfg["model"] = drafters[method]
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    ref = cuda_llm(target, **MODES[mode]).generate(batch, GREEDY)
+    llm = cuda_llm(target, speculative_config=cfg, **MODES[mode])
+    outs = llm.generate(batch, GREEDY)
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    if method != "ngram":
+        assert llm.get_metrics()["spec_decode_num_drafts_total"] > 0
+
+
+def test_self_drafting_accepts_everything_cuda(drafters, prompts) -> None:
+    cfg = {"method": "draft_model", "model": drafters["target"], "num_speculative_tokens": 4}
+    llm = cuda_llm(drafters["target"], speculative_config=cfg)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"]
