@@ -137,6 +137,55 @@ def time_graph(engine: object, batch: int) -> float | None:
     return s.elapsed_time(e) / 50
 
 
+def profile_steps(model_dir: str, prompt_len: int, steps: int = 40) -> None:
+    """Where a batch-1 step's host time goes: cProfile of `steps` engine steps, and the CUDA
+    kernels launched outside the captured graph (torch profiler)."""
+    import cProfile
+    import io
+    import pstats
+
+    from specserve import SamplingParams
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=model_dir,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=1024,
+        max_num_seqs=1,
+        gpu_memory_utilization=0.5,
+    )
+    engine = LLMEngine(cfg)
+    sp = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True)
+    engine.add_request("p", {"prompt_token_ids": list(range(1, prompt_len + 1))}, sp)
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    text = buf.getvalue() + "\n" + table
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "profile.txt"), "w") as f:
+            f.write(text)
+    print(buf.getvalue()[:3000])
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def run_hf(cfg: dict, batch: int, prompt_len: int, new_tokens: int) -> dict:
     import transformers as tf
 
@@ -164,9 +213,12 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile host time of batch-1 steps")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     model_dir = write_config(LLAMA3_8B)
+    if args.profile:
+        profile_steps(model_dir, args.prompt_len)
     bw = copy_bandwidth()
     rows = []
     for bs in [int(x) for x in args.batch_sizes.split(",")]:

@@ -6,9 +6,9 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from specserve import ops
 from specserve.attention.backend import ForwardContext
 
 
@@ -21,16 +21,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # NOTE: with a residual, add first and return (normed, new residual) as vLLM does; this
-        # keeps the residual stream in one tensor and matches HF's arithmetic order.
-        if residual is not None:
-            x = x + residual
-            residual = x
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return out if residual is None else (out, residual)
+        """With a residual: add first, return (normed, new residual), as vLLM does."""
+        out, new_residual = ops.rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, new_residual)
 
 
 def rope_parameters(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -92,12 +85,7 @@ class RotaryEmbedding(nn.Module):
         # [num_tokens, heads, head_dim]
         x: torch.Tensor,
     ) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        xf = x.float()
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
-        return (xf * cos + rotated * sin).to(x.dtype)
+        return ops.fused.rope_ref(positions, x, self.cos, self.sin)
 
 
 class Attention(nn.Module):
@@ -144,7 +132,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q), self.rope(positions, k)
+        q, k = ops.rope_(positions, q, k, self.rope.cos, self.rope.sin)
         out = ctx.backend.forward(
             q,
             k,
@@ -165,5 +153,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

@@ -9,6 +9,7 @@ Padded rows are inert: slot -1 (KV goes to the null block), outputs ignored.
 
 from __future__ import annotations
 
+import gc
 from typing import TYPE_CHECKING
 
 import torch
@@ -82,6 +83,16 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        # NOTE: a garbage collection during capture may free another engine's graphs, which
+        # CUDA forbids while a stream captures: collect first, then keep the collector off.
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture_loop()
+        finally:
+            gc.enable()
+
+    def _capture_loop(self) -> None:
         for q in self.query_lens:
             for b in reversed(self.sizes):
                 self._fill_dummy(b, q)

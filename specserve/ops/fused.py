@@ -1,0 +1,88 @@
+"""Dispatch of the fused ops: Triton kernels on CUDA (no autograd), torch references otherwise."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and not torch.is_grad_enabled()
+
+
+# ---- references -------------------------------------------------------------------------------
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # NOTE: with a residual, add first (in the model dtype) and return (normed, new residual)
+    # as vLLM does; matches HF's arithmetic order.
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), residual
+
+
+def rope_ref(
+    positions: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Neox (rotate-half) rotary embedding of x [tokens, heads, head_dim]; cos/sin [pos, dim]."""
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * c + rotated * s).to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- dispatch ---------------------------------------------------------------------------------
+def rms_norm(
+    # [tokens, hidden]
+    x: torch.Tensor,
+    # [hidden]
+    weight: torch.Tensor,
+    eps: float,
+    # [tokens, hidden] or None
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if _use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        from specserve.ops.triton_kernels import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rope_(
+    # [tokens]
+    positions: torch.Tensor,
+    # [tokens, q_heads, head_dim] (may be a strided view into the fused qkv output)
+    q: torch.Tensor,
+    # [tokens, kv_heads, head_dim]
+    k: torch.Tensor,
+    # [max_position, head_dim] fp32 as cat(cos, cos) / cat(sin, sin)
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k; in place on CUDA, returns the rotated (q, k)."""
+    if _use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        from specserve.ops.triton_kernels import rope_triton_
+
+        rope_triton_(positions, q, k, cos, sin)
+        return q, k
+    return rope_ref(positions, q, cos, sin), rope_ref(positions, k, cos, sin)
+
+
+def silu_and_mul(
+    # [tokens, 2 * inter]
+    x: torch.Tensor,
+) -> torch.Tensor:
+    if _use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        from specserve.ops.triton_kernels import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)

@@ -1,0 +1,92 @@
+"""Fused hot-path kernels against their torch references (interpreter on CPU, or CUDA)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specserve.ops import fused
+
+ON_CUDA = torch.cuda.is_available()
+modes = [
+    pytest.param(
+        "cpu",
+        marks=[
+            pytest.mark.interpret,
+            pytest.mark.skipif(
+                os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
+            ),
+        ],
+    ),
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")],
+    ),
+]
+
+
+def _dtypes(device: str) -> list[torch.dtype]:
+    # The interpreter holds bf16 as raw integers: fp16 stands in for it on the CPU.
+    return [torch.float32, torch.float16] if device == "cpu" else [torch.float32, torch.bfloat16]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (a.float() - b.float()).norm() / b.float().norm()
+    assert err < tol, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("device", modes)
+@pytest.mark.parametrize("hidden", [64, 200])
+def test_rms_norm(device: str, hidden: int) -> None:
+    from specserve.ops.triton_kernels import rms_norm_triton
+
+    for dtype in _dtypes(device):
+        g = torch.Generator().manual_seed(hidden)
+        x = torch.randn(7, hidden, generator=g).to(device, dtype)
+        r = torch.randn(7, hidden, generator=g).to(device, dtype)
+        w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device, dtype)
+        out, none = rms_norm_triton(x, w, 1e-6, None)
+        ref, _ = fused.rms_norm_ref(x, w, 1e-6)
+        assert none is None
+        _close(out, ref, dtype)
+        out, res = rms_norm_triton(x, w, 1e-6, r)
+        ref, ref_res = fused.rms_norm_ref(x, w, 1e-6, r)
+        _close(out, ref, dtype)
+        assert torch.equal(res, ref_res)
+
+
+@pytest.mark.parametrize("device", modes)
+@pytest.mark.parametrize("heads", [(4, 2), (6, 6)])
+def test_rope_in_place_on_strided_views(device: str, heads: tuple[int, int]) -> None:
+    from specserve.models.layers import RotaryEmbedding
+    from specserve.ops.triton_kernels import rope_triton_
+
+    hq, hk = heads
+    dim = 32
+    rope = RotaryEmbedding(dim, 128, 10000.0, None).to(device)
+    for dtype in _dtypes(device):
+        g = torch.Generator().manual_seed(hq)
+        qkv = torch.randn(9, (hq + 2 * hk) * dim, generator=g).to(device, dtype)
+        pos = torch.randint(0, 128, (9,), generator=g).to(device)
+        q, k, _ = qkv.split([hq * dim, hk * dim, hk * dim], dim=-1)
+        q, k = q.view(9, hq, dim), k.view(9, hk, dim)
+        ref_q = fused.rope_ref(pos, q, rope.cos, rope.sin)
+        ref_k = fused.rope_ref(pos, k, rope.cos, rope.sin)
+        v_before = qkv[:, (hq + hk) * dim :].clone()
+        rope_triton_(pos, q, k, rope.cos, rope.sin)
+        _close(q, ref_q, dtype)
+        _close(k, ref_k, dtype)
+        assert torch.equal(qkv[:, (hq + hk) * dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("device", modes)
+@pytest.mark.parametrize("inter", [96, 1500])
+def test_silu_and_mul(device: str, inter: int) -> None:
+    from specserve.ops.triton_kernels import silu_and_mul_triton
+
+    for dtype in _dtypes(device):
+        x = torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+        _close(silu_and_mul_triton(x), fused.silu_and_mul_ref(x), dtype)
