@@ -49,6 +49,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    # Drafting loop on CUDA: auto (one graph for the whole loop where the attention backend
+    # updates metadata in place, else one step graph replayed per step) | fused | per_step | eager
+    draft_graph_mode: str = "auto"
     # auto: read the safetensors; dummy: random weights from config.json alone (benchmarks).
     load_format: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
@@ -75,6 +78,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1].")
+        if self.draft_graph_mode not in ("auto", "fused", "per_step", "eager"):
+            raise ValueError(
+                "draft_graph_mode must be auto, fused, per_step or eager, "
+                f"got {self.draft_graph_mode!r}."
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}.")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -123,3 +124,101 @@ def write_mtp_target(src: str, path: str, seed: int = 0) -> str:
     w[p + "shared_head.norm.weight"] = torch.ones(64)
     save_file(w, os.path.join(path, "model.safetensors"))
     return path
+
+
+def _add_ptd(path: str, ptd_token_id: int, mask_hidden: torch.Tensor | None) -> None:
+    """Mark a drafter checkpoint as trained for parallel drafting (the trainer's layout)."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(parallel_draft=True, ptd_token_id=ptd_token_id)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if mask_hidden is not None:
+        files = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+        w = load_file(os.path.join(path, files[0]))
+        w["mask_hidden"] = mask_hidden
+        save_file(w, os.path.join(path, files[0]))
+
+
+def write_ptd_eagle3(
+    path: str, seed: int = 0, ptd_token_id: int = VOCAB - 1, zero_lm_head: bool = False
+) -> str:
+    """An EAGLE-3 PTD head: config `parallel_draft`, `ptd_token_id`, tensor `mask_hidden`.
+    `zero_lm_head` makes it always draft token 0 (with a looped target: every draft accepted)."""
+    write_eagle3(path, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    _add_ptd(path, ptd_token_id, torch.randn(64, generator=g))
+    if zero_lm_head:
+        w = load_file(os.path.join(path, "model.safetensors"))
+        w["lm_head.weight"].zero_()
+        save_file(w, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def write_ptd_eagle(path: str, seed: int = 0, ptd_token_id: int = VOCAB - 1) -> str:
+    write_eagle(path, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    _add_ptd(path, ptd_token_id, torch.randn(64, generator=g))
+    return path
+
+
+def write_ptd_draft_model(src: str, path: str, ptd_token_id: int = VOCAB - 1) -> str:
+    """A PARD-style draft model: a copy of the causal LM `src` marked for parallel drafting."""
+    shutil.copytree(src, path)
+    _add_ptd(path, ptd_token_id, None)
+    return path
+
+
+def write_multi_mtp_target(src: str, path: str, num_layers: int, seed: int = 0) -> str:
+    """Copy the target checkpoint and append `num_layers` DeepSeek-style MTP modules after its
+    decoder layers (num_nextn_predict_layers = num_layers)."""
+    g = torch.Generator().manual_seed(seed)
+    shutil.copytree(src, path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    n = cfg["num_hidden_layers"]
+    cfg["num_nextn_predict_layers"] = num_layers
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    w = load_file(os.path.join(path, "model.safetensors"))
+    for i in range(num_layers):
+        p = f"model.layers.{n + i}."
+        w.update(_layer(p, 64, 128, 4, 2, 16, 64, g))
+        w[p + "enorm.weight"] = 1 + torch.randn(64, generator=g) * 0.1
+        w[p + "hnorm.weight"] = 1 + torch.randn(64, generator=g) * 0.1
+        w[p + "eh_proj.weight"] = torch.randn(64, 128, generator=g) * 0.1
+        w[p + "shared_head.norm.weight"] = torch.ones(64)
+    save_file(w, os.path.join(path, "model.safetensors"))
+    return path
+
+
+def scratch_context(runner: Any, num_tokens: int) -> Any:
+    """ForwardContext of ONE request prefilling positions 0 .. num_tokens - 1 into fresh, zeroed
+    KV caches (same layer indices as `runner.kv_caches`): a from-scratch recomputation."""
+    from specserve.attention.backend import CommonAttentionMetadata, build_forward_context
+    from specserve.attention.torch_ref import TorchAttentionBackend
+
+    bs = runner.block_size
+    nblk = (num_tokens + bs - 1) // bs
+    caches = [torch.zeros(2, nblk + 1, *c.shape[2:], dtype=c.dtype) for c in runner.kv_caches]
+    pos = torch.arange(num_tokens)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        positions=pos,
+        block_table=torch.arange(nblk, dtype=torch.int32)[None],
+        slot_mapping=pos,
+        token_req=torch.zeros(num_tokens, dtype=torch.int64),
+        num_reqs=1,
+        num_tokens=num_tokens,
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+    )
+    return build_forward_context(TorchAttentionBackend(), common, caches, runner.windows)
+
+
+def paged_kv(runner: Any, layer_index: int, block_ids: list[int], num_tokens: int) -> Any:
+    """[2, num_tokens, kv_heads, head_dim] KV of positions 0 .. num_tokens - 1 of one request,
+    read through the runner's paged cache `layer_index` and the request's blocks."""
+    cache = runner.kv_caches[layer_index]
+    return cache[:, torch.tensor(block_ids)].flatten(1, 2)[:, :num_tokens]

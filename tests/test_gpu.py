@@ -14,6 +14,7 @@ import torch
 from specserve import LLM, SamplingParams
 
 from .conftest import hf_greedy, random_prompts
+from .draft_utils import drafts_per_step
 from .spec_utils import write_eagle, write_eagle3, write_mtp_target
 
 pytestmark = [
@@ -122,3 +123,31 @@ def test_self_drafting_accepts_everything_cuda(drafters, prompts) -> None:
     llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     m = llm.get_metrics()
     assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"]
+
+
+@pytest.mark.parametrize("method", ["draft_model_swa", "eagle3", "mtp"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_draft_graphs_give_eager_drafts(drafters, ckpt_dir, prompts, method, sampled) -> None:
+    """Fused loop graph, per-step graph and eager drafting propose identical drafts, also with a
+    drafter whose sliding window (4) is crossed while drafting K = 5."""
+    target = drafters["mtp"] if method == "mtp" else drafters["target"]
+    cfg: dict = {"method": method, "num_speculative_tokens": 5}
+    if method == "draft_model_swa":
+        cfg = {
+            "method": "draft_model",
+            "num_speculative_tokens": 5,
+            "model": ckpt_dir("swa_draft", "mistral", num_hidden_layers=2, sliding_window=4),
+        }
+    elif method == "eagle3":
+        cfg["model"] = drafters["eagle3"]
+    if sampled:
+        cfg["draft_sample_method"] = "probabilistic"
+        cfg["rejection_sample_method"] = "probabilistic"
+    sp = SamplingParams(temperature=0.8 if sampled else 0.0, seed=3, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for mode in ("fused", "per_step", "eager"):
+        llm = cuda_llm(target, speculative_config=cfg, draft_graph_mode=mode)
+        assert (llm.engine.runner.draft_graphs is None) == (mode == "eager")
+        runs[mode] = drafts_per_step(llm, prompts[:4], sp)
+    assert runs["fused"] == runs["eager"]
+    assert runs["per_step"] == runs["eager"]

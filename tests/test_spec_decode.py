@@ -170,3 +170,48 @@ def test_drafter_that_does_not_fit(setup: dict, ckpt_dir) -> None:
     wide = ckpt_dir("wide", "llama", hidden_size=96)
     with pytest.raises(ValueError, match="hidden_size 96 does not match"):
         LLM(setup["target"], speculative_config={"method": "eagle", "model": wide})
+
+
+def test_draft_metadata_is_rebuilt_every_step(ckpt_dir, monkeypatch) -> None:
+    """A draft model with a 2-token sliding window: drafting K = 5 crosses the window at every
+    step. Drafts must equal the draft model's own greedy continuation computed from scratch, and
+    reusing the first step's (position-dependent) metadata must break that."""
+    from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
+
+    from .draft_utils import drafts_per_step
+
+    target = ckpt_dir(*TARGET)
+    draft = ckpt_dir("swa2_draft", "mistral", num_hidden_layers=2, sliding_window=2, seed=9)
+    cfg = {"method": "draft_model", "model": draft, "num_speculative_tokens": 5}
+    prompts = random_prompts(2, 10, 20, seed=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = LLM(draft, max_model_len=256)
+
+    def from_scratch(tokens: list[int]) -> list[int]:
+        out = alone.generate(
+            {"prompt_token_ids": tokens}, SamplingParams(temperature=0, max_tokens=5)
+        )
+        return out[0].outputs[0].token_ids
+
+    good = drafts_per_step(LLM(target, max_model_len=256, speculative_config=cfg), prompts, sp)
+    assert len(good) > 5
+    assert all(d == from_scratch(toks) for toks, d in good)
+
+    def stale_propose(self, runner, inp, common, ctx, hidden, aux, num_acc, st) -> None:
+        rows = inp.idx_mapping
+        pos, h = self.draft_prefill(runner, inp, ctx, hidden, aux, num_acc, st)
+        ctx0 = None
+        for j in range(self.num_decode_steps):
+            fresh = self.decode_metadata(runner, rows, pos + j, inp.max_seq_len + j + 1)
+            if ctx0 is None:
+                ctx0 = runner.forward_context(fresh)
+            else:  # advance the common tensors only: the builder's window bounds go stale
+                c = next(iter(ctx0.metadata.values())).common
+                for name in ("positions", "seq_lens", "slot_mapping"):
+                    getattr(c, name).copy_(getattr(fresh, name))
+                c.max_seq_len = fresh.max_seq_len
+            h = self.draft_step(runner, rows, pos + j, h, inp.samples, st, ctx0)
+
+    monkeypatch.setattr(AutoregressiveSpeculator, "propose", stale_propose)
+    stale = drafts_per_step(LLM(target, max_model_len=256, speculative_config=cfg), prompts, sp)
+    assert any(d != from_scratch(toks) for toks, d in stale)

@@ -80,6 +80,11 @@ class AttentionBackend(ABC):
         """Every request advanced by one decode token: update `meta` in place (graph-safe)."""
         raise NotImplementedError(f"{self.name} has no in-place metadata update")
 
+    def advance_context_(self, ctx: ForwardContext, block_size: int) -> None:
+        """Advance every window's metadata of a single-token-per-request context in place."""
+        for meta in ctx.metadata.values():
+            self.advance_decode_(meta, block_size)
+
 
 def build_forward_context(
     backend: AttentionBackend,

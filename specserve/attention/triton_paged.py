@@ -24,7 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.backend import AttentionBackend, CommonAttentionMetadata
+from specserve.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    ForwardContext,
+)
 
 
 @dataclass
@@ -362,6 +366,10 @@ class TritonAttentionBackend(AttentionBackend):
         """
         advance_decode_common_(meta.common, block_size)
 
+    def advance_context_(self, ctx: ForwardContext, block_size: int) -> None:
+        # Every window's metadata wraps the same common metadata: advance it once.
+        advance_decode_common_(next(iter(ctx.metadata.values())).common, block_size)
+
 
 def advance_decode_common_(c: CommonAttentionMetadata, block_size: int) -> None:
     """In place and graph-safe (no host sync, no tensor rebinding)."""
@@ -371,7 +379,9 @@ def advance_decode_common_(c: CommonAttentionMetadata, block_size: int) -> None:
     # Clamped so a position past the table (past max_model_len) cannot index out of bounds.
     col = (c.positions // block_size).clamp_max(bt.shape[1] - 1)
     slot = bt[c.token_req, col].long() * block_size + c.positions % block_size
-    # NOTE: padded rows keep slot -1 so the captured graph still writes no KV for them.
-    c.slot_mapping.copy_(torch.where(c.slot_mapping >= 0, slot, c.slot_mapping))
+    # NOTE: padded rows keep slot -1 so the captured graph still writes no KV for them, and a
+    # position past the block table gets -1 too instead of a wrapped slot.
+    live = (c.slot_mapping >= 0) & (c.positions < bt.shape[1] * block_size)
+    c.slot_mapping.copy_(torch.where(live, slot, torch.full_like(slot, -1)))
     # Host-side bound stays an upper bound on seq_lens (eager callers may read it).
     c.max_seq_len += 1

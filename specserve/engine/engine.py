@@ -76,7 +76,9 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
         self.speculator = (
-            build_speculator(spec, self.model, config.model, rope_len, dtype, device)
+            build_speculator(
+                spec, self.model, config.model, rope_len, dtype, device, config.load_format
+            )
             if spec is not None
             else None
         )

@@ -24,11 +24,16 @@ from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM
 class Drafter(nn.Module):
     shift = 1
     uses_hidden = True
+    # Parallel drafting (PTD, spec_decode/parallel.py): the target token id fed at mask slots;
+    # None for a drafter that was not trained for it.
+    ptd_token_id: int | None = None
 
     def __init__(self) -> None:
         super().__init__()
         # EAGLE-3 style reduced vocabulary: draft id + d2t[draft id] = target id (None: same vocab).
         self.register_buffer("d2t", None)
+        # PTD: [hidden] fused hidden input at mask slots (EAGLE / EAGLE-3 heads; None otherwise).
+        self.register_buffer("mask_hidden", None)
 
     def combine_hidden(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
         return hidden
@@ -210,6 +215,16 @@ class MTPDrafter(Drafter):
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(self.shared_head_norm(h))
+
+
+class MultiLayerMTPDrafter(Drafter):
+    """N DeepSeek-style MTP modules chained: module i (0-based) predicts token t + i + 2 from
+    module i-1's output hidden (the target's for i = 0). Driven by spec_decode/multi_layer_mtp.py;
+    every module owns its attention layer, hence its own KV layers in the paged pool."""
+
+    def __init__(self, modules: list[MTPDrafter]) -> None:
+        super().__init__()
+        self.mtp = nn.ModuleList(modules)
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

@@ -37,8 +37,18 @@ class AutoregressiveSpeculator:
         self.greedy_draft = spec.draft_sample_method == "greedy"
         # False for a Q-only MTP that shares the target's KV: every draft step at one position.
         self.advance_draft_positions = True
+        # False for a drafter whose forward returns one tensor (used for logits and carried on).
+        self.model_returns_tuple = True
         self.device = device
-        self._draft_probs: torch.Tensor | None = None  # [max_num_seqs, K, vocab], lazily
+        self._draft_probs: torch.Tensor | None = None  # [rows, K, vocab], lazily
+        # 0-dim device scalar: the draft step being sampled. Sampling reads it to pick the
+        # column of the draft probs, so one captured step graph serves every step.
+        self.current_draft_step = torch.zeros((), dtype=torch.int64, device=device)
+
+    @property
+    def num_decode_steps(self) -> int:
+        """Single-token draft steps after the draft prefill (shift-1 drafters sample d1 there)."""
+        return self.k - 1 if self.model.shift == 1 else self.k
 
     def sliding_windows(self) -> set[int | None]:
         return self.model.sliding_windows()
@@ -54,7 +64,7 @@ class AutoregressiveSpeculator:
     def decode_metadata(
         self, runner: ModelRunner, rows: torch.Tensor, pos: torch.Tensor, max_seq_len: int
     ) -> CommonAttentionMetadata:
-        """Metadata for one single-token draft step at positions `pos` [B]."""
+        """Metadata for one single-token draft step at positions `pos` [B] (graph-safe)."""
         B = pos.shape[0]
         bs = runner.block_size
         bt = runner.states.block_table[rows]
@@ -77,16 +87,28 @@ class AutoregressiveSpeculator:
             max_seq_len=min(max_seq_len, runner.max_model_len),
         )
 
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, h: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.model(ids, pos, h, ctx)
+        return out if self.model_returns_tuple else (out, out)
+
     def _sample(
         self,
         runner: ModelRunner,
+        # [B, hidden]
         h: torch.Tensor,
         st: SamplingTensors,
+        # [B] persistent rows
         rows: torch.Tensor,
+        # [B] position the drafted token lands at
         write_pos: torch.Tensor,
+        # [B] 0 for rows that must not be written (mid-prompt chunks, padding)
         samples: torch.Tensor,
-        step: int,
-    ) -> None:
+        # 0-dim device tensor (or int): the draft step, i.e. the probs column
+        step: torch.Tensor | int,
+    ) -> torch.Tensor:
+        """Sample one draft per row, write it into the token buffer; returns target ids [B]."""
         logits = self.model.draft_logits(h).float()
         tokens, probs = sample_draft(logits, st, write_pos, self.greedy_draft)
         tokens = self.model.to_target_ids(tokens)
@@ -94,24 +116,32 @@ class AutoregressiveSpeculator:
         col = torch.where(samples > 0, write_pos, torch.full_like(write_pos, tok.shape[1] - 1))
         tok[rows, col] = tokens
         if probs is not None:
-            if self._draft_probs is None:
-                vocab = runner.model.config.vocab_size
-                self._draft_probs = torch.zeros(
-                    runner.states.max_num_seqs, self.k, vocab, device=self.device
-                )
-            if self.model.d2t is not None:
-                full = probs.new_zeros(probs.shape[0], self._draft_probs.shape[2])
-                full[
-                    :, self.model.to_target_ids(torch.arange(probs.shape[1], device=self.device))
-                ] = probs
-                probs = full
-            self._draft_probs[rows, step] = probs
+            self._write_probs(runner, probs, rows, step)
+        return tokens
 
-    def propose(
+    def _write_probs(
+        self, runner: ModelRunner, probs: torch.Tensor, rows: torch.Tensor, step: torch.Tensor | int
+    ) -> None:
+        if self._draft_probs is None:
+            vocab = runner.model.config.vocab_size
+            self._draft_probs = torch.zeros(
+                runner.states.num_rows, self.k, vocab, device=self.device
+            )
+        if self.model.d2t is not None:  # reduced draft vocabulary -> target vocabulary
+            full = probs.new_zeros(probs.shape[0], self._draft_probs.shape[2])
+            full[:, self.model.to_target_ids(torch.arange(probs.shape[1], device=self.device))] = (
+                probs
+            )
+            probs = full
+        # In place at (row, step) through flat indices: graph-safe with a device `step`.
+        flat = self._draft_probs.view(-1, self._draft_probs.shape[2])
+        flat.index_copy_(0, rows * self.k + step, probs)
+
+    # ---- the two phases -------------------------------------------------------------------
+    def draft_prefill(
         self,
         runner: ModelRunner,
         inp: StepInputs,
-        common: CommonAttentionMetadata,
         ctx: ForwardContext,
         # [T, hidden] target hidden states (final norm)
         hidden: torch.Tensor,
@@ -119,29 +149,61 @@ class AutoregressiveSpeculator:
         # [B]
         num_acc: torch.Tensor,
         st: SamplingTensors,
-    ) -> None:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Drafter over the target's tokens (shifted), same metadata; samples d1 for shift-1
+        drafters. Returns (position of the first decode step's input [B], its hidden [B, H])."""
         d = self.model
         rows = inp.idx_mapping
         tok = runner.states.token_ids
-        # ---- draft prefill: same tokens, positions and metadata as the target --------------
         ids = tok[rows[inp.token_req], inp.positions + d.shift]
         h_in = d.combine_hidden(hidden, aux) if d.uses_hidden else None
-        out, carry = d(ids, inp.positions, h_in, ctx)
+        out, carry = self._forward(ids, inp.positions, h_in, ctx)
         # Last valid (verified) token of each request: rejected drafts after it are padding.
         last = inp.query_start_loc[1:] - 1 - inp.num_draft + num_acc
         P = inp.positions[last]
-        num_steps = self.k
+        self.current_draft_step.fill_(0)
         if d.shift == 1:
             self._sample(runner, out[last], st, rows, P + 2, inp.samples, 0)
-            num_steps -= 1
-        h = carry[last] if carry is not None else None
-        # ---- draft decode: one token per request per step ---------------------------------
-        for j in range(num_steps):
-            pos = P + 1 + (j if self.advance_draft_positions else 0)
-            common_j = self.decode_metadata(runner, rows, pos, inp.max_seq_len + j + 1)
-            ctx_j = runner.forward_context(common_j)
-            ids = tok[rows, pos + d.shift]
-            out, carry = d(ids, pos, h, ctx_j)
-            step = j + (1 if d.shift == 1 else 0)
-            self._sample(runner, out, st, rows, pos + d.shift + 1, inp.samples, step)
-            h = carry
+            self.current_draft_step.fill_(1)
+        return P + 1, (carry[last] if carry is not None else None)
+
+    def draft_step(
+        self,
+        runner: ModelRunner,
+        rows: torch.Tensor,
+        # [B] position of this step's drafter input
+        pos: torch.Tensor,
+        # [B, hidden] or None
+        h: torch.Tensor | None,
+        samples: torch.Tensor,
+        st: SamplingTensors,
+        ctx: ForwardContext,
+    ) -> torch.Tensor | None:
+        """One single-token draft step at `current_draft_step`; returns the carried hidden."""
+        d = self.model
+        ids = runner.states.token_ids[rows, pos + d.shift]
+        out, carry = self._forward(ids, pos, h, ctx)
+        self._sample(runner, out, st, rows, pos + d.shift + 1, samples, self.current_draft_step)
+        self.current_draft_step.add_(1)
+        return carry
+
+    def propose(
+        self,
+        runner: ModelRunner,
+        inp: StepInputs,
+        common: CommonAttentionMetadata,
+        ctx: ForwardContext,
+        hidden: torch.Tensor,
+        aux: list[torch.Tensor],
+        num_acc: torch.Tensor,
+        st: SamplingTensors,
+    ) -> None:
+        """Eager drafting: prefill, then single-token steps with metadata REBUILT each step."""
+        rows = inp.idx_mapping
+        pos, h = self.draft_prefill(runner, inp, ctx, hidden, aux, num_acc, st)
+        for j in range(self.num_decode_steps):
+            p = pos + (j if self.advance_draft_positions else 0)
+            ctx_j = runner.forward_context(
+                self.decode_metadata(runner, rows, p, inp.max_seq_len + j + 1)
+            )
+            h = self.draft_step(runner, rows, p, h, inp.samples, st, ctx_j)

@@ -14,12 +14,22 @@ from specserve.models.drafters import (
     Eagle1Drafter,
     Eagle3Drafter,
     MTPDrafter,
+    MultiLayerMTPDrafter,
     eagle3_aux_layers,
 )
 from specserve.models.llama import ArchConfig, LlamaForCausalLM
-from specserve.models.loader import ModelLoadError, iter_weights, load_weights, read_config
+from specserve.models.loader import (
+    ModelLoadError,
+    dummy_weights_,
+    iter_weights,
+    load_weights,
+    read_config,
+)
 from specserve.models.registry import default_dtype, resolve_architecture
 from specserve.spec_decode.config import SpeculativeConfig
+
+# Methods whose drafter can propose all K tokens in one forward (spec_decode/parallel.py).
+PARALLEL_DRAFT_METHODS = ("draft_model", "eagle", "eagle3")
 
 
 def _fit_error(field: str, msg: str) -> ValueError:
@@ -51,6 +61,7 @@ def load_drafter(
     max_position: int,
     dtype: torch.dtype,
     device: torch.device,
+    load_format: str = "auto",
 ) -> Drafter:
     tc = target.config
     if spec.method == "mtp" and spec.model is None:
@@ -63,7 +74,14 @@ def load_drafter(
     names = {n for n, _, _ in _iter_names(draft_dir)}
     with torch.device(device), default_dtype(dtype):
         drafter, rename, allow_missing = _construct(spec, cfg, tc, target, max_position, names)
-    load_weights(drafter, iter_weights(draft_dir), rename, allow_missing)
+        if spec.parallel_draft:
+            from specserve.spec_decode.parallel import configure_parallel_drafter
+
+            configure_parallel_drafter(drafter, cfg, names, draft_dir)
+    if load_format == "dummy":  # random weights of the right shapes (speed benchmarks)
+        dummy_weights_(drafter)
+    else:
+        load_weights(drafter, iter_weights(draft_dir), rename, allow_missing)
     return drafter.eval()
 
 
@@ -162,7 +180,15 @@ def _construct_mtp(
     )
     if not mtp_ids:
         raise ModelLoadError("no MTP layer weights (model.layers.<N>.eh_proj ...) found")
-    prefix = f"model.layers.{mtp_ids[0]}."
+    if n_mtp > 1:
+        return _construct_multi_mtp(spec, c, target, max_position, names, mtp_ids, n_mtp)
+    return _mtp_module(c, max_position, target, names, f"model.layers.{mtp_ids[0]}.")
+
+
+def _mtp_module(
+    c: ArchConfig, max_position: int, target: LlamaForCausalLM, names: set[str], prefix: str
+) -> tuple[MTPDrafter, Any, tuple[str, ...]]:
+    """One MTP module from the checkpoint tensors under `prefix` (model.layers.<N>.)."""
     d = MTPDrafter(c, max_position, target)
     allow: tuple[str, ...] = ()
     if _own_or_shared(names, prefix + "embed_tokens.weight"):
@@ -190,6 +216,43 @@ def _construct_mtp(
     return d, rename, allow
 
 
+def _construct_multi_mtp(
+    spec: SpeculativeConfig,
+    c: ArchConfig,
+    target: LlamaForCausalLM,
+    max_position: int,
+    names: set[str],
+    mtp_ids: list[int],
+    n_mtp: int,
+) -> tuple[Drafter, Any, tuple[str, ...]]:
+    """N > 1 MTP modules, chained (spec_decode/multi_layer_mtp.py): one draft per module, so
+    K <= N; with K < N only the first K modules are loaded (the others get no KV layers)."""
+    k = spec.num_speculative_tokens
+    if k > n_mtp:
+        raise _fit_error(
+            "num_speculative_tokens",
+            f"multi-layer MTP drafts one token per MTP module: {k} exceeds the checkpoint's "
+            f"num_nextn_predict_layers {n_mtp}; set num_speculative_tokens <= {n_mtp}",
+        )
+    if len(mtp_ids) < n_mtp:
+        raise ModelLoadError(
+            f"num_nextn_predict_layers is {n_mtp} but the checkpoint holds {len(mtp_ids)} MTP "
+            "layer(s) (model.layers.<N>.eh_proj ...)"
+        )
+    parts = [_mtp_module(c, max_position, target, names, f"model.layers.{i}.") for i in mtp_ids[:k]]
+    drafter = MultiLayerMTPDrafter([m for m, _, _ in parts])
+
+    def rename(n: str) -> str | None:
+        for i, (_, module_rename, _) in enumerate(parts):
+            m = module_rename(n)
+            if m is not None:
+                return f"mtp.{i}.{m}"
+        return None
+
+    allow = tuple(f"mtp.{i}.{a}" for i, (_, _, al) in enumerate(parts) for a in al)
+    return drafter, rename, allow
+
+
 def build_speculator(
     spec: SpeculativeConfig,
     target: LlamaForCausalLM,
@@ -197,12 +260,27 @@ def build_speculator(
     max_position: int,
     dtype: torch.dtype,
     device: torch.device,
+    load_format: str = "auto",
 ) -> Any:
+    if spec.parallel_draft and spec.method not in PARALLEL_DRAFT_METHODS:
+        raise _fit_error(
+            "parallel_draft",
+            f"parallel drafting is supported for {', '.join(PARALLEL_DRAFT_METHODS)}, "
+            f"not {spec.method!r}",
+        )
     if spec.method == "ngram":
         from specserve.spec_decode.ngram import NgramSpeculator
 
         return NgramSpeculator(spec)
     from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
 
-    drafter = load_drafter(spec, target, target_dir, max_position, dtype, device)
+    drafter = load_drafter(spec, target, target_dir, max_position, dtype, device, load_format)
+    if spec.parallel_draft:
+        from specserve.spec_decode.parallel import ParallelDraftSpeculator
+
+        return ParallelDraftSpeculator(spec, drafter, device)
+    if isinstance(drafter, MultiLayerMTPDrafter):
+        from specserve.spec_decode.multi_layer_mtp import MultiLayerMTPSpeculator
+
+        return MultiLayerMTPSpeculator(spec, drafter, device)
     return AutoregressiveSpeculator(spec, drafter, device)

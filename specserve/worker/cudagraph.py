@@ -48,6 +48,8 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        # (query_len, padded batch) of the graph the last maybe_run replayed, else None.
+        self.last_replayed: tuple[int, int] | None = None
         self._capture_all()
 
     def _common(self, b: int, q: int) -> CommonAttentionMetadata:
@@ -115,6 +117,7 @@ class CudaGraphRunner:
         """Replay a graph when the batch is a uniform decode batch that fits; else None."""
         B, T = inp.num_reqs, inp.num_tokens
         q = inp.max_query_len
+        self.last_replayed = None
         if q not in self.query_lens or T != B * q or B > self.sizes[-1]:
             return None
         bg = next(s for s in self.sizes if s >= B)
@@ -128,6 +131,7 @@ class CudaGraphRunner:
         self.block_table[:B] = common.block_table
         self.block_table[B:bg] = self.runner.null_block
         self.graphs[(q, bg)].replay()
+        self.last_replayed = (q, bg)
         hidden, aux = self.outputs[(q, bg)]
         # The drafter's prefill runs on the real (unpadded) batch: give it eager metadata.
         ctx = self.runner.forward_context(common)

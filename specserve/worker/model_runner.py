@@ -77,6 +77,19 @@ class ModelRunner:
             from specserve.worker.cudagraph import CudaGraphRunner
 
             self.cudagraphs = CudaGraphRunner(self)
+        self.draft_graphs = None
+        # Set to a list by benchmarks: (start, end) CUDA events around each step's drafting.
+        self.draft_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        if self.cudagraphs is not None and config.draft_graph_mode != "eager":
+            from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
+
+            # Exactly the shared loop: speculators with their own loops run it eagerly.
+            if type(speculator) is AutoregressiveSpeculator:
+                from specserve.spec_decode.draft_graphs import DraftGraphRunner
+
+                self.draft_graphs = DraftGraphRunner(
+                    self, speculator, self.cudagraphs, config.draft_graph_mode
+                )
 
     # ---- KV cache -------------------------------------------------------------------------
     def attention_layers(self) -> list[torch.nn.Module]:
@@ -175,7 +188,17 @@ class ModelRunner:
             )
         self._write_tokens(inp, out_tokens, num_acc)
         if self.speculator is not None:
-            self.speculator.propose(self, inp, common, ctx, hidden, aux, num_acc, st)
+            if self.draft_events is not None:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            replayed = self.cudagraphs.last_replayed if self.cudagraphs is not None else None
+            if self.draft_graphs is not None and replayed and self.draft_graphs.can_run(st):
+                self.draft_graphs.run(inp, num_acc, st, *replayed)
+            else:
+                self.speculator.propose(self, inp, common, ctx, hidden, aux, num_acc, st)
+            if self.draft_events is not None:
+                ev[1].record()
+                self.draft_events.append(ev)
         return self._to_host(inp, logits, out_tokens, num_acc, reqs_logprobs)
 
     def _run_target(

@@ -20,28 +20,32 @@ class RequestStates:
         device: torch.device,
     ) -> None:
         self.max_num_seqs = max_num_seqs
+        # One extra scratch row, never handed out: padded rows of captured graphs point at it,
+        # so their (discarded) writes can never land in a real request's state.
+        self.num_rows = max_num_seqs + 1
+        self.scratch_row = max_num_seqs
         self.device = device
         # [rows, max_model_len + K + 2]: all tokens, then the draft tail; the last column is a
         # scratch column that masked-off writes are sent to.
         self.width = max_model_len + num_spec_tokens + 2
-        self.token_ids = torch.zeros(max_num_seqs, self.width, dtype=torch.int64, device=device)
+        self.token_ids = torch.zeros(self.num_rows, self.width, dtype=torch.int64, device=device)
         # Host mirror of the block table, uploaded in one copy when it changes.
-        self.block_table_cpu = np.full((max_num_seqs, max_blocks_per_req), null_block, np.int32)
+        self.block_table_cpu = np.full((self.num_rows, max_blocks_per_req), null_block, np.int32)
         self.block_table = torch.from_numpy(self.block_table_cpu.copy()).to(device)
         self._block_table_dirty = False
-        self._num_blocks_in_row = np.zeros(max_num_seqs, np.int64)
+        self._num_blocks_in_row = np.zeros(self.num_rows, np.int64)
         self.null_block = null_block
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
         # Per-row sampling parameters: written once when a request joins, on the host (for the
         # step's greedy/top-k/... flags) and on the device (gathered through idx_mapping).
-        self.temperature = np.zeros(max_num_seqs, np.float32)
-        self.top_k = np.zeros(max_num_seqs, np.int64)
-        self.top_p = np.ones(max_num_seqs, np.float32)
-        self.min_p = np.zeros(max_num_seqs, np.float32)
-        self.seed = np.zeros(max_num_seqs, np.int64)
+        self.temperature = np.zeros(self.num_rows, np.float32)
+        self.top_k = np.zeros(self.num_rows, np.int64)
+        self.top_p = np.ones(self.num_rows, np.float32)
+        self.min_p = np.zeros(self.num_rows, np.float32)
+        self.seed = np.zeros(self.num_rows, np.int64)
         # [rows, 3] float32 (temperature, top_p, min_p); [rows, 2] int64 (top_k, seed)
-        self.float_params = torch.zeros(max_num_seqs, 3, dtype=torch.float32, device=device)
-        self.int_params = torch.zeros(max_num_seqs, 2, dtype=torch.int64, device=device)
+        self.float_params = torch.zeros(self.num_rows, 3, dtype=torch.float32, device=device)
+        self.int_params = torch.zeros(self.num_rows, 2, dtype=torch.int64, device=device)
 
     def add(self, req: Request) -> None:
         """Give `req` a row and upload its tokens (new or resumed after preemption)."""

@@ -1,0 +1,162 @@
+"""Cost of a speculative step vs a plain decode step, Llama-3-8B shape, EAGLE-3-shaped head.
+
+Random bf16 weights (load_format=dummy) for the target of benchmarks/decode.py and an EAGLE-3
+head of the published Llama-3-8B layout (one 4096-wide layer, fc over 3 x 4096, 32000-token
+draft vocabulary); `synthetic` acceptance so the step's shape does not depend on trained weights.
+For batch 1, 16 and 64: ms per plain decode step, and per speculative step for K = 1..7 with the
+draft loop as one fused graph and as a per-step graph replayed K-1 times, the drafting share of
+the step (CUDA events around drafting), and output tokens per second.
+
+    python benchmarks/spec_step.py [--ks 1,2,3,4,5,6,7] [--batches 1,16,64]  # $OUT/spec_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode import LLAMA3_8B, write_config  # noqa: E402
+
+EAGLE3_HEAD = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "draft_vocab_size": 32000,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+}
+
+
+def make_engine(target: str, spec: dict | None, mode: str, max_seqs: int) -> object:
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=target,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=1024,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.85,
+        speculative_config=spec,
+        draft_graph_mode=mode,
+    )
+    return LLMEngine(cfg)
+
+
+def measure(engine: object, batch: int, steps: int = 24, prompt_len: int = 128) -> dict:
+    """Per-step wall time and drafting time once `batch` requests are all decoding."""
+    from specserve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
+    g = torch.Generator().manual_seed(batch)
+    ids = [torch.randint(0, 128000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    for i, p in enumerate(ids):
+        engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": p}, sp)
+    while engine.scheduler.waiting or any(  # type: ignore[attr-defined]
+        r.num_computed_tokens < len(r.prompt_token_ids)
+        for r in engine.requests.values()  # type: ignore[attr-defined]
+    ):
+        engine.step()  # type: ignore[attr-defined]
+    for _ in range(4):
+        engine.step()  # type: ignore[attr-defined]
+    runner = engine.runner  # type: ignore[attr-defined]
+    runner.draft_events = []
+    gen_before = sum(len(r.output_token_ids) for r in engine.requests.values())  # type: ignore[attr-defined]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()  # type: ignore[attr-defined]
+    dt = time.perf_counter() - t0
+    gen = sum(len(r.output_token_ids) for r in engine.requests.values()) - gen_before  # type: ignore[attr-defined]
+    draft_ms = sum(s.elapsed_time(e) for s, e in runner.draft_events) / steps
+    runner.draft_events = None
+    for rid in list(engine.requests):  # type: ignore[attr-defined]
+        engine.abort_request(rid)  # type: ignore[attr-defined]
+    ms = 1e3 * dt / steps
+    return {
+        "ms_per_step": ms,
+        "draft_ms": draft_ms,
+        "tok_s": gen / dt,
+        "tokens_per_step": gen / steps / batch,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ks", default="1,2,3,4,5,6,7")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--modes", default="fused,per_step")
+    ap.add_argument("--acceptance", type=float, default=0.7)
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    target = write_config(LLAMA3_8B)
+    head = write_config(EAGLE3_HEAD)
+    results: dict = {"device": torch.cuda.get_device_name(), "rows": []}
+
+    def run(label: str, k: int, mode: str, spec: dict | None) -> None:
+        engine = make_engine(target, spec, mode, max(batches))
+        for b in batches:
+            r = measure(engine, b)
+            results["rows"].append({"label": label, "k": k, "mode": mode, "batch": b, **r})
+            print(
+                f"{label:>6} K={k} {mode:>8} B={b:>3}: {r['ms_per_step']:.2f} ms/step, "
+                f"draft {r['draft_ms']:.2f} ms, {r['tok_s']:.0f} tok/s",
+                flush=True,
+            )
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    run("plain", 0, "-", None)
+    for k in [int(x) for x in args.ks.split(",")]:
+        for mode in args.modes.split(","):
+            spec = {
+                "method": "eagle3",
+                "model": head,
+                "num_speculative_tokens": k,
+                "rejection_sample_method": "synthetic",
+                "synthetic_acceptance_rate": args.acceptance,
+            }
+            run("eagle3", k, mode, spec)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "spec_step.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    plain = {r["batch"]: r["ms_per_step"] for r in results["rows"] if r["label"] == "plain"}
+    print(f"\n{results['device']}; ms per step (x plain decode step), drafting share")
+    print(f"{'K':>2} {'mode':>8} " + " ".join(f"{'B=' + str(b):>22}" for b in batches))
+    print(f"{0:>2} {'plain':>8} " + " ".join(f"{plain[b]:>10.2f} ms {'':>10}" for b in batches))
+    for r0 in results["rows"]:
+        if r0["label"] == "plain" or r0["batch"] != batches[0]:
+            continue
+        cells = []
+        for b in batches:
+            r = next(
+                x
+                for x in results["rows"]
+                if x["k"] == r0["k"] and x["mode"] == r0["mode"] and x["batch"] == b
+            )
+            share = r["draft_ms"] / r["ms_per_step"]
+            cells.append(
+                f"{r['ms_per_step']:>6.2f} ({r['ms_per_step'] / plain[b]:.2f}x) {100 * share:>3.0f}%"
+            )
+        print(f"{r0['k']:>2} {r0['mode']:>8} " + " ".join(f"{c:>22}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()

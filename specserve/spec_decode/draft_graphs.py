@@ -1,0 +1,182 @@
+"""CUDA graphs of the drafting loop, for batches whose target forward replayed a graph.
+
+Three graph kinds per padded batch size b (the target's capture sizes):
+  prefill (q, b)  draft prefill over the target graph's own buffers and outputs (q = 1 or K + 1
+                  tokens per request), d1 sampled for shift-1 drafters; leaves the first decode
+                  step's inputs (positions, carried hidden) in this runner's buffers
+  step b          ONE single-token draft step: metadata built from the position buffer (so it is
+                  rebuilt on every replay), forward, logits, sample into the token buffer at the
+                  column `current_draft_step` names, then positions and the step advance in place;
+                  replayed K-1 times
+  loop b          the whole K-1 step loop in one graph: metadata built once, then advanced in
+                  place between steps by the backend (`advance_context_`); only when the backend
+                  supports it (`supports_inplace_advance`)
+Padded rows point at the scratch row of the request state with samples = 0, so all their writes
+are discarded. Sampling parameters are copied into fixed buffers; a batch that needs top-k, top-p
+or min-p for probabilistic drafting falls back to the eager loop.
+"""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import torch
+
+from specserve.sample.sampler import SamplingTensors
+
+if TYPE_CHECKING:
+    from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
+    from specserve.worker.cudagraph import CudaGraphRunner
+    from specserve.worker.input_batch import StepInputs
+    from specserve.worker.model_runner import ModelRunner
+
+MODES = ("auto", "fused", "per_step", "eager")
+
+
+class DraftGraphRunner:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        spec: AutoregressiveSpeculator,
+        target: CudaGraphRunner,
+        mode: str = "auto",
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"draft_graph_mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.runner, self.spec, self.target = runner, spec, target
+        can_fuse = runner.backend.supports_inplace_advance and spec.advance_draft_positions
+        if mode == "fused" and not can_fuse:
+            raise ValueError(
+                f"draft_graph_mode=fused needs an attention backend with in-place metadata "
+                f"advance; {runner.backend.name} has none"
+            )
+        self.fused = can_fuse and mode in ("auto", "fused")
+        self.sizes = target.sizes
+        max_b, dev = self.sizes[-1], runner.device
+        self.rows = torch.full((max_b,), runner.states.scratch_row, dtype=torch.int64, device=dev)
+        self.num_acc = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self.num_draft = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self.samples = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self.pos = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self.h: torch.Tensor | None = None  # [max_b, hidden], allocated at the first capture
+        self.temperature = torch.zeros(max_b, dtype=torch.float32, device=dev)
+        self.seeds = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
+        if not spec.greedy_draft and spec._draft_probs is None:
+            vocab = runner.model.config.vocab_size
+            spec._draft_probs = torch.zeros(runner.states.num_rows, spec.k, vocab, device=dev)
+        self._capture_all()
+
+    # ---- bodies (run eagerly for warm-up, then captured) ----------------------------------
+    def _st(self, b: int) -> SamplingTensors:
+        # Temperature and seed only: other filters fall back to eager (see can_run).
+        return SamplingTensors(
+            temperature=self.temperature[:b],
+            top_k=torch.zeros_like(self.seeds[:b]),
+            top_p=torch.ones_like(self.temperature[:b]),
+            min_p=torch.zeros_like(self.temperature[:b]),
+            seeds=self.seeds[:b],
+            all_greedy=False,
+            any_top_k=False,
+            any_top_p=False,
+            any_min_p=False,
+        )
+
+    def _prefill(self, q: int, b: int) -> None:
+        t, cg = b * q, self.target
+        inp = SimpleNamespace(
+            idx_mapping=self.rows[:b],
+            token_req=cg.token_req[:t],
+            positions=cg.positions[:t],
+            query_start_loc=cg.query_start_loc[: b + 1],
+            num_draft=self.num_draft[:b],
+            samples=self.samples[:b],
+        )
+        ctx = self.runner.forward_context(cg._common(b, q))
+        hidden, aux = cg.outputs[(q, b)]
+        pos, h = self.spec.draft_prefill(
+            self.runner, inp, ctx, hidden, aux, self.num_acc[:b], self._st(b)
+        )
+        self.pos[:b].copy_(pos)
+        if h is not None:
+            if self.h is None:
+                self.h = torch.zeros(self.sizes[-1], h.shape[1], dtype=h.dtype, device=h.device)
+            self.h[:b].copy_(h)
+
+    def _steps(self, b: int, n: int) -> None:
+        """`n` draft steps: n = 1 rebuilds metadata from the buffers; n > 1 advances in place."""
+        r, spec = self.runner, self.spec
+        rows, pos = self.rows[:b], self.pos[:b]
+        ctx = r.forward_context(spec.decode_metadata(r, rows, pos, r.max_model_len))
+        h = self.h[:b] if self.h is not None else None
+        for j in range(n):
+            h = spec.draft_step(r, rows, pos, h, self.samples[:b], self._st(b), ctx)
+            if j < n - 1:
+                # positions (this buffer), seq_lens and slots advance for the next step
+                r.backend.advance_context_(ctx, r.block_size)
+        if h is not None and self.h is not None:
+            self.h[:b].copy_(h)
+        if spec.advance_draft_positions:
+            pos.add_(1)
+
+    # ---- capture ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        n = self.spec.num_decode_steps
+        gc.collect()
+        gc.disable()  # see CudaGraphRunner._capture_all
+        try:
+            for b in reversed(self.sizes):
+                for q in self.target.query_lens:
+                    self._capture(("prefill", q, b), lambda q=q, b=b: self._prefill(q, b))
+                if n > 0:
+                    self._capture(("step", 1, b), lambda b=b: self._steps(b, 1))
+                if n > 1 and self.fused:
+                    self._capture(("loop", n, b), lambda b=b: self._steps(b, n))
+        finally:
+            gc.enable()
+        torch.cuda.synchronize()
+
+    def _capture(self, key: tuple[str, int, int], body: object) -> None:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            body()  # type: ignore[operator]
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.target.pool):
+            body()  # type: ignore[operator]
+        self.graphs[key] = g
+
+    # ---- replay ----------------------------------------------------------------------------
+    def can_run(self, st: SamplingTensors) -> bool:
+        return self.spec.greedy_draft or not (st.any_top_k or st.any_top_p or st.any_min_p)
+
+    def run(
+        self, inp: StepInputs, num_acc: torch.Tensor, st: SamplingTensors, q: int, bg: int
+    ) -> None:
+        B = inp.num_reqs
+        self.rows[:B].copy_(inp.idx_mapping)
+        self.rows[B:bg].fill_(self.runner.states.scratch_row)
+        for buf, src in (
+            (self.num_acc, num_acc),
+            (self.num_draft, inp.num_draft),
+            (self.samples, inp.samples),
+        ):
+            buf[:B].copy_(src)
+            buf[B:bg].zero_()
+        # Padded rows: 0 accepted of q - 1 drafts -> their "last token" is their first slot.
+        self.num_draft[B:bg].fill_(q - 1)
+        if not self.spec.greedy_draft:
+            self.temperature[:B].copy_(st.temperature)
+            self.temperature[B:bg].zero_()
+            self.seeds[:B].copy_(st.seeds)
+        self.graphs[("prefill", q, bg)].replay()
+        n = self.spec.num_decode_steps
+        if n > 1 and self.fused:
+            self.graphs[("loop", n, bg)].replay()
+        else:
+            for _ in range(n):
+                self.graphs[("step", 1, bg)].replay()

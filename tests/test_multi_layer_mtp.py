@@ -1,0 +1,190 @@
+"""Multi-layer MTP (N chained modules): lossless end to end, and every module's paged KV (and
+drafts) equal to a from-scratch recomputation of the accepted sequence after every step."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+
+from .conftest import random_prompts
+from .spec_utils import paged_kv, scratch_context, write_multi_mtp_target
+
+TARGET = ("llama_gqa", "llama")
+MAX_TOKENS = [40, 9, 27, 3, 33]
+
+
+def _params(max_tokens: list[int]) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def setup(ckpt_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("mtp_n")
+    target = ckpt_dir(*TARGET)
+    prompts = random_prompts(5, 4, 50, seed=21)
+    near = random_prompts(3, 52, 62, seed=4)
+    return {
+        "target": target,
+        "prompts": prompts,
+        "ref": _generate(LLM(target, max_model_len=256), prompts, _params(MAX_TOKENS)),
+        "near": near,
+        "near_ref": _generate(LLM(target, max_model_len=64), near, _params([32] * 3)),
+        2: write_multi_mtp_target(target, os.path.join(root, "mtp2"), 2, seed=3),
+        3: write_multi_mtp_target(target, os.path.join(root, "mtp3"), 3, seed=4),
+    }
+
+
+def mtp_llm(target: str, k: int, **kw) -> LLM:
+    cfg = {"method": "mtp", "num_speculative_tokens": k, **kw.pop("spec", {})}
+    return LLM(target, speculative_config=cfg, **kw)
+
+
+MODES = {
+    "plain": {},
+    "chunked": {"max_num_batched_tokens": 24},
+    "preempt": {"num_gpu_blocks_override": 9, "max_num_batched_tokens": 64},
+}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_equivalence(setup: dict, n: int, mode: str) -> None:
+    llm = mtp_llm(setup[n], n, max_model_len=256, **MODES[mode])
+    assert len(llm.engine.speculator.model.mtp) == n
+    assert _generate(llm, setup["prompts"], _params(MAX_TOKENS)) == setup["ref"]
+    m = llm.get_metrics()
+    assert m["spec_decode_num_drafts_total"] > 0
+    if mode == "preempt":
+        assert m["num_preemptions_total"] > 0
+    assert m["kv_cache_usage_perc"] == 0.0
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_near_max_model_len(setup: dict, n: int) -> None:
+    outs = _generate(mtp_llm(setup[n], n, max_model_len=64), setup["near"], _params([32] * 3))
+    assert outs == setup["near_ref"]
+
+
+def test_fewer_drafts_than_modules(setup: dict) -> None:
+    """K < N loads the first K modules only; K > N is refused, naming the field."""
+    llm = mtp_llm(setup[3], 2, max_model_len=256)
+    assert len(llm.engine.speculator.model.mtp) == 2
+    assert _generate(llm, setup["prompts"], _params(MAX_TOKENS)) == setup["ref"]
+    with pytest.raises(ValueError, match="num_speculative_tokens: multi-layer MTP"):
+        mtp_llm(setup[2], 3)
+
+
+def test_all_drafts_accepted(setup: dict, tmp_path) -> None:
+    """Looped target (zero lm_head, shared by the MTP heads): every draft is accepted."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(setup["target"])
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    looped = str(tmp_path / "looped")
+    model.save_pretrained(looped)
+    target = write_multi_mtp_target(looped, str(tmp_path / "looped_mtp"), 3)
+    llm = mtp_llm(target, 3, max_model_len=64, max_num_batched_tokens=40)
+    prompts = setup["near"] + setup["prompts"][:2]
+    mts = [32, 20, 7, 32, 11]
+    outs = _generate(llm, prompts, _params(mts))
+    assert outs == [[0] * min(m, 64 - len(p)) for p, m in zip(prompts, mts)]
+    m = llm.get_metrics()
+    assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"] > 0
+
+
+def _from_scratch(runner, mtp, toks: list[int], L: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Chain the modules over positions 0 .. L-1 of the accepted tokens t_0 .. t_L (drafts
+    appended as they are made): per module k (1-based) its KV at positions 0 .. L-k and d_k."""
+    t = torch.tensor(toks[: L + 1])
+    ctx = scratch_context(runner, L)
+    h, _ = runner.model(t[:L], torch.arange(L), ctx)
+    kvs, drafts = [], []
+    for k, m in enumerate(mtp, 1):
+        ctx = scratch_context(runner, L)
+        out, _ = m(t[k : L + k], torch.arange(L), h, ctx)
+        drafts.append(int(m.draft_logits(out[L - 1]).argmax()))
+        t = torch.cat([t, torch.tensor(drafts[-1:])])
+        cache = ctx.kv_caches[m.layer.self_attn.kv_index]
+        kvs.append(cache.flatten(1, 2)[:, : L - k + 1])
+        h = out
+    return kvs, drafts
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_module_kv_equals_from_scratch(setup: dict, n: int) -> None:
+    """Synthetic acceptance (lossy, 50%) mixes all-rejected, partial and all-accepted steps;
+    chunked prefill, a small KV pool (preemption), max_num_seqs 3 (rows reused, reordered) and
+    staggered arrivals with different max_tokens. After every step every running request's
+    module-k KV over its verified positions, and its drafts, equal a from-scratch chain."""
+    spec = {"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}
+    llm = mtp_llm(
+        setup[n],
+        n,
+        spec=spec,
+        max_model_len=96,
+        max_num_seqs=3,
+        max_num_batched_tokens=20,
+        num_gpu_blocks_override=10,
+    )
+    eng = llm.engine
+    runner, mtp = eng.runner, eng.speculator.model.mtp
+    accepted: list[int] = []
+    sampled: set[str] = set()  # requests that drafted in the latest step
+    execute = runner.execute
+
+    def recording_execute(sched, lp):  # noqa: ANN001, ANN202
+        out = execute(sched, lp)
+        accepted.extend(int(a) for s, a in zip(sched.scheduled, out.num_accepted) if s.num_draft)
+        sampled.clear()
+        sampled.update(s.req.request_id for s in sched.scheduled if s.samples)
+        return out
+
+    runner.execute = recording_execute
+    prompts = random_prompts(6, 3, 30, seed=9)
+    arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
+    mts = [30, 8, 25, 14, 3, 20]
+    step, checked = 0, 0
+    while step in arrivals or eng.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            eng.add_request(str(i), {"prompt_token_ids": prompts[i]}, _params([mts[i]])[0])
+        eng.step()
+        step += 1
+        for req in eng.scheduler.running:
+            L = req.num_computed_tokens
+            if req.row < 0 or L < 2:
+                continue
+            toks = req.all_token_ids
+            with torch.inference_mode():
+                kvs, drafts = _from_scratch(runner, mtp, toks + [0] * n, L)
+            for k, (m, ref) in enumerate(zip(mtp, kvs), 1):
+                got = paged_kv(runner, m.layer.self_attn.kv_index, req.block_ids, L - k + 1)
+                torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+            if req.request_id in sampled:  # the K drafts for the next step are ready
+                got_d = runner.states.token_ids[req.row, L + 1 : L + 1 + n].tolist()
+                assert got_d == drafts, (req.request_id, L)
+            checked += 1
+    assert checked >= 30
+    assert llm.get_metrics()["num_preemptions_total"] > 0
+    assert 0 in accepted and n in accepted and any(0 < a < n for a in accepted)
+
+
+def test_seeded_probabilistic_drafting_is_batch_invariant(setup: dict) -> None:
+    spec = {"draft_sample_method": "probabilistic", "rejection_sample_method": "probabilistic"}
+    llm = mtp_llm(setup[3], 3, spec=spec, max_model_len=256)
+    sp = SamplingParams(temperature=0.9, seed=77, max_tokens=24, ignore_eos=True)
+    p = {"prompt_token_ids": setup["prompts"][0]}
+    alone = llm.generate(p, sp)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": q} for q in setup["prompts"][1:]]
+    osp = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(others[:2] + [p] + others[2:], [osp, osp, sp, osp, osp])
+    assert batch[2].outputs[0].token_ids == alone
