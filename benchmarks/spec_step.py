@@ -123,7 +123,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
 
-    run("plain", 0, "-", None)
+    run("plain", 0, "auto", None)
     for k in [int(x) for x in args.ks.split(",")]:
         for mode in args.modes.split(","):
             spec = {

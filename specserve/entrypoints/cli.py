@@ -29,17 +29,15 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
             continue
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is dataclasses.MISSING else f.default
-        hint = str(hints[f.name])
-        if "bool" in hint:
+        hint = hints[f.name]
+        # Plain types and `X | None`: the first non-None member decides the parser.
+        members = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if members[0] is bool:
             p.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(f.name)
             )
             continue
-        typ: Any = str
-        if hint.startswith("int"):
-            typ = int
-        elif hint.startswith("float"):
-            typ = float
+        typ: Any = members[0] if members[0] in (int, float) else str
         kw: dict[str, Any] = {"type": typ, "default": default, "help": _HELP.get(f.name)}
         if f.name == "model":
             kw["required"] = model_required

@@ -130,21 +130,36 @@ class DraftGraphRunner:
         try:
             for b in reversed(self.sizes):
                 for q in self.target.query_lens:
+                    # Consistent dummy inputs for warm-up and capture: the target buffers as
+                    # the target graph pads them, every row a padded row.
+                    self.target._fill_dummy(b, q)
+                    self.num_draft[:b].fill_(q - 1)
                     self._capture(("prefill", q, b), lambda q=q, b=b: self._prefill(q, b))
+                first = self.num_steps_before_decode
                 if n > 0:
+                    # A replay always follows the prefill: start warm-up and capture from the
+                    # step the prefill leaves, so the probs column stays inside [0, K).
+                    self.spec.current_draft_step.fill_(first)
                     self._capture(("step", 1, b), lambda b=b: self._steps(b, 1))
                 if n > 1 and self.fused:
+                    self.spec.current_draft_step.fill_(first)
                     self._capture(("loop", n, b), lambda b=b: self._steps(b, n))
         finally:
             gc.enable()
         torch.cuda.synchronize()
 
+    @property
+    def num_steps_before_decode(self) -> int:
+        return self.spec.k - self.spec.num_decode_steps
+
     def _capture(self, key: tuple[str, int, int], body: object) -> None:
+        step0 = self.spec.current_draft_step.clone()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             body()  # type: ignore[operator]
         torch.cuda.current_stream().wait_stream(s)
+        self.spec.current_draft_step.copy_(step0)  # the warm-up advanced it
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.target.pool):
             body()  # type: ignore[operator]

@@ -71,7 +71,9 @@ def load_drafter(
         if not os.path.isdir(draft_dir):
             raise _fit_error("model", f"drafter directory {draft_dir!r} does not exist")
         cfg = read_config(draft_dir)
-    names = {n for n, _, _ in _iter_names(draft_dir)}
+    # A dummy-weight drafter (benchmarks) may be a bare config.json.
+    dummy = load_format == "dummy" and not _has_weights(draft_dir)
+    names = set() if dummy else {n for n, _, _ in _iter_names(draft_dir)}
     with torch.device(device), default_dtype(dtype):
         drafter, rename, allow_missing = _construct(spec, cfg, tc, target, max_position, names)
         if spec.parallel_draft:
@@ -83,6 +85,10 @@ def load_drafter(
     else:
         load_weights(drafter, iter_weights(draft_dir), rename, allow_missing)
     return drafter.eval()
+
+
+def _has_weights(model_dir: str) -> bool:
+    return any(f.endswith(".safetensors") for f in os.listdir(model_dir))
 
 
 def _iter_names(model_dir: str) -> list[tuple[str, Any, str]]:
