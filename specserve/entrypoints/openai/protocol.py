@@ -65,11 +65,13 @@ class SamplingRequest(OpenAIModel):
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
+    # The engine keeps temperatures in float32: bound them well inside its range.
+    temperature: float | None = Field(None, ge=0, le=1e4)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=2**31)
     min_p: float | None = Field(None, ge=0, le=1)
-    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
+    # Choice i samples with seed + i: keep every one of them an int64.
+    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX - MAX_N)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False

@@ -1,0 +1,1 @@
+"""Serving benchmark client: `specserve bench serve` and `specserve bench compare`."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible server: `specserve serve` / `create_app(engine)`."""

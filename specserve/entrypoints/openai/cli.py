@@ -1,0 +1,66 @@
+"""`specserve serve [MODEL_DIR] [engine flags] --host --port --api-key`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from specserve.entrypoints.cli import add_engine_args, engine_kwargs
+
+
+def add_serve_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="start the OpenAI-compatible server",
+        description="Serve a model over the OpenAI API (completions, chat, /metrics).",
+    )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL_DIR",
+        help="model directory (same as --model; default: the embedded model)",
+    )
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECSERVE_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1 routes (env SPECSERVE_API_KEY)",
+    )
+    p.add_argument("--uvicorn-log-level", default="info")
+    p.set_defaults(func=cmd_serve)
+
+
+def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine arguments of `serve`: MODEL_DIR or --model, else the embedded model and its
+    speculative config (unless --speculative-config overrides it)."""
+    kw = engine_kwargs(args)
+    if args.model_tag is not None and kw.get("model") not in (None, args.model_tag):
+        raise ValueError(f"MODEL_DIR {args.model_tag!r} and --model {kw['model']!r} disagree.")
+    kw["model"] = args.model_tag or kw.get("model")
+    if kw["model"] is None:
+        try:
+            from specserve.data import embedded_model_dir
+        except ImportError as e:
+            raise ValueError(
+                "no MODEL_DIR given and the embedded model is not available "
+                f"(specserve.data: {e}); pass a model directory."
+            ) from e
+        kw["model"], spec = embedded_model_dir()
+        kw["speculative_config"] = kw.get("speculative_config") or spec
+    return kw
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specserve.config import EngineConfig
+    from specserve.entrypoints.openai.server import build_app
+
+    config = EngineConfig(**serve_engine_kwargs(args))
+    app = build_app(config, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    return 0

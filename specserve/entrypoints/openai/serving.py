@@ -1,0 +1,337 @@
+"""/v1/completions and /v1/chat/completions on top of AsyncLLMEngine.
+
+One HTTP request becomes `len(prompts) * n` engine requests in one RequestGroup; choice index
+`prompt_idx * n + i` (vLLM's order), and choice i of a seeded request uses seed + i, as
+`LLM.generate` does, so server and offline outputs agree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from specserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    PromptSource,
+    RequestGroup,
+)
+from specserve.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+# JSON has no -inf: vLLM's stand-in for a logprob of an impossible token.
+MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class Stream:
+    """A streaming answer: SSE lines, and how to abort its engine requests (the server calls
+    it when the response ends, even if the client left before the first chunk)."""
+
+    chunks: AsyncIterator[str]
+    abort: Callable[[], None]
+
+
+@dataclass
+class _Choice:
+    prompt_idx: int
+    echo: str = ""  # the prompt text, for completions with `echo`
+    text: str = ""  # generated text
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                f"The model `{model}` does not exist.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
+
+    # ---- entry points --------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest) -> dict[str, Any] | Stream:
+        self.check_model(req.model)
+        sp = req.to_sampling_params()
+        prompts: list[PromptSource] = list(req.prompts())
+        return await self._run("cmpl", req, sp, prompts, _CompletionFormat(self, req))
+
+    async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | Stream:
+        self.check_model(req.model)
+        sp = req.to_sampling_params()
+        conv, add_gen = req.conversation(), req.add_generation_prompt
+        tok = self.tokenizer
+        if tok is None:
+            raise APIError("this model has no tokenizer, so chat is not available.")
+
+        # Rendered on the engine thread, which owns the tokenizer; errors come back as 400s.
+        def make() -> dict[str, Any]:
+            ids = tok.apply_chat_template(
+                conv, add_generation_prompt=add_gen, tokenize=True, return_dict=False
+            )
+            return {"prompt_token_ids": list(ids)}
+
+        return await self._run("chatcmpl", req, sp, [make], _ChatFormat(self, req))
+
+    # ---- shared driver -------------------------------------------------------------------
+    async def _run(
+        self,
+        prefix: str,
+        req: SamplingRequest,
+        sp: SamplingParams,
+        prompts: list[PromptSource],
+        fmt: _Format,
+    ) -> dict[str, Any] | Stream:
+        fmt.rid, fmt.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        children = []
+        for p, prompt in enumerate(prompts):
+            for i in range(req.n):
+                child = sp if sp.seed is None or i == 0 else replace(sp, seed=sp.seed + i)
+                children.append((f"{fmt.rid}-{p}-{i}", prompt, child))
+        choices = [_Choice(p) for p in range(len(prompts)) for _ in range(req.n)]
+        group = self.engine.new_group()
+        try:
+            await group.add(children)
+        except EngineDeadError as e:
+            raise _dead(e) from e
+        except Exception as e:  # PromptTooLongError, bad token ids, chat template errors
+            # NOTE: adding a request only validates and tokenizes, so any failure is the input's.
+            raise APIError(str(e), param="messages" if prefix == "chatcmpl" else "prompt") from e
+        if req.stream:
+            return Stream(self._stream(group, choices, fmt, req.include_usage), group.abort)
+        prompt_lens: dict[int, int] = {}
+        try:
+            async for idx, out in group:
+                self._apply(choices[idx], out, fmt, prompt_lens)
+        except EngineDeadError as e:
+            raise _dead(e) from e
+        finally:
+            group.abort()  # no-op unless the client went away (cancellation) mid-way
+        return fmt.response(choices, _usage(prompt_lens, choices))
+
+    async def _stream(
+        self, group: RequestGroup, choices: list[_Choice], fmt: _Format, include_usage: bool
+    ) -> AsyncIterator[str]:
+        prompt_lens: dict[int, int] = {}
+        try:
+            async for idx, out in group:
+                c = choices[idx]
+                first = not c.started
+                n_before = len(c.token_ids)
+                self._apply(c, out, fmt, prompt_lens)
+                yield _sse(fmt.chunk(idx, c, out.delta_text, n_before, first))
+            if include_usage:
+                yield _sse(fmt.usage_chunk(_usage(prompt_lens, choices)))
+        except EngineDeadError as e:
+            # Headers are sent already: the error travels as an event, then the stream ends.
+            yield _sse(_dead(e).body())
+        finally:
+            group.abort()
+        yield "data: [DONE]\n\n"
+
+    def _apply(self, c: _Choice, out: RequestOutput, fmt: _Format, lens: dict[int, int]) -> None:
+        lens[c.prompt_idx] = len(out.prompt_token_ids)
+        if not c.started:
+            c.started = True
+            if fmt.echo:
+                c.echo = out.prompt if out.prompt is not None else self._decode(out)
+        c.text += out.delta_text
+        c.token_ids += out.delta_token_ids
+        if out.delta_logprobs:
+            c.logprobs += out.delta_logprobs
+        if out.finished:
+            c.finish_reason = out.outputs[0].finish_reason
+            c.stop_reason = out.outputs[0].stop_reason
+
+    def _decode(self, out: RequestOutput) -> str:
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+
+def _dead(e: Exception) -> APIError:
+    return APIError(str(e), status=503, type="server_error")
+
+
+def _usage(prompt_lens: dict[int, int], choices: list[_Choice]) -> dict[str, int]:
+    # Each prompt counts once, however many choices (n) it has.
+    p = sum(prompt_lens.values())
+    n = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _top(d: dict[int, float], n: int) -> list[tuple[int, float]]:
+    # The engine returns the batch's largest top-N for every row: cut to this request's N.
+    # (The sampled token sits in `d` too; it is in the top N only if it ranks there.)
+    return sorted(d.items(), key=lambda x: -x[1])[:n]
+
+
+def _lp(x: float) -> float:
+    return max(x, MIN_LOGPROB)
+
+
+class _Format:
+    """Response and chunk shapes of one endpoint."""
+
+    obj = ""
+    chunk_obj = ""
+    echo = False
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+        self.rid = ""
+        self.created = 0
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.serving.model_name,
+        }
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self.head(self.chunk_obj), "choices": [], "usage": usage}
+
+    def chunk(self, idx: int, c: _Choice, delta: str, n_before: int, first: bool) -> dict[str, Any]:
+        """The chunk for one engine output: `delta` is its new text, `n_before` the choice's
+        token count before it, `first` whether it is the choice's first chunk."""
+        raise NotImplementedError
+
+    def response(self, choices: list[_Choice], usage: dict[str, int]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionFormat(_Format):
+    obj = chunk_obj = "text_completion"
+
+    def __init__(self, serving: OpenAIServing, req: CompletionRequest) -> None:
+        super().__init__(serving)
+        self.n_top = req.logprobs
+        self.echo = req.echo
+
+    def logprobs(self, c: _Choice, start: int, offset: int) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs for tokens `start:` of `c`; `offset` is where the first
+        one's text begins in the returned text. (With echo, prompt tokens get no logprobs:
+        the engine does not compute prompt logprobs.)"""
+        if self.n_top is None:
+            return None
+        s = self.serving.token_str
+        out: dict[str, list[Any]] = {
+            "text_offset": [],
+            "token_logprobs": [],
+            "tokens": [],
+            "top_logprobs": [],
+        }
+        for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
+            tok = s(tid)
+            lp = d.get(tid, MIN_LOGPROB)
+            # As in vLLM, a completion's top_logprobs hold the top N plus the sampled token.
+            top = {s(t): _lp(v) for t, v in _top(d, self.n_top)}
+            top[tok] = _lp(lp)
+            out["tokens"].append(tok)
+            out["token_logprobs"].append(_lp(lp))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(tok)
+        return out
+
+    def chunk(self, idx: int, c: _Choice, delta: str, n_before: int, first: bool) -> dict[str, Any]:
+        choice = {
+            "index": idx,
+            "text": (c.echo if first else "") + delta,
+            # The new tokens' text starts after the echo and the text streamed before.
+            "logprobs": self.logprobs(c, n_before, len(c.echo) + len(c.text) - len(delta)),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        return {**self.head(self.chunk_obj), "choices": [choice]}
+
+    def response(self, choices: list[_Choice], usage: dict[str, int]) -> dict[str, Any]:
+        out = [
+            {
+                "index": i,
+                "text": c.echo + c.text,
+                "logprobs": self.logprobs(c, 0, len(c.echo)),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for i, c in enumerate(choices)
+        ]
+        return {**self.head(self.obj), "choices": out, "usage": usage}
+
+
+class _ChatFormat(_Format):
+    obj, chunk_obj = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest) -> None:
+        super().__init__(serving)
+        self.n_top = (req.top_logprobs or 0) if req.logprobs else None
+
+    def logprobs(self, c: _Choice, start: int) -> dict[str, Any] | None:
+        if self.n_top is None:
+            return None
+        s = self.serving.token_str
+
+        def entry(tid: int, lp: float) -> dict[str, Any]:
+            tok = s(tid)
+            return {"token": tok, "logprob": _lp(lp), "bytes": list(tok.encode("utf-8"))}
+
+        content = []
+        for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
+            e = entry(tid, d.get(tid, MIN_LOGPROB))
+            e["top_logprobs"] = [entry(t, v) for t, v in _top(d, self.n_top)]
+            content.append(e)
+        return {"content": content}
+
+    def chunk(self, idx: int, c: _Choice, delta: str, n_before: int, first: bool) -> dict[str, Any]:
+        # NOTE: the role rides on the first token's chunk, so a client's TTFT is the first
+        # token's arrival, not an empty chunk sent before any work was done.
+        msg: dict[str, Any] = {"role": "assistant"} if first else {}
+        msg["content"] = delta
+        choice = {
+            "index": idx,
+            "delta": msg,
+            "logprobs": self.logprobs(c, n_before),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+        return {**self.head(self.chunk_obj), "choices": [choice]}
+
+    def response(self, choices: list[_Choice], usage: dict[str, int]) -> dict[str, Any]:
+        out = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.logprobs(c, 0),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for i, c in enumerate(choices)
+        ]
+        return {**self.head(self.obj), "choices": out, "usage": usage}
