@@ -1,0 +1,1 @@
+"""Training: the reference model family and drafter heads for any local target."""
