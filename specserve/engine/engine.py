@@ -97,6 +97,11 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(self.num_spec_tokens)
+        self.auto_k = None
+        if spec is not None and spec.num_speculative_tokens_per_batch_size == "auto":
+            from specserve.spec_decode.dynamic import AutoSpecController
+
+            self.auto_k = AutoSpecController(self.num_spec_tokens)
         self._rng = np.random.default_rng(config.seed)
         self._last_log = time.monotonic()
 
@@ -197,7 +202,9 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule(self._spec_budget())
+        t0 = time.perf_counter()
+        k = self._spec_budget()
+        sched = self.scheduler.schedule(k)
         for r in sched.preempted:
             self.runner.remove_request(r)
             self.stats.num_preemptions += 1
@@ -208,8 +215,12 @@ class LLMEngine:
             for s in sched.scheduled
             if s.req.sampling_params.logprobs is not None
         ]
-        out = self.runner.execute(sched, lp)
+        out = self.runner.execute(sched, lp, num_drafts=k)
         outputs = self._update(sched, out)
+        if self.auto_k is not None and all(
+            s.samples and s.num_tokens == 1 + s.num_draft for s in sched.scheduled
+        ):  # decode-only steps measure what K costs
+            self.auto_k.record_step(len(sched.scheduled), k or 0, time.perf_counter() - t0)
         self.stats.maybe_log(self)
         return outputs
 
@@ -218,10 +229,12 @@ class LLMEngine:
         if spec is None:
             return None
         n = len(self.scheduler.running) + len(self.scheduler.waiting)
+        if self.auto_k is not None:
+            return self.auto_k.choose(min(n, self.config.max_num_seqs))
         if spec.disable_by_batch_size is not None and n >= spec.disable_by_batch_size:
             return 0
         sched = spec.num_speculative_tokens_per_batch_size
-        if sched:
+        if isinstance(sched, dict) and sched:
             fits = [k for bs, k in sorted((int(b), int(k)) for b, k in sched.items()) if n <= bs]
             return fits[0] if fits else 0
         return None
@@ -237,6 +250,8 @@ class LLMEngine:
             req.num_computed_tokens = s.start + s.num_tokens - s.num_draft + n_acc
             if s.num_draft > 0:
                 self.stats.record_draft(req, s.num_draft, n_acc)
+                if self.auto_k is not None:
+                    self.auto_k.record_acceptance(s.num_draft, n_acc)
             new = out.tokens[i, : n_acc + 1].tolist()
             lps = out.logprobs[i] if out.logprobs is not None else None
             outputs.append(self._append(req, new, lps))

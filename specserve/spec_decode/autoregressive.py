@@ -50,6 +50,11 @@ class AutoregressiveSpeculator:
         """Single-token draft steps after the draft prefill (shift-1 drafters sample d1 there)."""
         return self.k - 1 if self.model.shift == 1 else self.k
 
+    def decode_steps_for(self, num_drafts: int | None) -> int:
+        if num_drafts is None:
+            return self.num_decode_steps
+        return max(0, min(self.num_decode_steps, num_drafts - (self.k - self.num_decode_steps)))
+
     def sliding_windows(self) -> set[int | None]:
         return self.model.sliding_windows()
 
@@ -197,11 +202,15 @@ class AutoregressiveSpeculator:
         aux: list[torch.Tensor],
         num_acc: torch.Tensor,
         st: SamplingTensors,
+        num_drafts: int | None = None,
     ) -> None:
-        """Eager drafting: prefill, then single-token steps with metadata REBUILT each step."""
+        """Eager drafting: prefill, then single-token steps with metadata REBUILT each step.
+
+        `num_drafts` < K (dynamic speculation) runs fewer decode steps; the prefill always runs,
+        so the drafter's KV stays complete for when K grows again."""
         rows = inp.idx_mapping
         pos, h = self.draft_prefill(runner, inp, ctx, hidden, aux, num_acc, st)
-        for j in range(self.num_decode_steps):
+        for j in range(self.decode_steps_for(num_drafts)):
             p = pos + (j if self.advance_draft_positions else 0)
             ctx_j = runner.forward_context(
                 self.decode_metadata(runner, rows, p, inp.max_seq_len + j + 1)

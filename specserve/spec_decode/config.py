@@ -20,7 +20,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
     # Speculation off (K = 0) for a batch larger than a key; "auto" K from measured costs.
-    num_speculative_tokens_per_batch_size: dict[int, int] | None = None
+    num_speculative_tokens_per_batch_size: dict[int, int] | str | None = None
     parallel_draft: bool = False
 
     @classmethod
@@ -86,6 +86,26 @@ class SpeculativeConfig:
             )
         check_type("disable_by_batch_size", (int,), allow_none=True)
         check_type("parallel_draft", (bool,))
+        sched = self.num_speculative_tokens_per_batch_size
+        name = "speculative_config.num_speculative_tokens_per_batch_size"
+        if isinstance(sched, str):
+            if sched != "auto":
+                raise ValueError(
+                    f'{name} must be "auto" or a {{batch size: K}} object, got {sched!r}.'
+                )
+        elif isinstance(sched, dict):
+            try:  # JSON object keys arrive as strings
+                parsed = {int(b): int(k) for b, k in sched.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{name} must map batch sizes to K (integers): {e}") from e
+            if any(b < 1 or not 0 <= k <= self.num_speculative_tokens for b, k in parsed.items()):
+                raise ValueError(
+                    f"{name} needs batch sizes >= 1 and K in 0..num_speculative_tokens "
+                    f"({self.num_speculative_tokens}), got {sched}."
+                )
+            self.num_speculative_tokens_per_batch_size = parsed
+        elif sched is not None:
+            raise ValueError(f'{name} must be "auto" or a {{batch size: K}} object, got {sched!r}.')
         if self.method in ("draft_model", "eagle", "eagle3") and self.model is None:
             raise ValueError(
                 f"speculative_config.model (the drafter directory) is required for {self.method}."

@@ -170,7 +170,13 @@ class DraftGraphRunner:
         return self.spec.greedy_draft or not (st.any_top_k or st.any_top_p or st.any_min_p)
 
     def run(
-        self, inp: StepInputs, num_acc: torch.Tensor, st: SamplingTensors, q: int, bg: int
+        self,
+        inp: StepInputs,
+        num_acc: torch.Tensor,
+        st: SamplingTensors,
+        q: int,
+        bg: int,
+        num_drafts: int | None = None,
     ) -> None:
         B = inp.num_reqs
         self.rows[:B].copy_(inp.idx_mapping)
@@ -189,9 +195,9 @@ class DraftGraphRunner:
             self.temperature[B:bg].zero_()
             self.seeds[:B].copy_(st.seeds)
         self.graphs[("prefill", q, bg)].replay()
-        n = self.spec.num_decode_steps
-        if n > 1 and self.fused:
+        n = self.spec.decode_steps_for(num_drafts)
+        if n > 1 and n == self.spec.num_decode_steps and self.fused:
             self.graphs[("loop", n, bg)].replay()
-        else:
+        else:  # fewer steps (dynamic K) or no fused loop: replay the step graph n times
             for _ in range(n):
                 self.graphs[("step", 1, bg)].replay()

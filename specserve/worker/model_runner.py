@@ -146,7 +146,10 @@ class ModelRunner:
         return build_forward_context(self.backend, common, self.kv_caches, self.windows)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, reqs_logprobs: list[int]) -> StepOutput:
+    def execute(
+        self, sched: SchedulerOutput, reqs_logprobs: list[int], num_drafts: int | None = None
+    ) -> StepOutput:
+        """`num_drafts`: drafts to propose for the next step (None: all K; dynamic K)."""
         for s in sched.scheduled:
             if s.req.row < 0:
                 self.add_request(s.req)
@@ -193,7 +196,11 @@ class ModelRunner:
                 ev[0].record()
             replayed = self.cudagraphs.last_replayed if self.cudagraphs is not None else None
             if self.draft_graphs is not None and replayed and self.draft_graphs.can_run(st):
-                self.draft_graphs.run(inp, num_acc, st, *replayed)
+                self.draft_graphs.run(inp, num_acc, st, *replayed, num_drafts=num_drafts)
+            elif num_drafts is not None and hasattr(self.speculator, "draft_step"):
+                self.speculator.propose(
+                    self, inp, common, ctx, hidden, aux, num_acc, st, num_drafts=num_drafts
+                )
             else:
                 self.speculator.propose(self, inp, common, ctx, hidden, aux, num_acc, st)
             if self.draft_events is not None:
