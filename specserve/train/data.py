@@ -130,9 +130,9 @@ def draft_vocab(
     # Descending count, ties to the lower id: a stable sort on -count over ascending ids.
     order = torch.sort(-counts, stable=True).indices
     ids = torch.sort(order[:draft_vocab_size]).values
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=ids.device)
     t2d[ids] = True
-    return ids - torch.arange(draft_vocab_size), t2d
+    return ids - torch.arange(draft_vocab_size, device=ids.device), t2d
 
 
 def load_tokenizer(target_dir: str) -> Any:
