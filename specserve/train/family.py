@@ -141,7 +141,8 @@ def _families() -> dict[str, FamilySpec]:
             "eagle3": dict(steps=1500, batch_size=16, lr=6e-4, ttt_steps=5, draft_vocab_size=8192),
             "eagle": dict(steps=700, batch_size=16, lr=6e-4, ttt_steps=3),
             "mtp": dict(steps=700, batch_size=16, lr=6e-4, ttt_steps=3),
-            "ptd": dict(steps=700, batch_size=16, lr=6e-4, draft_vocab_size=8192),
+            # Trained for the K sweep of the PTD benchmark (K = 3..8).
+            "ptd": dict(steps=700, batch_size=16, lr=6e-4, draft_vocab_size=8192, ptd_k=8),
         },
         drafter_text_bytes=32_000_000,
         num_speculative_tokens=5,

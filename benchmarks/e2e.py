@@ -1,0 +1,229 @@
+"""End to end on the GPU reference family: tokens/s per method, PTD vs autoregressive, batch 64.
+
+Needs the family built by benchmarks/build_family.py in --family-dir (target + drafters). Runs:
+  1. batch 1, greedy, held-out code prompts: output tokens/s and mean acceptance length (tau) of
+     plain decode and of every drafter (K = 5), and the check tok/s(EAGLE-3) >= 0.8 tau plain;
+  2. the same prompts under transformers: plain `generate` and assisted generation with a small
+     draft LM of the same tokenizer (trained here in about a minute, cached), and specserve's
+     draft_model method with that same pair;
+  3. PTD vs autoregressive EAGLE-3 at K = 3..8, batch 1: tokens/s and drafting ms per step;
+  4. 64 concurrent requests: tokens/s without speculation, with EAGLE-3 K = 5, and automatic K.
+
+    python benchmarks/e2e.py --family-dir /tmp/family       # $OUT/e2e.json, table last
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MAX_TOKENS = 128
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def prompts(n: int) -> list[str]:
+    from specserve.data import load_prompts
+
+    return [r["prompt"] for r in load_prompts("code", n)]
+
+
+def draft_lm(family: str) -> str:
+    """A 4-layer 256-wide LM on the family's tokens: the assistant for the draft_model pair."""
+    import numpy as np
+
+    from specserve.train.reference import ModelShape, TrainConfig, llama_config, save_hf
+    from specserve.train.reference import train_reference
+    from specserve.train.tokenizer import special_ids
+
+    out = os.path.join(family, "draft_lm")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    target = os.path.join(family, "target")
+    shape = ModelShape(16384, 256, 768, 4, 4, 2, 4096)
+    cfg = llama_config(shape, special_ids(target), torch.bfloat16)
+    tokens = np.load(os.path.join(family, "tokens_train.npy"))
+    train = TrainConfig(seq_len=512, batch_size=64, max_steps=3000, lr=2e-3, max_minutes=1.0)
+    model, _ = train_reference(cfg, tokens, train, "cuda", progress=False)
+    save_hf(model, cfg, out, torch.bfloat16)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(target, name), out)
+    del model
+    free()
+    return out
+
+
+def run_specserve(target: str, spec: dict | None, ps: list[str], batch1: bool = True) -> dict:
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(
+        target, max_model_len=1024, max_num_seqs=64 if not batch1 else 4, speculative_config=spec
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    llm.generate(ps[:2], sp, use_tqdm=False)  # warm-up: Triton compiles, allocator
+    base = llm.get_metrics()
+    runner = llm.engine.runner
+    runner.draft_events = [] if spec and torch.cuda.is_available() else None
+    sync()
+    t0 = time.perf_counter()
+    if batch1:
+        outs = [llm.generate(p, sp, use_tqdm=False)[0] for p in ps]
+    else:
+        outs = llm.generate(ps, sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    m = llm.get_metrics()
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = m["spec_decode_num_drafts_total"] - base["spec_decode_num_drafts_total"]
+    acc = m["spec_decode_num_accepted_tokens_total"] - base["spec_decode_num_accepted_tokens_total"]
+    ev = runner.draft_events or []
+    res = {
+        "tok_s": toks / dt,
+        "tau": 1 + acc / drafts if drafts else 1.0,
+        "draft_ms_per_step": sum(s.elapsed_time(e) for s, e in ev) / len(ev) if ev else 0.0,
+        "tokens": toks,
+        "texts": [o.outputs[0].token_ids for o in outs],
+    }
+    runner.draft_events = None
+    del llm
+    free()
+    return res
+
+
+def run_hf(target: str, assistant: str | None, ps: list[str]) -> dict:
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(target)
+    model = tf.AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).cuda().eval()
+    kw: dict = dict(do_sample=False, max_new_tokens=MAX_TOKENS, pad_token_id=tok.pad_token_id)
+    if assistant:
+        kw["assistant_model"] = (
+            tf.AutoModelForCausalLM.from_pretrained(assistant, dtype=torch.bfloat16).cuda().eval()
+        )
+    enc = [tok(p, return_tensors="pt").input_ids.cuda() for p in ps]
+    with torch.no_grad():
+        model.generate(enc[0], **kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        toks = sum(model.generate(e, **kw).shape[1] - e.shape[1] for e in enc)
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    del model, kw
+    free()
+    return {"tok_s": toks / dt, "tokens": toks}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family-dir", default="/tmp/family")
+    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--parts", default="methods,batch64,ptd,hf")
+    args = ap.parse_args()
+    fam, parts = args.family_dir, args.parts.split(",")
+    target = os.path.join(fam, "target")
+    d = lambda m: os.path.join(fam, "drafters", m)  # noqa: E731
+    ps = prompts(args.num_prompts)
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    res: dict = {"device": dev, "num_prompts": len(ps)}
+    k = 5
+    methods = {
+        "eagle3": {"method": "eagle3", "model": d("eagle3")},
+        "eagle": {"method": "eagle", "model": d("eagle")},
+        "mtp": {"method": "mtp", "model": d("mtp")},
+        "ptd": {"method": "eagle3", "model": d("ptd"), "parallel_draft": True},
+        "ngram": {"method": "ngram"},
+    }
+    if "methods" in parts:
+        plain = run_specserve(target, None, ps)
+        res["batch1"] = {"plain": plain}
+        for name, cfg in methods.items():
+            if cfg.get("model") and not os.path.isdir(cfg["model"]):
+                continue
+            r = run_specserve(target, {**cfg, "num_speculative_tokens": k}, ps)
+            r["lossless"] = r["texts"] == plain["texts"]
+            res["batch1"][name] = r
+            print(f"{name:>8}: {r['tok_s']:.0f} tok/s tau {r['tau']:.2f} lossless {r['lossless']}")
+        print(f"   plain: {plain['tok_s']:.0f} tok/s", flush=True)
+        save(res)
+    if "hf" in parts:
+        lm = draft_lm(fam)
+        res["hf"] = {
+            "plain": run_hf(target, None, ps),
+            "assisted": run_hf(target, lm, ps),
+            "specserve_draft_model": run_specserve(
+                target, {"method": "draft_model", "model": lm, "num_speculative_tokens": k}, ps
+            ),
+        }
+        print({n: round(v["tok_s"]) for n, v in res["hf"].items()}, flush=True)
+        save(res)
+    if "ptd" in parts and os.path.isdir(d("ptd")):
+        res["ptd_sweep"] = {}
+        for kk in range(3, 9):
+            for name in ("eagle3", "ptd"):
+                cfg = {**methods[name], "num_speculative_tokens": kk}
+                r = run_specserve(target, cfg, ps[:8])
+                res["ptd_sweep"][f"{name}-{kk}"] = {
+                    x: r[x] for x in ("tok_s", "tau", "draft_ms_per_step")
+                }
+                print(
+                    f"K={kk} {name}: {r['tok_s']:.0f} tok/s tau {r['tau']:.2f} draft {r['draft_ms_per_step']:.3f} ms",
+                    flush=True,
+                )
+        save(res)
+    if "batch64" in parts:
+        ps64 = prompts(64)
+        res["batch64"] = {}
+        for name, spec in (
+            ("plain", None),
+            ("eagle3_k5", {**methods["eagle3"], "num_speculative_tokens": k}),
+            (
+                "eagle3_auto",
+                {
+                    **methods["eagle3"],
+                    "num_speculative_tokens": k,
+                    "num_speculative_tokens_per_batch_size": "auto",
+                },
+            ),
+        ):
+            r = run_specserve(target, spec, ps64, batch1=False)
+            res["batch64"][name] = {x: r[x] for x in ("tok_s", "tau")}
+            print(f"64 concurrent {name}: {r['tok_s']:.0f} tok/s", flush=True)
+        save(res)
+    save(res)
+    print(json.dumps(res, indent=1)[-3000:])
+
+
+def save(res: dict) -> None:
+    """Written after every part, so a run cut short still brings back what it measured."""
+    if not os.environ.get("OUT"):
+        return
+    clean = json.loads(json.dumps(res, default=str))
+    for group in clean.values():
+        if isinstance(group, dict):
+            for v in group.values():
+                if isinstance(v, dict):
+                    v.pop("texts", None)
+    with open(os.path.join(os.environ["OUT"], "e2e.json"), "w") as f:
+        json.dump(clean, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
