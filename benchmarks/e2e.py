@@ -51,8 +51,13 @@ def draft_lm(family: str) -> str:
     """A 4-layer 256-wide LM on the family's tokens: the assistant for the draft_model pair."""
     import numpy as np
 
-    from specserve.train.reference import ModelShape, TrainConfig, llama_config, save_hf
-    from specserve.train.reference import train_reference
+    from specserve.train.reference import (
+        ModelShape,
+        TrainConfig,
+        llama_config,
+        save_hf,
+        train_reference,
+    )
     from specserve.train.tokenizer import special_ids
 
     out = os.path.join(family, "draft_lm")
