@@ -142,8 +142,8 @@ def test_module_kv_equals_from_scratch(setup: dict, n: int) -> None:
     sampled: set[str] = set()  # requests that drafted in the latest step
     execute = runner.execute
 
-    def recording_execute(sched, lp):  # noqa: ANN001, ANN202
-        out = execute(sched, lp)
+    def recording_execute(sched, lp, **kw):  # noqa: ANN001, ANN202, ANN003
+        out = execute(sched, lp, **kw)
         accepted.extend(int(a) for s, a in zip(sched.scheduled, out.num_accepted) if s.num_draft)
         sampled.clear()
         sampled.update(s.req.request_id for s in sched.scheduled if s.samples)

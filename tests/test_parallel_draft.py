@@ -143,10 +143,10 @@ def test_drafts_equal_from_scratch_recomputation(setup: dict, method: str, k: in
     sampled: set[str] = set()  # requests that drafted in the latest step
     execute = runner.execute
 
-    def recording_execute(sched, lp):  # noqa: ANN001, ANN202
+    def recording_execute(sched, lp, **kw):  # noqa: ANN001, ANN202, ANN003
         sampled.clear()
         sampled.update(s.req.request_id for s in sched.scheduled if s.samples)
-        return execute(sched, lp)
+        return execute(sched, lp, **kw)
 
     runner.execute = recording_execute
     checked = 0
