@@ -29,6 +29,7 @@ from specserve.attention.backend import (
     CommonAttentionMetadata,
     ForwardContext,
 )
+from specserve.ops.spec_kernels import advance_decode_metadata_
 
 
 @dataclass
@@ -372,16 +373,11 @@ class TritonAttentionBackend(AttentionBackend):
 
 
 def advance_decode_common_(c: CommonAttentionMetadata, block_size: int) -> None:
-    """In place and graph-safe (no host sync, no tensor rebinding)."""
-    c.positions.add_(1)
-    c.seq_lens.add_(1)
-    bt = c.block_table
-    # Clamped so a position past the table (past max_model_len) cannot index out of bounds.
-    col = (c.positions // block_size).clamp_max(bt.shape[1] - 1)
-    slot = bt[c.token_req, col].long() * block_size + c.positions % block_size
-    # NOTE: padded rows keep slot -1 so the captured graph still writes no KV for them, and a
-    # position past the block table gets -1 too instead of a wrapped slot.
-    live = (c.slot_mapping >= 0) & (c.positions < bt.shape[1] * block_size)
-    c.slot_mapping.copy_(torch.where(live, slot, torch.full_like(slot, -1)))
+    """In place and graph-safe (no host sync, no tensor rebinding): positions and seq_lens + 1,
+    slots from the block table, -1 kept for padded rows and set past the table. One launch on
+    CUDA (`advance_decode_metadata_`)."""
+    advance_decode_metadata_(
+        c.positions, c.seq_lens, c.slot_mapping, c.block_table, c.token_req, block_size
+    )
     # Host-side bound stays an upper bound on seq_lens (eager callers may read it).
     c.max_seq_len += 1

@@ -152,10 +152,76 @@ def rejection_sample(
     mismatch. Sampled rows use speculative sampling (exactly lossless) under both "strict" and
     "probabilistic". "synthetic" (benchmarking only) accepts drafts with a fixed probability.
     The recovered/bonus token is drawn only at each request's final slot, so Gumbel noise costs
-    [B, V], not [B, K+1, V].
+    [B, V], not [B, K+1, V]. On CUDA "strict" and "probabilistic" run as Triton kernels
+    (ops/spec_kernels_rejection.py) checked against `rejection_sample_ref`, the CPU path.
     """
     if method not in METHODS:
         raise ValueError(f"rejection_sample method must be one of {METHODS}, got {method!r}.")
+    k = target_logits.shape[1] - 1
+    if target_logits.is_cuda and method != "synthetic" and k > 0:
+        return rejection_sample_kernel(
+            target_logits, draft_tokens, draft_probs, num_draft, st, positions
+        )
+    return rejection_sample_ref(
+        target_logits,
+        draft_tokens,
+        draft_probs,
+        num_draft,
+        st,
+        positions,
+        method,
+        synthetic_acceptance_rate,
+    )
+
+
+def rejection_sample_kernel(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    num_draft: Tensor,
+    st: SamplingTensors,
+    positions: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The Triton path of `rejection_sample` for "strict" and "probabilistic" (CUDA, or CPU
+    tensors under TRITON_INTERPRET=1); same arguments and results, K >= 1."""
+    from specserve.ops.spec_kernels_rejection import rejection_sample_triton
+
+    processed = None
+    if not st.all_greedy and (st.any_top_k or st.any_top_p or st.any_min_p):
+        # The thresholds need a sort: filtered logits come from the torch code; the
+        # temperature-only case is scaled inside the kernels.
+        b, k1, vocab = target_logits.shape
+        flat = target_logits.float().reshape(b * k1, vocab)
+        processed = process_logits(flat, _repeat_rows(st, k1))
+    return rejection_sample_triton(
+        target_logits,
+        draft_tokens,
+        draft_probs,
+        num_draft,
+        st.temperature,
+        st.seeds,
+        positions,
+        st.all_greedy,
+        processed,
+    )
+
+
+def rejection_sample_ref(
+    # [B, K+1, V] target logits for [last token, d1..dK]'s next-token distributions (raw)
+    target_logits: Tensor,
+    # [B, K] draft tokens (entries past num_draft are padding, any value)
+    draft_tokens: Tensor,
+    # [B, K, V] draft probabilities over the TARGET vocab, or None for greedy drafting (q one-hot)
+    draft_probs: Tensor | None,
+    # [B] int64, number of valid drafts per request (0..K)
+    num_draft: Tensor,
+    st: SamplingTensors,
+    # [B] int64, absolute position of the token that output slot 0 becomes
+    positions: Tensor,
+    method: str = "strict",
+    synthetic_acceptance_rate: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Torch reference of `rejection_sample` (any device); the CPU path."""
     b, k1, vocab = target_logits.shape
     k = k1 - 1
     rows = torch.arange(b, device=target_logits.device)

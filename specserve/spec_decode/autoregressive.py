@@ -18,6 +18,7 @@ import torch
 
 from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.models.drafters import Drafter
+from specserve.ops.spec_kernels import prepare_draft_decode_inputs, prepare_draft_prefill_inputs
 from specserve.sample.rejection import sample_draft
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
@@ -69,23 +70,28 @@ class AutoregressiveSpeculator:
     def decode_metadata(
         self, runner: ModelRunner, rows: torch.Tensor, pos: torch.Tensor, max_seq_len: int
     ) -> CommonAttentionMetadata:
-        """Metadata for one single-token draft step at positions `pos` [B] (graph-safe)."""
+        """Metadata for one single-token draft step at positions `pos` [B] (graph-safe).
+
+        One launch on CUDA. Positions at or past max_model_len get slot -1: drafts never write
+        KV there."""
         B = pos.shape[0]
-        bs = runner.block_size
-        bt = runner.states.block_table[rows]
-        in_range = pos < runner.max_model_len
-        safe = pos.clamp_max(runner.max_model_len - 1)
-        blk = bt.gather(1, (safe // bs)[:, None]).squeeze(1).long()
-        # NOTE: drafts never write KV past max_model_len: such positions get the null slot.
-        slot = torch.where(in_range, blk * bs + safe % bs, torch.full_like(pos, -1))
-        ar = torch.arange(B + 1, device=pos.device)
+        m = prepare_draft_decode_inputs(
+            runner.states.token_ids,
+            runner.states.block_table,
+            rows,
+            pos,
+            self.model.shift,
+            runner.block_size,
+            runner.max_model_len,
+            with_ids=False,
+        )
         return CommonAttentionMetadata(
-            query_start_loc=ar.to(torch.int32),
-            seq_lens=(safe + 1).to(torch.int32),
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
             positions=pos,
-            block_table=bt,
-            slot_mapping=slot,
-            token_req=ar[:B],
+            block_table=m.block_table,
+            slot_mapping=m.slot_mapping,
+            token_req=m.token_req,
             num_reqs=B,
             num_tokens=B,
             max_query_len=1,
@@ -159,18 +165,26 @@ class AutoregressiveSpeculator:
         drafters. Returns (position of the first decode step's input [B], its hidden [B, H])."""
         d = self.model
         rows = inp.idx_mapping
-        tok = runner.states.token_ids
-        ids = tok[rows[inp.token_req], inp.positions + d.shift]
+        # One launch on CUDA: shifted input ids and, per request, the index `last` of its last
+        # verified token (rejected drafts after it are padding) and that token's position P + 1
+        # (the first decode step's input) and P + 2 (where d1 lands).
+        ids, last, next_pos, d1_pos = prepare_draft_prefill_inputs(
+            runner.states.token_ids,
+            rows,
+            inp.token_req,
+            inp.positions,
+            inp.query_start_loc,
+            inp.num_draft,
+            num_acc,
+            d.shift,
+        )
         h_in = d.combine_hidden(hidden, aux) if d.uses_hidden else None
         out, carry = self._forward(ids, inp.positions, h_in, ctx)
-        # Last valid (verified) token of each request: rejected drafts after it are padding.
-        last = inp.query_start_loc[1:] - 1 - inp.num_draft + num_acc
-        P = inp.positions[last]
         self.current_draft_step.fill_(0)
         if d.shift == 1:
-            self._sample(runner, out[last], st, rows, P + 2, inp.samples, 0)
+            self._sample(runner, out[last], st, rows, d1_pos, inp.samples, 0)
             self.current_draft_step.fill_(1)
-        return P + 1, (carry[last] if carry is not None else None)
+        return next_pos, (carry[last] if carry is not None else None)
 
     def draft_step(
         self,
@@ -185,10 +199,20 @@ class AutoregressiveSpeculator:
         ctx: ForwardContext,
     ) -> torch.Tensor | None:
         """One single-token draft step at `current_draft_step`; returns the carried hidden."""
-        d = self.model
-        ids = runner.states.token_ids[rows, pos + d.shift]
-        out, carry = self._forward(ids, pos, h, ctx)
-        self._sample(runner, out, st, rows, pos + d.shift + 1, samples, self.current_draft_step)
+        # The ids half of prepare_draft_decode_inputs (one launch on CUDA): gathered here, after
+        # the previous step wrote its draft, because the fused loop builds the metadata once.
+        x = prepare_draft_decode_inputs(
+            runner.states.token_ids,
+            runner.states.block_table,
+            rows,
+            pos,
+            self.model.shift,
+            runner.block_size,
+            runner.max_model_len,
+            with_metadata=False,
+        )
+        out, carry = self._forward(x.input_ids, pos, h, ctx)
+        self._sample(runner, out, st, rows, x.write_pos, samples, self.current_draft_step)
         self.current_draft_step.add_(1)
         return carry
 

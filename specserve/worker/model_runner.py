@@ -22,6 +22,7 @@ from specserve.attention.backend import (
 from specserve.config import EngineConfig
 from specserve.engine.request import Request
 from specserve.engine.scheduler import SchedulerOutput
+from specserve.ops.spec_kernels import prepare_target_inputs, write_verified_tokens_
 from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import SamplingTensors, compute_logprobs, sample
 from specserve.worker.input_batch import StepInputs, prepare_inputs
@@ -124,17 +125,19 @@ class ModelRunner:
         self.states.remove(req)
 
     # ---- one step -------------------------------------------------------------------------
-    def common_metadata(self, inp: StepInputs) -> CommonAttentionMetadata:
-        rows = inp.idx_mapping[inp.token_req]
-        bt = self.states.block_table
-        blk = bt[rows, inp.positions // self.block_size].long()
-        slot = blk * self.block_size + inp.positions % self.block_size
+    def common_metadata(
+        self,
+        inp: StepInputs,
+        # [T] int64 and [B, max_blocks] int32, from prepare_target_inputs
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+    ) -> CommonAttentionMetadata:
         return CommonAttentionMetadata(
             query_start_loc=inp.query_start_loc.to(torch.int32),
             seq_lens=inp.seq_lens.to(torch.int32),
             positions=inp.positions,
-            block_table=bt[inp.idx_mapping],
-            slot_mapping=slot,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
             token_req=inp.token_req,
             num_reqs=inp.num_reqs,
             num_tokens=inp.num_tokens,
@@ -161,8 +164,11 @@ class ModelRunner:
         tok = self.states.token_ids
         if inp.host_drafts.shape[1] > 0:
             tok[inp.host_drafts[0], inp.host_drafts[1]] = inp.host_drafts[2]
-        input_ids = tok[st_rows[inp.token_req], inp.positions]
-        common = self.common_metadata(inp)
+        # One launch on CUDA: input ids, slot mapping and block-table rows.
+        input_ids, slot_mapping, block_table = prepare_target_inputs(
+            tok, self.states.block_table, st_rows, inp.token_req, inp.positions, self.block_size
+        )
+        common = self.common_metadata(inp, slot_mapping, block_table)
         hidden, aux, ctx = self._run_target(input_ids, inp, common)
 
         B, k1 = inp.num_reqs, k + 1
@@ -229,13 +235,10 @@ class ModelRunner:
         self, inp: StepInputs, out_tokens: torch.Tensor, num_acc: torch.Tensor
     ) -> None:
         """Store verified tokens in the persistent buffer (drafts already there are overwritten
-        with identical values); masked-off slots go to the scratch column."""
-        k1 = out_tokens.shape[1]
-        j = torch.arange(k1, device=self.device)
-        pos = inp.out_pos0[:, None] + j
-        valid = (j[None, :] <= num_acc[:, None]) & (inp.samples[:, None] > 0)
-        pos = torch.where(valid, pos, self.states.width - 1)
-        self.states.token_ids[inp.idx_mapping[:, None], pos] = out_tokens
+        with identical values); masked-off slots never reach a real column (one launch on CUDA)."""
+        write_verified_tokens_(
+            self.states.token_ids, inp.idx_mapping, inp.out_pos0, out_tokens, num_acc, inp.samples
+        )
 
     def _to_host(
         self,
