@@ -145,3 +145,36 @@ def test_datasets(tmp_path: Any, dirs: dict[str, str]) -> None:  # noqa: F811
             assert len(sample_requests(DatasetArgs(name, 3, 4), tok)) == 3
         except FileNotFoundError as e:
             assert "custom --dataset-path" in str(e)
+
+
+def test_sweep_against_the_embedded_family(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's CPU check: a small sweep against the embedded family (EAGLE-3 speculation, the
+    shipped code prompts) gives the table, the JSON and the spec-decode section; compare works."""
+    from specserve.config import EngineConfig
+    from specserve.data import embedded_model_dir
+
+    target, spec = embedded_model_dir()
+    s = LiveServer(EngineConfig(model=target, speculative_config=spec, max_num_seqs=8))
+    try:
+        for label in ("a", "b"):
+            argv = [
+                "bench", "serve", "--base-url", s.url, "--model", target, "--dataset-name", "code",
+                "--output-len", "24", "--temperature", "0", "--disable-tqdm", "--label", label,
+                "--sweep-max-concurrency", "1,2", "--sweep-num-prompts-factor", "2",
+                "--save-result", "--result-dir", str(tmp_path),
+            ]  # fmt: skip
+            assert main(argv) == 0
+    finally:
+        s.close()
+    out = capsys.readouterr().out
+    assert out.count("Serving Benchmark Result") == 4
+    assert "Speculative Decoding" in out and "Acceptance length" in out
+    (a,) = glob.glob(os.path.join(tmp_path, "a-sweep-*.json"))
+    (b,) = glob.glob(os.path.join(tmp_path, "b-sweep-*.json"))
+    runs = json.load(open(a))["runs"]
+    assert [r["max_concurrency"] for r in runs] == [1, 2]
+    assert all(r["completed"] == r["num_prompts"] for r in runs)
+    assert main(["bench", "compare", a, b]) == 0
+    assert "| Metric | Before (c=1) | After (c=1) | Delta |" in capsys.readouterr().out
