@@ -156,12 +156,8 @@ def test_unrolled_steps_match_step_by_step_drafting(target: str, method: str) ->
     drafted token and the carry (PTD: the mask token and mask_hidden)."""
     from specserve.attention.dense import dense_context
     from specserve.models.registry import load_model
-    from specserve.train.drafter import (
-        DraftTrainConfig,
-        method_class,
-        target_signals,
-        unrolled_outputs,
-    )
+    from specserve.train.drafter import DraftTrainConfig, method_class
+    from specserve.train.unrolled import target_signals, unrolled_outputs
 
     S = 12
     cfg = DraftTrainConfig(method=method, seq_len=S, ttt_steps=3, eval_k=4, device="cpu")

@@ -18,30 +18,27 @@ import torch
 
 from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.models.drafters import Drafter
-from specserve.ops.spec_kernels import prepare_draft_decode_inputs, prepare_draft_prefill_inputs
-from specserve.sample.rejection import sample_draft
+from specserve.ops.spec_kernels import (
+    DraftDecodeInputs,
+    prepare_draft_decode_inputs,
+    prepare_draft_prefill_inputs,
+)
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
+from specserve.spec_decode.drafting import DeviceSpeculator
 
 if TYPE_CHECKING:
     from specserve.worker.input_batch import StepInputs
     from specserve.worker.model_runner import ModelRunner
 
 
-class AutoregressiveSpeculator:
-    proposes_on_host = False
-
+class AutoregressiveSpeculator(DeviceSpeculator):
     def __init__(self, spec: SpeculativeConfig, drafter: Drafter, device: torch.device) -> None:
-        self.spec = spec
-        self.model = drafter
-        self.k = spec.num_speculative_tokens
-        self.greedy_draft = spec.draft_sample_method == "greedy"
+        super().__init__(spec, drafter, device)
         # False for a Q-only MTP that shares the target's KV: every draft step at one position.
         self.advance_draft_positions = True
         # False for a drafter whose forward returns one tensor (used for logits and carried on).
         self.model_returns_tuple = True
-        self.device = device
-        self._draft_probs: torch.Tensor | None = None  # [rows, K, vocab], lazily
         # 0-dim device scalar: the draft step being sampled. Sampling reads it to pick the
         # column of the draft probs, so one captured step graph serves every step.
         self.current_draft_step = torch.zeros((), dtype=torch.int64, device=device)
@@ -56,17 +53,6 @@ class AutoregressiveSpeculator:
             return self.num_decode_steps
         return max(0, min(self.num_decode_steps, num_drafts - (self.k - self.num_decode_steps)))
 
-    def sliding_windows(self) -> set[int | None]:
-        return self.model.sliding_windows()
-
-    def aux_layers(self) -> tuple[int, ...]:
-        return self.model.aux_layers()
-
-    def draft_probs(self, rows: torch.Tensor) -> torch.Tensor | None:
-        if self.greedy_draft or self._draft_probs is None:
-            return None
-        return self._draft_probs[rows]
-
     def decode_metadata(
         self, runner: ModelRunner, rows: torch.Tensor, pos: torch.Tensor, max_seq_len: int
     ) -> CommonAttentionMetadata:
@@ -75,16 +61,7 @@ class AutoregressiveSpeculator:
         One launch on CUDA. Positions at or past max_model_len get slot -1: drafts never write
         KV there."""
         B = pos.shape[0]
-        m = prepare_draft_decode_inputs(
-            runner.states.token_ids,
-            runner.states.block_table,
-            rows,
-            pos,
-            self.model.shift,
-            runner.block_size,
-            runner.max_model_len,
-            with_ids=False,
-        )
+        m = self._decode_inputs(runner, rows, pos, with_ids=False)
         return CommonAttentionMetadata(
             query_start_loc=m.query_start_loc,
             seq_lens=m.seq_lens,
@@ -104,6 +81,26 @@ class AutoregressiveSpeculator:
         out = self.model(ids, pos, h, ctx)
         return out if self.model_returns_tuple else (out, out)
 
+    def _decode_inputs(
+        self,
+        runner: ModelRunner,
+        rows: torch.Tensor,
+        pos: torch.Tensor,
+        with_ids: bool = True,
+        with_metadata: bool = True,
+    ) -> DraftDecodeInputs:
+        return prepare_draft_decode_inputs(
+            runner.states.token_ids,
+            runner.states.block_table,
+            rows,
+            pos,
+            self.model.shift,
+            runner.block_size,
+            runner.max_model_len,
+            with_ids,
+            with_metadata,
+        )
+
     def _sample(
         self,
         runner: ModelRunner,
@@ -118,35 +115,14 @@ class AutoregressiveSpeculator:
         samples: torch.Tensor,
         # 0-dim device tensor (or int): the draft step, i.e. the probs column
         step: torch.Tensor | int,
-    ) -> torch.Tensor:
-        """Sample one draft per row, write it into the token buffer; returns target ids [B]."""
-        logits = self.model.draft_logits(h).float()
-        tokens, probs = sample_draft(logits, st, write_pos, self.greedy_draft)
-        tokens = self.model.to_target_ids(tokens)
-        tok = runner.states.token_ids
-        col = torch.where(samples > 0, write_pos, torch.full_like(write_pos, tok.shape[1] - 1))
-        tok[rows, col] = tokens
-        if probs is not None:
-            self._write_probs(runner, probs, rows, step)
-        return tokens
-
-    def _write_probs(
-        self, runner: ModelRunner, probs: torch.Tensor, rows: torch.Tensor, step: torch.Tensor | int
     ) -> None:
-        if self._draft_probs is None:
-            vocab = runner.model.config.vocab_size
-            self._draft_probs = torch.zeros(
-                runner.states.num_rows, self.k, vocab, device=self.device
-            )
-        if self.model.d2t is not None:  # reduced draft vocabulary -> target vocabulary
-            full = probs.new_zeros(probs.shape[0], self._draft_probs.shape[2])
-            full[:, self.model.to_target_ids(torch.arange(probs.shape[1], device=self.device))] = (
-                probs
-            )
-            probs = full
-        # In place at (row, step) through flat indices: graph-safe with a device `step`.
-        flat = self._draft_probs.view(-1, self._draft_probs.shape[2])
-        flat.index_copy_(0, rows * self.k + step, probs)
+        """Sample one draft per row and write it (and its probs) at draft step `step`."""
+        logits = self.model.draft_logits(h).float()
+        scratch = runner.states.token_ids.shape[1] - 1
+        col = torch.where(samples > 0, write_pos, torch.full_like(write_pos, scratch))
+        self.store_drafts(
+            runner, self.model, logits, st, rows, write_pos[:, None], col[:, None], step
+        )
 
     # ---- the two phases -------------------------------------------------------------------
     def draft_prefill(
@@ -201,16 +177,7 @@ class AutoregressiveSpeculator:
         """One single-token draft step at `current_draft_step`; returns the carried hidden."""
         # The ids half of prepare_draft_decode_inputs (one launch on CUDA): gathered here, after
         # the previous step wrote its draft, because the fused loop builds the metadata once.
-        x = prepare_draft_decode_inputs(
-            runner.states.token_ids,
-            runner.states.block_table,
-            rows,
-            pos,
-            self.model.shift,
-            runner.block_size,
-            runner.max_model_len,
-            with_metadata=False,
-        )
+        x = self._decode_inputs(runner, rows, pos, with_metadata=False)
         out, carry = self._forward(x.input_ids, pos, h, ctx)
         self._sample(runner, out, st, rows, x.write_pos, samples, self.current_draft_step)
         self.current_draft_step.add_(1)

@@ -64,9 +64,8 @@ class DraftGraphRunner:
         self.temperature = torch.zeros(max_b, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(max_b, dtype=torch.int64, device=dev)
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
-        if not spec.greedy_draft and spec._draft_probs is None:
-            vocab = runner.model.config.vocab_size
-            spec._draft_probs = torch.zeros(runner.states.num_rows, spec.k, vocab, device=dev)
+        # NOTE: allocated before capture: a captured graph must not allocate it.
+        spec.ensure_draft_probs(runner)
         self._capture_all()
 
     # ---- bodies (run eagerly for warm-up, then captured) ----------------------------------

@@ -46,51 +46,33 @@ from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.models.drafters import MultiLayerMTPDrafter
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
-from specserve.spec_decode.parallel import expand_regions, store_drafts
+from specserve.spec_decode.drafting import DeviceSpeculator
+from specserve.spec_decode.parallel import expand_regions
 
 if TYPE_CHECKING:
     from specserve.worker.input_batch import StepInputs
     from specserve.worker.model_runner import ModelRunner
 
 
-class MultiLayerMTPSpeculator:
-    proposes_on_host = False
+class MultiLayerMTPSpeculator(DeviceSpeculator):
+    model: MultiLayerMTPDrafter
 
     def __init__(
         self, spec: SpeculativeConfig, drafter: MultiLayerMTPDrafter, device: torch.device
     ) -> None:
-        self.spec = spec
-        self.model = drafter
-        self.k = spec.num_speculative_tokens
+        super().__init__(spec, drafter, device)
         if len(drafter.mtp) != self.k:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens: multi-layer MTP needs one module per "
                 f"draft, got {len(drafter.mtp)} module(s) for K = {self.k}"
             )
-        self.greedy_draft = spec.draft_sample_method == "greedy"
-        self.device = device
         # [K - 1, rows, hidden]: module k's output at its last verified position, per request row.
         self._carry: torch.Tensor | None = None
-        self._draft_probs: torch.Tensor | None = None  # [rows, K, vocab], lazily
 
-    def sliding_windows(self) -> set[int | None]:
-        return self.model.sliding_windows()
-
-    def aux_layers(self) -> tuple[int, ...]:
-        return ()
-
-    def draft_probs(self, rows: torch.Tensor) -> torch.Tensor | None:
-        if self.greedy_draft or self._draft_probs is None:
-            return None
-        return self._draft_probs[rows]
-
-    def _lazy_buffers(self, runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
-        n = runner.states.token_ids.shape[0]  # every persistent row (padding rows included)
+    def _lazy_carry(self, runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
         if self._carry is None:
+            n = runner.states.num_rows  # every persistent row (padding rows included)
             self._carry = hidden.new_zeros(max(self.k - 1, 1), n, hidden.shape[1])
-        if not self.greedy_draft and self._draft_probs is None:
-            vocab = runner.model.config.vocab_size
-            self._draft_probs = torch.zeros(n, self.k, vocab, device=self.device)
         return self._carry
 
     def module_inputs(
@@ -151,7 +133,7 @@ class MultiLayerMTPSpeculator:
         # [B] last verified slot, and the position P whose target hidden is the newest verified.
         v = qsl[1:] - qsl[:-1] - 1 - inp.num_draft + num_acc
         P = inp.positions[qsl[:-1] + v]
-        carry = self._lazy_buffers(runner, hidden)
+        carry = self._lazy_carry(runner, hidden)
         # NOTE: read every module's carry before this step overwrites any of it.
         carried = carry[:, rows]
         scratch = runner.states.token_ids.shape[1] - 1
@@ -171,18 +153,7 @@ class MultiLayerMTPSpeculator:
             # Module i (0-based) at position P predicts the token at P + i + 2.
             dpos = P + i + 2
             col = torch.where(inp.samples > 0, dpos, scratch)
-            store_drafts(
-                runner,
-                module,
-                logits,
-                st,
-                rows,
-                dpos[:, None],
-                col[:, None],
-                self.greedy_draft,
-                self._draft_probs,
-                i,
-            )
+            self.store_drafts(runner, module, logits, st, rows, dpos[:, None], col[:, None], i)
             if i + 1 < self.k:
                 carry[i, rows] = out[first + v]
             prev, prev_first = out, first

@@ -38,9 +38,9 @@ import torch
 
 from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.models.drafters import Drafter, DraftModelDrafter
-from specserve.sample.rejection import sample_draft
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
+from specserve.spec_decode.drafting import DeviceSpeculator
 
 try:
     import triton
@@ -379,66 +379,15 @@ def prepare_parallel_inputs(
     return out
 
 
-def store_drafts(
-    runner: ModelRunner,
-    drafter: Drafter,
-    # [B * J, draft_vocab] float
-    logits: torch.Tensor,
-    st: SamplingTensors,
-    # [B]
-    rows: torch.Tensor,
-    # [B, J] position each draft takes (keys its random draw)
-    draft_pos: torch.Tensor,
-    # [B, J] token-buffer column to write (the scratch column for drafts never verified)
-    col: torch.Tensor,
-    greedy: bool,
-    # [rows, K, vocab] or None (greedy drafting)
-    probs_buf: torch.Tensor | None,
-    first_step: int,
-) -> None:
-    """Sample J drafts per request, write them into the token buffer (and their probabilities
-    for the rejection sampler)."""
-    B, J = col.shape
-    st_rows = st if J == 1 else st.index(torch.arange(B, device=rows.device).repeat_interleave(J))
-    tokens, probs = sample_draft(logits, st_rows, draft_pos.reshape(-1), greedy)
-    runner.states.token_ids[rows[:, None], col] = drafter.to_target_ids(tokens).view(B, J)
-    if probs is None or probs_buf is None:
-        return
-    if drafter.d2t is not None:
-        full = probs.new_zeros(probs.shape[0], probs_buf.shape[2])
-        ids = torch.arange(probs.shape[1], device=probs.device)
-        full[:, drafter.to_target_ids(ids)] = probs
-        probs = full
-    probs_buf[rows, first_step : first_step + J] = probs.view(B, J, -1)
-
-
-class ParallelDraftSpeculator:
+class ParallelDraftSpeculator(DeviceSpeculator):
     """PTD speculator: same surface as AutoregressiveSpeculator, one drafter forward per step."""
-
-    proposes_on_host = False
 
     def __init__(self, spec: SpeculativeConfig, drafter: Drafter, device: torch.device) -> None:
         if drafter.ptd_token_id is None:
             raise ValueError("speculative_config.parallel_draft: the drafter has no ptd_token_id")
-        self.spec = spec
-        self.model = drafter
-        self.k = spec.num_speculative_tokens
+        super().__init__(spec, drafter, device)
         self.extra = self.k - drafter.shift  # E: slots added per request
-        self.greedy_draft = spec.draft_sample_method == "greedy"
-        self.device = device
         self._bufs: ParallelDraftBuffers | None = None
-        self._draft_probs: torch.Tensor | None = None  # [rows, K, vocab], lazily
-
-    def sliding_windows(self) -> set[int | None]:
-        return self.model.sliding_windows()
-
-    def aux_layers(self) -> tuple[int, ...]:
-        return self.model.aux_layers()
-
-    def draft_probs(self, rows: torch.Tensor) -> torch.Tensor | None:
-        if self.greedy_draft or self._draft_probs is None:
-            return None
-        return self._draft_probs[rows]
 
     @property
     def uses_kernel(self) -> bool:
@@ -449,9 +398,6 @@ class ParallelDraftSpeculator:
         if self.uses_kernel and self._bufs is None:
             max_slots = c.max_num_batched_tokens + c.max_num_seqs * self.k
             self._bufs = ParallelDraftBuffers(max_slots, c.max_num_seqs, self.k, self.device)
-        if not self.greedy_draft and self._draft_probs is None:
-            rows, vocab = runner.states.token_ids.shape[0], runner.model.config.vocab_size
-            self._draft_probs = torch.zeros(rows, self.k, vocab, device=self.device)
 
     def prepare(
         self, runner: ModelRunner, inp: StepInputs, num_acc: torch.Tensor
@@ -520,15 +466,4 @@ class ParallelDraftSpeculator:
         # Random draws are keyed by the draft's real position, even where the write is dropped.
         last = inp.query_start_loc[1:] - 1 - inp.num_draft + num_acc
         draft_pos = inp.positions[last][:, None] + 2 + jj
-        store_drafts(
-            runner,
-            d,
-            logits,
-            st,
-            inp.idx_mapping,
-            draft_pos,
-            pin.draft_col,
-            self.greedy_draft,
-            self._draft_probs,
-            0,
-        )
+        self.store_drafts(runner, d, logits, st, inp.idx_mapping, draft_pos, pin.draft_col, 0)

@@ -54,37 +54,14 @@ def _own_or_shared(names: set[str], key: str) -> bool:
     return any(n.endswith(key) for n in names)
 
 
-def load_drafter(
-    spec: SpeculativeConfig,
-    target: LlamaForCausalLM,
-    target_dir: str,
-    max_position: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    load_format: str = "auto",
-) -> Drafter:
-    tc = target.config
+def _drafter_config(spec: SpeculativeConfig, target_dir: str) -> tuple[str, dict[str, Any]]:
+    """(drafter directory, its config.json); MTP without a model reads the target's."""
     if spec.method == "mtp" and spec.model is None:
-        draft_dir, cfg = target_dir, read_config(target_dir)
-    else:
-        draft_dir = spec.model or ""
-        if not os.path.isdir(draft_dir):
-            raise _fit_error("model", f"drafter directory {draft_dir!r} does not exist")
-        cfg = read_config(draft_dir)
-    # A dummy-weight drafter (benchmarks) may be a bare config.json.
-    dummy = load_format == "dummy" and not _has_weights(draft_dir)
-    names = set() if dummy else {n for n, _, _ in _iter_names(draft_dir)}
-    with torch.device(device), default_dtype(dtype):
-        drafter, rename, allow_missing = _construct(spec, cfg, tc, target, max_position, names)
-        if spec.parallel_draft:
-            from specserve.spec_decode.parallel import configure_parallel_drafter
-
-            configure_parallel_drafter(drafter, cfg, names, draft_dir)
-    if load_format == "dummy":  # random weights of the right shapes (speed benchmarks)
-        dummy_weights_(drafter)
-    else:
-        load_weights(drafter, iter_weights(draft_dir), rename, allow_missing)
-    return drafter.eval()
+        return target_dir, read_config(target_dir)
+    draft_dir = spec.model or ""
+    if not os.path.isdir(draft_dir):
+        raise _fit_error("model", f"drafter directory {draft_dir!r} does not exist")
+    return draft_dir, read_config(draft_dir)
 
 
 def _has_weights(model_dir: str) -> bool:
@@ -268,6 +245,8 @@ def build_speculator(
     device: torch.device,
     load_format: str = "auto",
 ) -> Any:
+    """The speculator for `spec`; an n-gram one, or a device one with its drafter loaded (in
+    `dtype`, on `device`; random weights with load_format "dummy") and checked to fit."""
     if spec.parallel_draft and spec.method not in PARALLEL_DRAFT_METHODS:
         raise _fit_error(
             "parallel_draft",
@@ -278,9 +257,27 @@ def build_speculator(
         from specserve.spec_decode.ngram import NgramSpeculator
 
         return NgramSpeculator(spec)
+    tc = target.config
+    draft_dir, cfg = _drafter_config(spec, target_dir)
+    # A dummy-weight drafter (benchmarks) may be a bare config.json.
+    dummy = load_format == "dummy" and not _has_weights(draft_dir)
+    names = set() if dummy else {n for n, _, _ in _iter_names(draft_dir)}
+    with torch.device(device), default_dtype(dtype):
+        drafter, rename, allow_missing = _construct(spec, cfg, tc, target, max_position, names)
+        if spec.parallel_draft:
+            from specserve.spec_decode.parallel import configure_parallel_drafter
+
+            configure_parallel_drafter(drafter, cfg, names, draft_dir)
+    if load_format == "dummy":  # random weights of the right shapes (speed benchmarks)
+        dummy_weights_(drafter)
+    else:
+        load_weights(drafter, iter_weights(draft_dir), rename, allow_missing)
+    return _device_speculator(spec, drafter.eval(), device)
+
+
+def _device_speculator(spec: SpeculativeConfig, drafter: Drafter, device: torch.device) -> Any:
     from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
 
-    drafter = load_drafter(spec, target, target_dir, max_position, dtype, device, load_format)
     if spec.parallel_draft:
         from specserve.spec_decode.parallel import ParallelDraftSpeculator
 

@@ -11,35 +11,35 @@ Each stage is cached in DIR and skipped when its output exists, so an interrupte
     DIR/drafters/<method>/    one drafter per method, trained by `train_drafter`
     DIR/summary.json          acceptance length of every drafter on the held-out code prompts
 
-`embedded` is small enough to ship inside the package and run on a CPU; `gpu` is the ~100M target
-the GPU benchmarks use.
+The presets (`embedded`, small enough to ship inside the package and run on a CPU; `gpu`, the ~100M
+target the GPU benchmarks use) are in `presets.py`, the engine-side measurements in `evaluate.py`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import gc
 import json
 import os
 import platform
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
 from specserve.train import corpus
-from specserve.train.reference import (
-    ModelShape,
-    TrainConfig,
-    llama_config,
-    plot_losses,
-    save_hf,
-    train_reference,
+from specserve.train.evaluate import (
+    complete_function,
+    evaluate_acceptance,
+    fraction_parsing,
+    free_memory,
+    parses,
+    spec_config_for,
 )
+from specserve.train.presets import FAMILIES, FamilySpec
+from specserve.train.reference import llama_config, plot_losses, save_hf, train_reference
 from specserve.train.tokenizer import (
     BOS,
     encode_documents,
@@ -48,109 +48,26 @@ from specserve.train.tokenizer import (
     train_tokenizer,
 )
 
+# Presets and evaluation helpers are re-exported: benchmarks and tests import them from here.
+__all__ = [
+    "FAMILIES",
+    "STAGES",
+    "FamilySpec",
+    "available_methods",
+    "build_family",
+    "complete_function",
+    "evaluate_acceptance",
+    "evaluate_family",
+    "format_table",
+    "fraction_parsing",
+    "free_memory",
+    "parses",
+    "spec_config_for",
+    "with_overrides",
+]
+
 STAGES = ("tokenizer", "target", "drafters", "eval")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-@dataclass(frozen=True)
-class FamilySpec:
-    name: str
-    shape: ModelShape
-    train: TrainConfig
-    save_dtype: torch.dtype
-    # Corpus: the stdlib, plus installed packages' sources up to `corpus_max_bytes` in all.
-    packages: bool
-    corpus_max_bytes: int | None
-    tokenizer_max_bytes: int
-    # Chat-formatted examples (user asks for a function, the answer is its source).
-    max_chat_examples: int
-    # Drafters: method -> train_drafter keyword arguments (DraftTrainConfig fields).
-    drafters: dict[str, dict[str, Any]]
-    drafter_text_bytes: int
-    num_speculative_tokens: int
-    eval_max_tokens: int = 128
-    eval_num_prompts: int | None = None
-    parse_num_prompts: int = 48
-
-
-def _families() -> dict[str, FamilySpec]:
-    embedded = FamilySpec(
-        name="embedded",
-        # 8.4M parameters: 16.8 MB in bf16, 21.6 MB with its EAGLE-3 head and tokenizer.
-        shape=ModelShape(
-            vocab_size=8192,
-            hidden_size=256,
-            intermediate_size=768,
-            num_hidden_layers=8,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-        ),
-        train=TrainConfig(
-            seq_len=512,
-            batch_size=64,
-            max_steps=6000,
-            lr=1.5e-3,
-            warmup_steps=200,
-            max_minutes=3.5,
-            compile=True,
-        ),
-        save_dtype=torch.bfloat16,
-        packages=True,
-        corpus_max_bytes=96_000_000,
-        tokenizer_max_bytes=24_000_000,
-        max_chat_examples=20_000,
-        drafters={
-            "eagle3": dict(steps=2000, batch_size=32, lr=1e-3, ttt_steps=3, draft_vocab_size=4096),
-            "eagle": dict(steps=1200, batch_size=32, lr=1e-3, ttt_steps=3),
-            "mtp": dict(steps=1200, batch_size=32, lr=1e-3, ttt_steps=3),
-            "ptd": dict(steps=1200, batch_size=32, lr=1e-3, draft_vocab_size=4096),
-        },
-        drafter_text_bytes=24_000_000,
-        num_speculative_tokens=3,
-    )
-    gpu = FamilySpec(
-        name="gpu",
-        # 100.7M parameters.
-        shape=ModelShape(
-            vocab_size=16384,
-            hidden_size=768,
-            intermediate_size=2048,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            num_key_value_heads=4,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        ),
-        train=TrainConfig(
-            seq_len=512,
-            batch_size=64,
-            max_steps=4000,
-            lr=8e-4,
-            warmup_steps=200,
-            max_minutes=6.0,
-            compile=True,
-        ),
-        save_dtype=torch.bfloat16,
-        packages=True,
-        corpus_max_bytes=160_000_000,
-        tokenizer_max_bytes=32_000_000,
-        max_chat_examples=40_000,
-        drafters={
-            "eagle3": dict(steps=1500, batch_size=16, lr=6e-4, ttt_steps=5, draft_vocab_size=8192),
-            "eagle": dict(steps=700, batch_size=16, lr=6e-4, ttt_steps=3),
-            "mtp": dict(steps=700, batch_size=16, lr=6e-4, ttt_steps=3),
-            # Trained for the K sweep of the PTD benchmark (K = 3..8).
-            "ptd": dict(steps=700, batch_size=16, lr=6e-4, draft_vocab_size=8192, ptd_k=8),
-        },
-        drafter_text_bytes=32_000_000,
-        num_speculative_tokens=5,
-    )
-    return {"embedded": embedded, "gpu": gpu}
-
-
-FAMILIES = _families()
 
 
 # ---- stages -------------------------------------------------------------------------------------
@@ -283,103 +200,6 @@ def build_drafters(
 
 
 # ---- evaluation ---------------------------------------------------------------------------------
-def complete_function(prompt: str, completion: str) -> str | None:
-    """The function a completion finishes: prompt + completion up to the first line back at the
-    `def`'s indentation (the function ended) or, when generation stopped inside the body, up to its
-    last whole line. None when the completion adds no body line."""
-    lines = (prompt + completion).split("\n")
-    n_prompt = prompt.count("\n") + 1
-    body: list[str] = []
-    ended = False
-    for line in lines[n_prompt:]:
-        if line.strip() and not line.startswith((" ", "\t")):
-            ended = True
-            break
-        body.append(line)
-    if not ended and len(body) > 1:
-        body = body[:-1]  # the last line may have been cut mid-statement
-    if not any(line.strip() for line in body):
-        return None
-    return "\n".join(lines[:n_prompt] + body)
-
-
-def parses(source: str | None) -> bool:
-    if source is None:
-        return False
-    try:
-        ast.parse(source)
-    except (SyntaxError, ValueError):
-        return False
-    return True
-
-
-def fraction_parsing(llm: Any, prompts: list[str], max_tokens: int = 128) -> float:
-    """Share of greedy completions of code prompts (signature + docstring) that finish into a
-    function `ast` parses: plausibility of the target's Python."""
-    from specserve import SamplingParams
-
-    if not prompts:
-        raise ValueError("fraction_parsing needs at least one prompt")
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    ok = [parses(complete_function(p, o.outputs[0].text)) for p, o in zip(prompts, outs)]
-    return sum(ok) / len(ok)
-
-
-def spec_config_for(method: str, drafter_dir: str | None, k: int) -> dict[str, Any]:
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k}
-    from specserve.train.drafter import method_class
-
-    return {**method_class(method).spec_config(drafter_dir), "num_speculative_tokens": k}
-
-
-def evaluate_acceptance(
-    target: str,
-    spec_config: dict[str, Any],
-    prompts: list[str],
-    max_tokens: int,
-    device: str,
-    parse_prompts: list[str] | None = None,
-) -> dict[str, Any]:
-    """Greedy generation of every prompt with speculation: the mean acceptance length (and, when
-    `parse_prompts` is given, `fraction_parsing` of the same engine)."""
-    from specserve import LLM, SamplingParams
-
-    llm = LLM(
-        target,
-        device=device,
-        speculative_config=spec_config,
-        max_num_seqs=min(64, len(prompts)),
-        max_model_len=1024,
-        # A fixed KV budget (plenty for these prompts) rather than most of the GPU's memory.
-        kv_cache_memory=(2 << 30) if device.startswith("cuda") else None,
-    )
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), False)
-    seconds = time.perf_counter() - t0
-    m = llm.get_metrics()
-    res = {
-        "acceptance_length": round(float(m["spec_decode_mean_acceptance_length"]), 4),
-        "acceptance_rate": round(float(m.get("spec_decode_acceptance_rate", float("nan"))), 4),
-        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-        "seconds": round(seconds, 2),
-    }
-    if parse_prompts:
-        res["fraction_parsing"] = round(fraction_parsing(llm, parse_prompts, max_tokens), 4)
-    del llm, outs
-    free_memory(device)
-    return res
-
-
-def free_memory(device: str) -> None:
-    """Drop a finished model's memory before the next one starts (engines hold reference
-    cycles, so refcounting alone leaves their KV cache allocated)."""
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
 def evaluate_family(
     spec: FamilySpec, out: str, target: str, drafters: dict[str, str], device: str
 ) -> dict[str, Any]:

@@ -24,12 +24,15 @@ follows this exactly; the head's accepted slot is an ordinary EAGLE-3 step 0.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from specserve.train.drafter import DraftTrainConfig, Eagle3Method
+from specserve.train.heads import Eagle3Method
+
+if TYPE_CHECKING:
+    from specserve.train.drafter import DraftTrainConfig
 
 
 def mask_token_id(tcfg: dict[str, Any]) -> int:
