@@ -215,3 +215,28 @@ def test_draft_metadata_is_rebuilt_every_step(ckpt_dir, monkeypatch) -> None:
     monkeypatch.setattr(AutoregressiveSpeculator, "propose", stale_propose)
     stale = drafts_per_step(LLM(target, max_model_len=256, speculative_config=cfg), prompts, sp)
     assert any(d != from_scratch(toks) for toks, d in stale)
+
+
+def test_speculator_switches(setup: dict) -> None:
+    """`model_returns_tuple=False` (a drafter returning one tensor, carried as is) gives MTP the same
+    drafts; `advance_draft_positions=False` (Q-only MTP style: every step at one position) stays
+    lossless."""
+    from .draft_utils import drafts_per_step
+
+    prompts = setup["prompts"][:3]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    base = drafts_per_step(spec_llm(setup, "mtp", 3), prompts, sp)
+
+    llm = spec_llm(setup, "mtp", 3)
+    spec = llm.engine.speculator
+    drafter_forward = spec.model.forward
+    spec.model.forward = lambda *a: drafter_forward(*a)[0]  # MTP carries its output: same tensor
+    spec.model_returns_tuple = False
+    assert drafts_per_step(llm, prompts, sp) == base
+
+    llm = spec_llm(setup, "mtp", 3)
+    llm.engine.speculator.advance_draft_positions = False
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    ref = spec_llm(setup, "mtp", 3).generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
