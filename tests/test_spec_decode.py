@@ -240,3 +240,28 @@ def test_speculator_switches(setup: dict) -> None:
     ref = spec_llm(setup, "mtp", 3).generate([{"prompt_token_ids": p} for p in prompts], sp)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
+
+
+def test_decode_batches_stay_uniform_near_max_tokens(setup: dict) -> None:
+    """Drafts are not capped by max_tokens (tokens verified past it are dropped), so every decode
+    step gives each request 1 + K tokens: the shape the CUDA graphs capture."""
+    llm = spec_llm(setup, "eagle3", 3)
+    eng = llm.engine
+    shapes: list[set[int]] = []
+    schedule = eng.scheduler.schedule
+
+    def recording(k: int | None = None):  # noqa: ANN202
+        out = schedule(k)
+        if out.scheduled and all(
+            s.samples and not s.req.num_output_tokens == 0 for s in out.scheduled
+        ):
+            shapes.append({s.num_tokens for s in out.scheduled})
+        return out
+
+    eng.scheduler.schedule = recording
+    sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 9, 14, 20)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in setup["prompts"][:4]], sps)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 9, 14, 20]
+    for o, r in zip(outs, setup["ref"]):
+        assert o.outputs[0].token_ids == r[: len(o.outputs[0].token_ids)]
+    assert shapes and all(s == {4} for s in shapes), shapes
