@@ -47,7 +47,7 @@ from specserve.models.drafters import MultiLayerMTPDrafter
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
 from specserve.spec_decode.drafting import DeviceSpeculator
-from specserve.spec_decode.parallel import expand_regions
+from specserve.spec_decode.parallel_inputs import expand_regions
 
 if TYPE_CHECKING:
     from specserve.worker.input_batch import StepInputs
