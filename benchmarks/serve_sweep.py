@@ -6,6 +6,11 @@ code prompts at max concurrency 1, 16 and 64, saves the JSON under $OUT, stops t
 prints `specserve bench compare` of the two runs last.
 
     python benchmarks/serve_sweep.py --family-dir /tmp/family
+    # or in two calls of a warm machine (each half fits the 10-minute command limit):
+    python benchmarks/serve_sweep.py --skip-build --labels plain
+    python benchmarks/serve_sweep.py --skip-build --labels eagle3   # compare printed once both exist
+
+Results are kept in --result-dir (outside $OUT, which a device call empties) and copied to $OUT.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -48,8 +54,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--skip-build", action="store_true", help="use --family-dir as it is")
+    ap.add_argument("--labels", default="plain,eagle3", help="which halves to run")
+    ap.add_argument("--result-dir", default="/tmp/sweep")
     args = ap.parse_args()
-    out = os.environ.get("OUT", "/tmp/sweep")
+    out = args.result_dir
     os.makedirs(out, exist_ok=True)
     fam = args.family_dir
     py = sys.executable
@@ -61,6 +69,10 @@ def main() -> None:
               "num_speculative_tokens": 5}  # fmt: skip
     url = f"http://127.0.0.1:{args.port}"
     for label, spec in (("plain", None), ("eagle3", eagle3)):
+        if label not in args.labels.split(","):
+            continue
+        for old in glob.glob(os.path.join(out, f"{label}-sweep-*.json")):
+            os.remove(old)
         cmd = [py, "-m", "specserve.entrypoints.cli", "serve", target, "--host", "127.0.0.1",
                "--port", str(args.port), "--max-num-seqs", "64", "--max-model-len", "1024"]  # fmt: skip
         if spec:
@@ -76,9 +88,13 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(timeout=60)
-    (plain,) = glob.glob(os.path.join(out, "plain-sweep-*.json"))
-    (spec_run,) = glob.glob(os.path.join(out, "eagle3-sweep-*.json"))
-    sh([py, "-m", "specserve.entrypoints.cli", "bench", "compare", plain, spec_run])
+    if os.environ.get("OUT"):
+        for f in glob.glob(os.path.join(out, "*.json")):
+            shutil.copy(f, os.environ["OUT"])
+    plain = glob.glob(os.path.join(out, "plain-sweep-*.json"))
+    spec_run = glob.glob(os.path.join(out, "eagle3-sweep-*.json"))
+    if plain and spec_run:
+        sh([py, "-m", "specserve.entrypoints.cli", "bench", "compare", plain[0], spec_run[0]])
 
 
 if __name__ == "__main__":
