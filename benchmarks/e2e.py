@@ -84,7 +84,9 @@ def run_specserve(target: str, spec: dict | None, ps: list[str], batch1: bool = 
         target, max_model_len=1024, max_num_seqs=64 if not batch1 else 4, speculative_config=spec
     )
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    llm.generate(ps[:2], sp, use_tqdm=False)  # warm-up: Triton compiles, allocator
+    # Warm-up: Triton compiles and autotunes, allocator. A batched run warms up on the whole
+    # batch: its shapes (prefill chunks, batch sizes) differ from a 2-prompt run's.
+    llm.generate(ps[:2] if batch1 else ps, sp, use_tqdm=False)
     base = llm.get_metrics()
     runner = llm.engine.runner
     runner.draft_events = [] if spec and torch.cuda.is_available() else None

@@ -60,8 +60,26 @@ def test_auto_k_engine_is_lossless(ckpt_dir) -> None:
     ref = LLM(target, max_model_len=256).generate(prompts, sp)
     for o, r in zip(outs, ref):
         assert o.outputs[0].token_ids == r.outputs[0].token_ids
-    assert llm.engine.auto_k is not None
+    ctl = llm.engine.auto_k
+    assert ctl is not None
     assert llm.get_metrics()["spec_decode_num_drafts_total"] > 0
+    # The engine fed the controller its decode steps' times (a check made after the step's
+    # tokens were appended once saw no decode step at all, and K never moved).
+    assert ctl.times and sum(c.sum() for c in ctl.counts.values()) > 0
+
+
+def test_unreached_positions_keep_their_estimate() -> None:
+    """Many steps at K = 1 must not erase what was learned about deeper positions, or the
+    controller would never go back to a larger K."""
+    c = AutoSpecController(max_k=4)
+    for _ in range(50):
+        c.record_acceptance(4, 4)  # all accepted: deep positions look good
+    before = c.acceptance().copy()
+    for _ in range(5000):
+        c.record_acceptance(1, 1)
+    after = c.acceptance()
+    np.testing.assert_allclose(after[1:], before[1:])
+    assert after[0] > 0.99
 
 
 def test_auto_k_config_validation() -> None:

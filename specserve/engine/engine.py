@@ -215,11 +215,12 @@ class LLMEngine:
             for s in sched.scheduled
             if s.req.sampling_params.logprobs is not None
         ]
+        # Decode-only steps measure what K costs. NOTE: decided before `_update`, which appends
+        # the new tokens and so changes what `samples` computes.
+        decode_only = all(s.samples and s.num_tokens == 1 + s.num_draft for s in sched.scheduled)
         out = self.runner.execute(sched, lp, num_drafts=k)
         outputs = self._update(sched, out)
-        if self.auto_k is not None and all(
-            s.samples and s.num_tokens == 1 + s.num_draft for s in sched.scheduled
-        ):  # decode-only steps measure what K costs
+        if self.auto_k is not None and decode_only:
             self.auto_k.record_step(len(sched.scheduled), k or 0, time.perf_counter() - t0)
         self.stats.maybe_log(self)
         return outputs

@@ -3,7 +3,8 @@
 `"num_speculative_tokens_per_batch_size": "auto"`. For each batch-size bucket (powers of two) the
 controller keeps
   - per-position conditional acceptance a_i = P(draft i accepted | drafts < i accepted), as
-    exponentially decayed counts shared by all buckets (acceptance depends on the drafter and the
+    exponentially decayed counts (per position, decayed when that position is observed) shared
+    by all buckets (acceptance depends on the drafter and the
     text, not on the batch size);
   - the measured wall time of decode steps per K (exponential moving average).
 Expected tokens per step with K drafts is E(K) = 1 + sum_{i<=K} prod_{j<=i} a_j, so the choice is
@@ -23,7 +24,7 @@ class AutoSpecController:
     def __init__(
         self,
         max_k: int,
-        decay: float = 0.98,
+        decay: float = 0.99,
         explore_every: int = 16,
         prior_acceptance: float = 0.6,
     ) -> None:
@@ -94,11 +95,14 @@ class AutoSpecController:
         self.steps[b] = self.steps.get(b, 0) + 1
 
     def record_acceptance(self, num_draft: int, num_accepted: int) -> None:
-        """One request's verification: positions < num_accepted accepted, the next rejected."""
+        """One request's verification: positions < num_accepted accepted, the next rejected.
+
+        NOTE: only the positions this verification reached decay. Decaying every position made
+        the estimate of a position that a small K never reaches fall to 0/0 -> 0, and the
+        controller then never tried a larger K again."""
         if num_draft <= 0:
             return
-        self.reached *= self.decay
-        self.accepted *= self.decay
         reached = min(num_accepted + 1, num_draft)
-        self.reached[:reached] += 1
+        self.reached[:reached] = self.decay * self.reached[:reached] + 1
+        self.accepted[:reached] *= self.decay
         self.accepted[:num_accepted] += 1
