@@ -6,7 +6,7 @@ Needs the family built by benchmarks/build_family.py in --family-dir (target + d
   2. the same prompts under transformers: plain `generate` and assisted generation with a small
      draft LM of the same tokenizer (trained here in about a minute, cached), and specserve's
      draft_model method with that same pair;
-  3. PTD vs autoregressive EAGLE-3 at K = 3..8, batch 1: tokens/s and drafting ms per step;
+  3. PTD vs autoregressive EAGLE-3 at K = 2..8, batch 1: tokens/s and drafting ms per step;
   4. 64 concurrent requests: tokens/s without speculation, with EAGLE-3 K = 5, and automatic K.
 
     python benchmarks/e2e.py --family-dir /tmp/family       # $OUT/e2e.json, table last
@@ -183,7 +183,7 @@ def main() -> None:
         save(res)
     if "ptd" in parts and os.path.isdir(d("ptd")):
         res["ptd_sweep"] = {}
-        for kk in range(3, 9):
+        for kk in range(2, 9):
             for name in ("eagle3", "ptd"):
                 cfg = {**methods[name], "num_speculative_tokens": kk}
                 r = run_specserve(target, cfg, ps[:8])

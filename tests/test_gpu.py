@@ -15,7 +15,13 @@ from specserve import LLM, SamplingParams
 
 from .conftest import hf_greedy, random_prompts
 from .draft_utils import drafts_per_step
-from .spec_utils import write_eagle, write_eagle3, write_mtp_target
+from .spec_utils import (
+    write_eagle,
+    write_eagle3,
+    write_mtp_target,
+    write_ptd_draft_model,
+    write_ptd_eagle3,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -96,6 +102,11 @@ def drafters(ckpt_dir, tmp_path_factory) -> dict[str, str]:
         "eagle": write_eagle(os.path.join(root, "eagle")),
         "eagle3": write_eagle3(os.path.join(root, "eagle3")),
         "mtp": write_mtp_target(target, os.path.join(root, "mtp_target")),
+        "ptd_eagle3": write_ptd_eagle3(os.path.join(root, "ptd_eagle3")),
+        "ptd_draft_model": write_ptd_draft_model(
+            ckpt_dir("small_draft", "llama", num_hidden_layers=2, seed=5),
+            os.path.join(root, "ptd_draft_model"),
+        ),
     }
 
 
@@ -151,3 +162,47 @@ def test_draft_graphs_give_eager_drafts(drafters, ckpt_dir, prompts, method, sam
         runs[mode] = drafts_per_step(llm, prompts[:4], sp)
     assert runs["fused"] == runs["eager"]
     assert runs["per_step"] == runs["eager"]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("k", [2, 5, 8])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_ptd_greedy_equivalence_cuda(drafters, prompts, method: str, k: int, mode: str) -> None:
+    """PTD with its captured proposal graph (uniform batches) and eagerly (the rest)."""
+    cfg = {
+        "method": method,
+        "model": drafters[f"ptd_{method}"],
+        "num_speculative_tokens": k,
+        "parallel_draft": True,
+    }
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    ref = cuda_llm(drafters["target"], **MODES[mode]).generate(batch, GREEDY)
+    llm = cuda_llm(drafters["target"], speculative_config=cfg, **MODES[mode])
+    assert llm.engine.runner.draft_graphs is not None
+    outs = llm.generate(batch, GREEDY)
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    assert llm.get_metrics()["spec_decode_num_drafts_total"] > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_ptd_graph_gives_eager_drafts(drafters, prompts, method: str, sampled: bool) -> None:
+    """The captured PTD proposal (one graph per target graph) drafts exactly what the eager
+    forward drafts, greedy and probabilistic."""
+    cfg: dict = {
+        "method": method,
+        "model": drafters[f"ptd_{method}"],
+        "num_speculative_tokens": 6,
+        "parallel_draft": True,
+    }
+    if sampled:
+        cfg["draft_sample_method"] = "probabilistic"
+        cfg["rejection_sample_method"] = "probabilistic"
+    sp = SamplingParams(temperature=0.8 if sampled else 0.0, seed=3, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for mode in ("auto", "eager"):
+        llm = cuda_llm(drafters["target"], speculative_config=cfg, draft_graph_mode=mode)
+        assert (llm.engine.runner.draft_graphs is None) == (mode == "eager")
+        runs[mode] = drafts_per_step(llm, prompts[:4], sp)
+    assert runs["auto"] == runs["eager"]

@@ -11,6 +11,8 @@ Three graph kinds per padded batch size b (the target's capture sizes):
   loop b          the whole K-1 step loop in one graph: metadata built once, then advanced in
                   place between steps by the backend (`advance_context_`); only when the backend
                   supports it (`supports_inplace_advance`)
+PTD (ParallelDraftSpeculator) has no decode steps: its "prefill" graph is the whole proposal, one
+drafter forward over the enlarged batch (b * (q + E) slots).
 Padded rows point at the scratch row of the request state with samples = 0, so all their writes
 are discarded. Sampling parameters are copied into fixed buffers; a batch that needs top-k, top-p
 or min-p for probabilistic drafting falls back to the eager loop.
@@ -28,6 +30,7 @@ from specserve.sample.sampler import SamplingTensors
 
 if TYPE_CHECKING:
     from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
+    from specserve.spec_decode.parallel import ParallelDraftSpeculator
     from specserve.worker.cudagraph import CudaGraphRunner
     from specserve.worker.input_batch import StepInputs
     from specserve.worker.model_runner import ModelRunner
@@ -39,14 +42,16 @@ class DraftGraphRunner:
     def __init__(
         self,
         runner: ModelRunner,
-        spec: AutoregressiveSpeculator,
+        spec: AutoregressiveSpeculator | ParallelDraftSpeculator,
         target: CudaGraphRunner,
         mode: str = "auto",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"draft_graph_mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.runner, self.spec, self.target = runner, spec, target
-        can_fuse = runner.backend.supports_inplace_advance and spec.advance_draft_positions
+        can_fuse = runner.backend.supports_inplace_advance and getattr(
+            spec, "advance_draft_positions", False
+        )
         if mode == "fused" and not can_fuse:
             raise ValueError(
                 f"draft_graph_mode=fused needs an attention backend with in-place metadata "
@@ -90,15 +95,21 @@ class DraftGraphRunner:
             token_req=cg.token_req[:t],
             positions=cg.positions[:t],
             query_start_loc=cg.query_start_loc[: b + 1],
+            seq_lens=cg.seq_lens[:b],
             num_draft=self.num_draft[:b],
             samples=self.samples[:b],
+            num_reqs=b,
+            num_tokens=t,
+            max_query_len=q,
+            max_seq_len=self.runner.max_model_len,
         )
         ctx = self.runner.forward_context(cg._common(b, q))
         hidden, aux = cg.outputs[(q, b)]
         pos, h = self.spec.draft_prefill(
             self.runner, inp, ctx, hidden, aux, self.num_acc[:b], self._st(b)
         )
-        self.pos[:b].copy_(pos)
+        if pos is not None:
+            self.pos[:b].copy_(pos)
         if h is not None:
             if self.h is None:
                 self.h = torch.zeros(self.sizes[-1], h.shape[1], dtype=h.dtype, device=h.device)
@@ -152,13 +163,15 @@ class DraftGraphRunner:
         return self.spec.k - self.spec.num_decode_steps
 
     def _capture(self, key: tuple[str, int, int], body: object) -> None:
-        step0 = self.spec.current_draft_step.clone()
+        step = getattr(self.spec, "current_draft_step", None)  # PTD has none
+        step0 = step.clone() if step is not None else None
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             body()  # type: ignore[operator]
         torch.cuda.current_stream().wait_stream(s)
-        self.spec.current_draft_step.copy_(step0)  # the warm-up advanced it
+        if step is not None:
+            step.copy_(step0)  # the warm-up advanced it
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.target.pool):
             body()  # type: ignore[operator]

@@ -23,7 +23,9 @@ step's draft prefill overwrites those positions. Positions at or past max_model_
 NOTE: rejected tokens stay in the batch as padding, so the layout depends only on host-known
 sizes: request r's slots start at query_start_loc[r] + r * E on the host and on the device alike,
 and the forward needs no device-to-host sync. Buffers hold max_num_batched_tokens +
-max_num_seqs * K slots.
+max_num_seqs * K slots. So the whole proposal (`draft_prefill`) is captured as one CUDA graph per
+target graph (DraftGraphRunner's "prefill" graph; PTD has no decode steps) over the target
+graph's buffers: b * (q + E) slots for a padded uniform batch of b requests with q tokens.
 
 Input preparation is one Triton kernel (`prepare_parallel_inputs`) with a torch reference
 (`prepare_parallel_inputs_ref`, used on CPU), both in parallel_inputs.py.
@@ -136,19 +138,27 @@ class ParallelDraftSpeculator(DeviceSpeculator):
             return prepare_parallel_inputs(self._bufs, *args, **kw, max_query_len=inp.max_query_len)
         return prepare_parallel_inputs_ref(*args, **kw)
 
-    def propose(
+    # ---- the surface DraftGraphRunner captures (see draft_graphs.py) ------------------------
+    num_decode_steps = 0  # every draft comes from the one forward below
+
+    def decode_steps_for(self, num_drafts: int | None) -> int:
+        return 0
+
+    def draft_prefill(
         self,
         runner: ModelRunner,
         inp: StepInputs,
-        common: CommonAttentionMetadata,
-        ctx: ForwardContext,
+        ctx: ForwardContext | None,
         # [T, hidden] target hidden states (final norm)
         hidden: torch.Tensor,
         aux: list[torch.Tensor],
         # [B]
         num_acc: torch.Tensor,
         st: SamplingTensors,
-    ) -> None:
+    ) -> tuple[None, None]:
+        """The whole proposal: one drafter forward over the enlarged batch, all K drafts
+        sampled and stored. Graph-safe: every size comes from the host (`inp`), nothing is
+        read back. `ctx` (the target's) is unused: the enlarged batch has its own metadata."""
         d, E = self.model, self.extra
         B, T = inp.num_reqs, inp.num_tokens
         pin = self.prepare(runner, inp, num_acc)
@@ -156,7 +166,7 @@ class ParallelDraftSpeculator(DeviceSpeculator):
             query_start_loc=pin.query_start_loc.to(torch.int32),
             seq_lens=pin.seq_lens.to(torch.int32),
             positions=pin.positions,
-            block_table=common.block_table,
+            block_table=runner.states.block_table[inp.idx_mapping],
             slot_mapping=pin.slot_mapping,
             token_req=pin.token_req,
             num_reqs=B,
@@ -176,3 +186,21 @@ class ParallelDraftSpeculator(DeviceSpeculator):
         last = inp.query_start_loc[1:] - 1 - inp.num_draft + num_acc
         draft_pos = inp.positions[last][:, None] + 2 + jj
         self.store_drafts(runner, d, logits, st, inp.idx_mapping, draft_pos, pin.draft_col, 0)
+        return None, None
+
+    def propose(
+        self,
+        runner: ModelRunner,
+        inp: StepInputs,
+        common: CommonAttentionMetadata,
+        ctx: ForwardContext,
+        # [T, hidden] target hidden states (final norm)
+        hidden: torch.Tensor,
+        aux: list[torch.Tensor],
+        # [B]
+        num_acc: torch.Tensor,
+        st: SamplingTensors,
+        num_drafts: int | None = None,
+    ) -> None:
+        """Eager drafting (batches the target ran without a graph)."""
+        self.draft_prefill(runner, inp, ctx, hidden, aux, num_acc, st)

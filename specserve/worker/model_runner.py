@@ -83,9 +83,10 @@ class ModelRunner:
         self.draft_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         if self.cudagraphs is not None and config.draft_graph_mode != "eager":
             from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
+            from specserve.spec_decode.parallel import ParallelDraftSpeculator
 
-            # Exactly the shared loop: speculators with their own loops run it eagerly.
-            if type(speculator) is AutoregressiveSpeculator:
+            # The shared loop and PTD's one forward; multi-layer MTP runs its own loop eagerly.
+            if type(speculator) in (AutoregressiveSpeculator, ParallelDraftSpeculator):
                 from specserve.spec_decode.draft_graphs import DraftGraphRunner
 
                 self.draft_graphs = DraftGraphRunner(
