@@ -125,7 +125,10 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
         # [B]
         num_acc: torch.Tensor,
         st: SamplingTensors,
+        num_drafts: int | None = None,
     ) -> None:
+        """`num_drafts` (dynamic K) is not used: every module runs, so each module's KV stays
+        complete for when K grows again; the scheduler verifies only the first drafts."""
         B = inp.num_reqs
         rows = inp.idx_mapping
         qsl = inp.query_start_loc

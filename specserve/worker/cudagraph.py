@@ -45,6 +45,18 @@ class CudaGraphRunner:
         self.block_table = torch.full(
             (max_b, runner.max_blocks_per_req), runner.null_block, dtype=torch.int32, device=dev
         )
+        # Per query length q, the constant layout of a uniform batch (row i holds tokens
+        # i*q .. i*q + q - 1): query_start_loc, token_req and the padded rows' positions.
+        ar = torch.arange(max_t + 1, device=dev)
+        self._layout = {
+            q: (
+                (ar[: max_b + 1] * q).to(torch.int32),
+                ar[:max_t] // q,
+                ar[:max_t] % q,
+            )
+            for q in self.query_lens
+        }
+        self._layout_q: int | None = None  # whose layout the buffers hold
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -68,14 +80,20 @@ class CudaGraphRunner:
         )
 
     def _fill_dummy(self, b: int, q: int) -> None:
+        """Every row of the first `b` a padded row (capture and warm-up)."""
         t = b * q
-        ar = torch.arange(t, device=self.positions.device)
-        self.positions[:t] = ar % q
-        self.token_req[:t] = ar // q
+        self._set_layout(q)
+        self.positions[:t] = self._layout[q][2][:t]
         self.slot_mapping[:t] = -1
-        self.query_start_loc[: b + 1] = torch.arange(b + 1, device=ar.device, dtype=torch.int32) * q
         self.seq_lens[:b] = q
         self.input_ids[:t] = 0
+
+    def _set_layout(self, q: int) -> None:
+        if self._layout_q != q:
+            qsl, token_req, _ = self._layout[q]
+            self.query_start_loc.copy_(qsl)
+            self.token_req.copy_(token_req)
+            self._layout_q = q
 
     def _run(self, b: int, q: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         r = self.runner
@@ -113,7 +131,7 @@ class CudaGraphRunner:
 
     def maybe_run(
         self, input_ids: torch.Tensor, inp: StepInputs, common: CommonAttentionMetadata
-    ) -> tuple[torch.Tensor, list[torch.Tensor], ForwardContext] | None:
+    ) -> tuple[torch.Tensor, list[torch.Tensor], ForwardContext | None] | None:
         """Replay a graph when the batch is a uniform decode batch that fits; else None."""
         B, T = inp.num_reqs, inp.num_tokens
         q = inp.max_query_len
@@ -121,18 +139,23 @@ class CudaGraphRunner:
         if q not in self.query_lens or T != B * q or B > self.sizes[-1]:
             return None
         bg = next(s for s in self.sizes if s >= B)
-        self._fill_dummy(bg, q)  # padded rows: positions 0.., slot -1, own rows
+        # NOTE: a uniform batch's query_start_loc and token_req are constants of q (set only
+        # when q changes); padded rows (positions 0.., slot -1, null blocks) are refilled only
+        # when there are any. Host time here is GPU idle time at batch 1.
+        self._set_layout(q)
+        if bg > B:
+            tg = bg * q
+            self.positions[T:tg] = self._layout[q][2][T:tg]
+            self.slot_mapping[T:tg] = -1
+            self.seq_lens[B:bg] = q
+            self.block_table[B:bg] = self.runner.null_block
         self.input_ids[:T] = input_ids
         self.positions[:T] = common.positions
         self.slot_mapping[:T] = common.slot_mapping
-        self.token_req[:T] = common.token_req
-        self.query_start_loc[: B + 1] = common.query_start_loc
         self.seq_lens[:B] = common.seq_lens
         self.block_table[:B] = common.block_table
-        self.block_table[B:bg] = self.runner.null_block
         self.graphs[(q, bg)].replay()
         self.last_replayed = (q, bg)
         hidden, aux = self.outputs[(q, bg)]
-        # The drafter's prefill runs on the real (unpadded) batch: give it eager metadata.
-        ctx = self.runner.forward_context(common)
-        return hidden[:T], [a[:T] for a in aux], ctx
+        # No target metadata is built here: only an eager drafter needs it (model_runner).
+        return hidden[:T], [a[:T] for a in aux], None

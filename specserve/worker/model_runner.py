@@ -204,12 +204,11 @@ class ModelRunner:
             replayed = self.cudagraphs.last_replayed if self.cudagraphs is not None else None
             if self.draft_graphs is not None and replayed and self.draft_graphs.can_run(st):
                 self.draft_graphs.run(inp, num_acc, st, *replayed, num_drafts=num_drafts)
-            elif num_drafts is not None and hasattr(self.speculator, "draft_step"):
-                self.speculator.propose(
-                    self, inp, common, ctx, hidden, aux, num_acc, st, num_drafts=num_drafts
-                )
             else:
-                self.speculator.propose(self, inp, common, ctx, hidden, aux, num_acc, st)
+                if ctx is None:  # the target replayed a graph: eager drafting needs metadata
+                    ctx = self.forward_context(common)
+                kw = {"num_drafts": num_drafts} if num_drafts is not None else {}
+                self.speculator.propose(self, inp, common, ctx, hidden, aux, num_acc, st, **kw)
             if self.draft_events is not None:
                 ev[1].record()
                 self.draft_events.append(ev)
