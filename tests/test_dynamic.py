@@ -99,3 +99,20 @@ def test_auto_k_config_validation() -> None:
          "num_speculative_tokens_per_batch_size": {"8": 3, "64": 0}}
     )  # fmt: skip
     assert c.num_speculative_tokens_per_batch_size == {8: 3, 64: 0}
+
+
+def test_graphs_cover_every_k_the_engine_may_choose() -> None:
+    """Under dynamic speculation every K in use has captured target graphs (1 + K tokens per
+    request); a K without them would run its target forward eagerly."""
+    from specserve.spec_decode.config import SpeculativeConfig
+    from specserve.worker.cudagraph import graph_query_lens
+
+    def spec(**kw: object) -> SpeculativeConfig:
+        return SpeculativeConfig(method="ngram", num_speculative_tokens=5, **kw)
+
+    assert graph_query_lens(None) == [1]
+    assert graph_query_lens(spec()) == [1, 6]
+    assert graph_query_lens(spec(disable_by_batch_size=8)) == [1, 6]
+    assert graph_query_lens(spec(num_speculative_tokens_per_batch_size="auto")) == list(range(1, 7))
+    sched = spec(num_speculative_tokens_per_batch_size={"4": 5, "16": 3, "64": 1})
+    assert graph_query_lens(sched) == [1, 2, 4, 6]

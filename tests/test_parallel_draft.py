@@ -299,3 +299,31 @@ def test_seeded_probabilistic_drafting_is_batch_invariant(setup: dict, method: s
     batch = llm.generate(others[:2] + [p] + others[2:], [osp, osp, sp, osp, osp])
     assert batch[2].outputs[0].token_ids == alone
     assert llm.get_metrics()["spec_decode_num_drafts_total"] > 0
+
+
+@pytest.mark.parametrize("k", [2, 5, 8])
+def test_buffers_cover_every_captured_batch(k: int) -> None:
+    """The PTD buffers hold the largest enlarged batch of any captured target graph, also when
+    the token budget is smaller than a full uniform batch (a GPU run with
+    max_num_batched_tokens=32 overflowed them), and the kernel refuses a batch that does not
+    fit instead of writing past the buffers."""
+    pytest.importorskip("triton")
+    from specserve.spec_decode.parallel import (
+        ParallelDraftBuffers,
+        ParallelDraftSpeculator,
+        prepare_parallel_inputs,
+    )
+    from specserve.worker.cudagraph import capture_sizes
+
+    for budget, seqs in ((32, 64), (2048, 64), (64, 256), (8192, 8)):
+        n = ParallelDraftSpeculator.max_slots(budget, seqs, k)
+        graph = max(b * (k + 1 + k) for b in capture_sizes(seqs))
+        assert n >= max(graph, budget + seqs * k)
+    g = torch.Generator().manual_seed(k)
+    args, host = _random_step(g, k, 16, 100)
+    small = ParallelDraftBuffers(8, 16, k, torch.device("cpu"))
+    with pytest.raises(ValueError, match="PTD buffers hold 8 slots"):
+        prepare_parallel_inputs(
+            small, *args, k=k, shift=1, mask_token_id=PTD_TOKEN, max_model_len=100,
+            block_size=16, **host,
+        )  # fmt: skip

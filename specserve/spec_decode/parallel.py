@@ -104,11 +104,18 @@ class ParallelDraftSpeculator(DeviceSpeculator):
     def uses_kernel(self) -> bool:
         return self.device.type == "cuda" and triton is not None
 
+    @staticmethod
+    def max_slots(max_num_batched_tokens: int, max_num_seqs: int, k: int) -> int:
+        """Slots of the largest enlarged batch: T target tokens + E <= K per request, where T is
+        bounded by the token budget (eager steps) and by max_num_seqs * (K + 1) (the captured
+        uniform batches, which may exceed a small token budget)."""
+        return max(max_num_batched_tokens, max_num_seqs * (k + 1)) + max_num_seqs * k
+
     def _lazy_buffers(self, runner: ModelRunner) -> None:
         c = runner.config
         if self.uses_kernel and self._bufs is None:
-            max_slots = c.max_num_batched_tokens + c.max_num_seqs * self.k
-            self._bufs = ParallelDraftBuffers(max_slots, c.max_num_seqs, self.k, self.device)
+            n = self.max_slots(c.max_num_batched_tokens, c.max_num_seqs, self.k)
+            self._bufs = ParallelDraftBuffers(n, c.max_num_seqs, self.k, self.device)
 
     def prepare(
         self, runner: ModelRunner, inp: StepInputs, num_acc: torch.Tensor

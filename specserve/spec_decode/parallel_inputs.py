@@ -272,6 +272,13 @@ def prepare_parallel_inputs(
     `max_query_len` is the host-side bound of the target's query lengths."""
     B, T = idx_mapping.shape[0], positions.shape[0]
     E = k - shift
+    # NOTE: a view past the buffers' end would silently be shorter and the kernel would write
+    # out of bounds: check on the host (free) before launching.
+    if T + B * E > bufs.positions.shape[0] or B > bufs.seq_lens.shape[0]:
+        raise ValueError(
+            f"PTD buffers hold {bufs.positions.shape[0]} slots / {bufs.seq_lens.shape[0]} "
+            f"requests; this batch needs {T + B * E} / {B}"
+        )
     out = bufs.view(T + B * E, B)
     grid = (B, triton.cdiv(max_query_len + E, block))
     _prepare_parallel_inputs_kernel[grid](

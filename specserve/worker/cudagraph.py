@@ -1,7 +1,8 @@
 """CUDA graphs for uniform decode batches (every request feeds 1 + K tokens).
 
 Captured at batch sizes 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to
-max_num_seqs, for query length 1 (plain decode) and 1 + K (verification). Each graph owns fixed
+max_num_seqs, for query length 1 (plain decode) and 1 + K (verification) for every K the engine
+may verify (`graph_query_lens`: all of 0..K under dynamic speculation). Each graph owns fixed
 input buffers; a step copies its inputs into them in place and replays. Metadata building is
 captured too (it only reads the buffers), so the backend's derived state is rebuilt per replay.
 Padded rows are inert: slot -1 (KV goes to the null block), outputs ignored.
@@ -17,8 +18,27 @@ import torch
 from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 
 if TYPE_CHECKING:
+    from specserve.spec_decode.config import SpeculativeConfig
     from specserve.worker.input_batch import StepInputs
     from specserve.worker.model_runner import ModelRunner
+
+
+def graph_query_lens(spec: SpeculativeConfig | None) -> list[int]:
+    """Tokens per request of the uniform decode batches to capture: 1 (plain decode, and the
+    first step after a prefill) and 1 + K for every K the engine may verify. With dynamic
+    speculation (a batch-size schedule, or "auto") that is several K: a K without graphs would
+    run its whole target forward eagerly."""
+    if spec is None:
+        return [1]
+    k = spec.num_speculative_tokens
+    schedule = spec.num_speculative_tokens_per_batch_size
+    if schedule == "auto":
+        ks = set(range(k + 1))
+    elif isinstance(schedule, dict) and schedule:
+        ks = {0, k, *(min(int(v), k) for v in schedule.values())}
+    else:
+        ks = {0, k}
+    return sorted(1 + x for x in ks)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -32,8 +52,7 @@ class CudaGraphRunner:
         self.runner = runner
         self.sizes = capture_sizes(runner.config.max_num_seqs)
         max_b = self.sizes[-1]
-        k = runner.num_spec_tokens
-        self.query_lens = sorted({1, 1 + k})
+        self.query_lens = graph_query_lens(runner.config.spec)
         max_t = max_b * max(self.query_lens)
         dev = runner.device
         self.input_ids = torch.zeros(max_t, dtype=torch.int64, device=dev)
