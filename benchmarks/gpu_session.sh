@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device lease, three calls of a warm machine (each under the 10-minute command limit):
+#
+#   bash benchmarks/gpu_session.sh tests   # family build in the background + `pytest -m gpu`
+#   bash benchmarks/gpu_session.sh e2e     # waits for the build; batch 64 (auto K) + PTD K = 2..8
+#   bash benchmarks/gpu_session.sh speed   # decode.py and spec_step.py (nothing else running)
+#
+# Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
+# The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+FAMILY=${FAMILY:-/tmp/family}
+PIDFILE=/tmp/family_build.pid
+mkdir -p "$OUT"
+
+wait_build() {  # $1: seconds to wait at most
+  local pid
+  pid=$(cat "$PIDFILE" 2>/dev/null) || return 0
+  for _ in $(seq "$1"); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 1
+  done
+  tail -6 /tmp/family_build.log
+}
+
+case "${1:-}" in
+  tests)
+    setsid python benchmarks/build_family.py --family gpu --cache "$FAMILY" \
+      --methods eagle3,ptd >/tmp/family_build.log 2>&1 </dev/null &
+    echo $! >"$PIDFILE"
+    python -m pytest -q -m gpu tests/test_gpu.py tests/test_spec_kernels.py tests/test_ops.py \
+      tests/test_triton_attention.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    wait_build 200
+    ;;
+  e2e)
+    wait_build 300
+    python benchmarks/e2e.py --family-dir "$FAMILY" --parts batch64,ptd 2>&1 \
+      | grep -v Warning | tee "$OUT/e2e.log" | tail -40
+    ;;
+  speed)
+    python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 | tee "$OUT/decode.log" | tail -12
+    python benchmarks/spec_step.py --ks 4 --modes fused 2>&1 | tee "$OUT/spec_step.log" | tail -8
+    ;;
+  *)
+    echo "usage: $0 tests|e2e|speed" >&2
+    exit 2
+    ;;
+esac
