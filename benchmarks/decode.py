@@ -2,8 +2,9 @@
 
 Batch 1 and 16, 128-token prompts, 256 new tokens. Prints tokens/s and ms/token for specserve,
 the floor (bytes one decode step must read / device-to-device copy bandwidth measured in this run)
-and the ratio to it, the captured target graph alone (no host work), and the same model under
-transformers' `generate` in the same run.
+and the ratio to it, the same with async scheduling (step N+1 launched while step N runs), the
+captured target graph alone (no host work), and the same model under transformers' `generate`
+in the same run.
 
     python benchmarks/decode.py [--batch-sizes 1,16] [--no-hf]   # writes $OUT/decode.json if set
 """
@@ -225,6 +226,9 @@ def main() -> None:
         ctx = args.prompt_len + args.new_tokens // 2  # mean context over the decode
         floor_ms = 1e3 * step_bytes(LLAMA3_8B, bs, ctx) / bw
         ours = run_specserve(model_dir, bs, args.prompt_len, args.new_tokens)
+        ours_async = run_specserve(
+            model_dir, bs, args.prompt_len, args.new_tokens, async_scheduling=True
+        )
         eager = run_specserve(
             model_dir, bs, args.prompt_len, min(args.new_tokens, 64), enforce_eager=True
         )
@@ -234,9 +238,11 @@ def main() -> None:
                 "batch": bs,
                 "floor_ms": floor_ms,
                 "specserve": ours,
+                "specserve_async": ours_async,
                 "specserve_eager": eager,
                 "hf": hf,
                 "pct_of_floor": floor_ms / ours["ms_per_step"],
+                "pct_of_floor_async": floor_ms / ours_async["ms_per_step"],
             }
         )
     result = {
@@ -250,14 +256,15 @@ def main() -> None:
             json.dump(result, f, indent=1)
     print(f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     hdr = f"{'batch':>5} {'floor ms':>9} {'ms/step':>8} {'graph ms':>9} {'of floor':>9} "
-    hdr += f"{'tok/s':>8} {'eager tok/s':>12} {'HF tok/s':>9}"
+    hdr += f"{'async ms':>9} {'of floor':>9} {'tok/s':>8} {'eager tok/s':>12} {'HF tok/s':>9}"
     print(hdr)
     for r in rows:
-        s, e, hf = r["specserve"], r["specserve_eager"], r["hf"]
+        s, a, e, hf = r["specserve"], r["specserve_async"], r["specserve_eager"], r["hf"]
         g = f"{s['graph_ms']:.2f}" if s["graph_ms"] else "-"
         print(
             f"{r['batch']:>5} {r['floor_ms']:>9.2f} {s['ms_per_step']:>8.2f} {g:>9} "
-            f"{100 * r['pct_of_floor']:>8.1f}% {s['tok_s']:>8.1f} {e['tok_s']:>12.1f} "
+            f"{100 * r['pct_of_floor']:>8.1f}% {a['ms_per_step']:>9.2f} "
+            f"{100 * r['pct_of_floor_async']:>8.1f}% {s['tok_s']:>8.1f} {e['tok_s']:>12.1f} "
             f"{(hf['tok_s'] if hf else float('nan')):>9.1f}"
         )
 

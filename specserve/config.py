@@ -49,6 +49,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
+    # Schedule and launch step N+1 while step N runs (plain decode batches; steps that verify
+    # drafts run synchronously): the host's per-step work no longer leaves the GPU idle.
+    async_scheduling: bool = False
     # Drafting loop on CUDA: auto (one graph for the whole loop where the attention backend
     # updates metadata in place, else one step graph replayed per step) | fused | per_step | eager
     draft_graph_mode: str = "auto"

@@ -20,7 +20,7 @@ from specserve.models.registry import load_model
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.speculator import build_speculator
-from specserve.worker.model_runner import ModelRunner, StepOutput
+from specserve.worker.model_runner import ModelRunner, PendingStep, StepOutput
 
 logger = logging.getLogger("specserve")
 
@@ -102,6 +102,8 @@ class LLMEngine:
             from specserve.spec_decode.dynamic import AutoSpecController
 
             self.auto_k = AutoSpecController(self.num_spec_tokens)
+        # Async scheduling: the launched step whose results the host has not read yet.
+        self._inflight: tuple[SchedulerOutput, PendingStep] | None = None
         self._rng = np.random.default_rng(config.seed)
         self._last_log = time.monotonic()
 
@@ -202,28 +204,88 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.config.async_scheduling or self._inflight is not None:
+            return self._step_async()
         t0 = time.perf_counter()
         k = self._spec_budget()
-        sched = self.scheduler.schedule(k)
-        for r in sched.preempted:
-            self.runner.remove_request(r)
-            self.stats.num_preemptions += 1
+        sched = self._schedule(k)
         if sched.is_empty:
             return []
-        lp = [
-            s.req.sampling_params.logprobs
-            for s in sched.scheduled
-            if s.req.sampling_params.logprobs is not None
-        ]
         # Decode-only steps measure what K costs. NOTE: decided before `_update`, which appends
         # the new tokens and so changes what `samples` computes.
         decode_only = all(s.samples and s.num_tokens == 1 + s.num_draft for s in sched.scheduled)
-        out = self.runner.execute(sched, lp, num_drafts=k)
+        out = self.runner.execute(sched, self._logprobs(sched), num_drafts=k)
         outputs = self._update(sched, out)
         if self.auto_k is not None and decode_only:
             self.auto_k.record_step(len(sched.scheduled), k or 0, time.perf_counter() - t0)
         self.stats.maybe_log(self)
         return outputs
+
+    def _schedule(self, k: int | None) -> SchedulerOutput:
+        sched = self.scheduler.schedule(k)
+        for r in sched.preempted:
+            self.runner.remove_request(r)
+            self.stats.num_preemptions += 1
+        return sched
+
+    @staticmethod
+    def _logprobs(sched: SchedulerOutput) -> list[int]:
+        return [
+            s.req.sampling_params.logprobs
+            for s in sched.scheduled
+            if s.req.sampling_params.logprobs is not None
+        ]
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: while step N runs on the device, schedule and launch step N+1 on
+        the assumption that N's requests all continue, then read N's results.
+
+        Step N+1's input tokens are N's outputs, which N writes into the persistent token
+        buffer on the device; the host only needs to know how many there are (one per sampling
+        request: no drafts), kept in `num_pending_tokens` until N's results are read. A request
+        that N finishes (EOS, stop string) got one wasted token in N+1, dropped by `_update`.
+        Steps that could finish by length, could preempt, or verify drafts are not overlapped."""
+        if self._inflight is None:
+            sched = self._schedule(self._spec_budget())
+            if sched.is_empty:
+                return []
+            self._inflight = (sched, self.runner.launch(sched, self._logprobs(sched)))
+        sched, pending = self._inflight
+        nxt = None
+        if self._can_overlap(sched):
+            for s in sched.scheduled:  # what N computes, as `_update` will record it
+                s.req.num_computed_tokens = s.start + s.num_tokens
+                s.req.num_pending_tokens = int(s.samples)
+            sched2 = self._schedule(None)
+            assert not sched2.preempted, "_can_overlap leaves room for every running request"
+            if not sched2.is_empty:
+                nxt = (sched2, self.runner.launch(sched2, self._logprobs(sched2)))
+            for s in sched.scheduled:
+                s.req.num_pending_tokens = 0
+        out = self.runner.finish(pending)
+        outputs = self._update(sched, out)
+        if nxt is not None and all(s.req.is_finished() for s in nxt[0].scheduled):
+            self.runner.finish(nxt[1])  # nothing left to read from it
+            nxt = None
+        self._inflight = nxt
+        self.stats.maybe_log(self)
+        return outputs
+
+    def _can_overlap(self, sched: SchedulerOutput) -> bool:
+        if not self.config.async_scheduling or self.speculator is not None:
+            return False
+        for s in sched.scheduled:
+            req = s.req
+            if s.samples and (
+                req.num_output_tokens + 1 >= req.max_tokens
+                or req.num_tokens + 1 >= self.max_model_len
+            ):
+                return False  # N finishes it by length: N+1 must not schedule it
+        # No preemption while scheduling N+1: a block for every running request plus a full
+        # prefill chunk's worth for the waiting ones.
+        kv = self.kv
+        room = len(self.scheduler.running) + kv.blocks_needed(self.config.max_num_batched_tokens)
+        return kv.pool.num_free > room
 
     def _spec_budget(self) -> int | None:
         spec = self.config.spec
@@ -244,8 +306,10 @@ class LLMEngine:
         outputs = []
         for i, s in enumerate(sched.scheduled):
             req = s.req
+            if req.is_finished():
+                continue  # finished (or aborted) after this step was launched
             if not s.samples:
-                req.num_computed_tokens += s.num_tokens
+                req.num_computed_tokens = s.start + s.num_tokens
                 continue
             n_acc = int(out.num_accepted[i])
             req.num_computed_tokens = s.start + s.num_tokens - s.num_draft + n_acc

@@ -49,6 +49,9 @@ class Request:
         self.num_computed_tokens = 0
         # Drafts waiting on the device for this request's next verification.
         self.num_draft_tokens = 0
+        # Tokens sampled by a launched step that the host has not seen yet (async scheduling):
+        # the scheduler counts them; their ids are already in the device token buffer.
+        self.num_pending_tokens = 0
         # Host-side drafts (n-gram) to upload with the next step's inputs.
         self.host_draft_tokens: list[int] = []
         self.block_ids: list[int] = []
@@ -66,6 +69,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduling_tokens(self) -> int:
+        """num_tokens plus the tokens of a launched step not yet on the host."""
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

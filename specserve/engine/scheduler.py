@@ -21,7 +21,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step produces a token for the request (not a mid-prompt chunk)."""
-        return self.start + self.num_tokens - self.num_draft >= self.req.num_tokens
+        return self.start + self.num_tokens - self.num_draft >= self.req.num_scheduling_tokens
 
 
 @dataclass
@@ -96,7 +96,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             start = req.num_computed_tokens
-            remaining = req.num_tokens - start
+            remaining = req.num_scheduling_tokens - start
             if remaining > 1:  # still prefilling (chunked) or recomputing
                 n, k = min(remaining, budget), 0
             else:
@@ -119,7 +119,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             start = req.num_computed_tokens
-            remaining = req.num_tokens - start
+            remaining = req.num_scheduling_tokens - start
             if remaining > budget and not self.chunked:
                 break
             n = min(remaining, budget)

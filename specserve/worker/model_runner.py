@@ -3,7 +3,9 @@
 Per step: prepare inputs (host numpy -> one upload) -> gather input ids from the persistent
 token buffer -> target forward (eager or CUDA graph) -> verify drafts / sample -> write accepted
 tokens back on the device -> drafter proposes the next drafts from the device state -> ONE
-device-to-host copy of (tokens, accept counts, logprobs).
+device-to-host copy of (tokens, accept counts, logprobs). `launch` queues all of it and starts
+the copy; `finish` waits for it, so the engine may schedule and launch the next step in between
+(async scheduling).
 """
 
 from __future__ import annotations
@@ -27,6 +29,19 @@ from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import SamplingTensors, compute_logprobs, sample
 from specserve.worker.input_batch import StepInputs, prepare_inputs
 from specserve.worker.request_states import RequestStates
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose results are still on their way to the host."""
+
+    # [N] float64 host buffer (pinned on CUDA) the step's one device-to-host copy lands in
+    host: torch.Tensor
+    # recorded after that copy (None on CPU: the copy was synchronous)
+    event: torch.cuda.Event | None
+    num_reqs: int
+    k1: int
+    n_top: int
 
 
 @dataclass
@@ -149,11 +164,18 @@ class ModelRunner:
     def forward_context(self, common: CommonAttentionMetadata) -> ForwardContext:
         return build_forward_context(self.backend, common, self.kv_caches, self.windows)
 
-    @torch.inference_mode()
     def execute(
         self, sched: SchedulerOutput, reqs_logprobs: list[int], num_drafts: int | None = None
     ) -> StepOutput:
         """`num_drafts`: drafts to propose for the next step (None: all K; dynamic K)."""
+        return self.finish(self.launch(sched, reqs_logprobs, num_drafts))
+
+    @torch.inference_mode()
+    def launch(
+        self, sched: SchedulerOutput, reqs_logprobs: list[int], num_drafts: int | None = None
+    ) -> PendingStep:
+        """Queue the whole step on the device, its results copied to the host asynchronously;
+        `finish` waits for them. Nothing here waits for the device."""
         for s in sched.scheduled:
             if s.req.row < 0:
                 self.add_request(s.req)
@@ -212,7 +234,7 @@ class ModelRunner:
             if self.draft_events is not None:
                 ev[1].record()
                 self.draft_events.append(ev)
-        return self._to_host(inp, logits, out_tokens, num_acc, reqs_logprobs)
+        return self._start_copy(inp, logits, out_tokens, num_acc, reqs_logprobs)
 
     def _run_target(
         self, input_ids: torch.Tensor, inp: StepInputs, common: CommonAttentionMetadata
@@ -240,14 +262,14 @@ class ModelRunner:
             self.states.token_ids, inp.idx_mapping, inp.out_pos0, out_tokens, num_acc, inp.samples
         )
 
-    def _to_host(
+    def _start_copy(
         self,
         inp: StepInputs,
         logits: torch.Tensor,
         out_tokens: torch.Tensor,
         num_acc: torch.Tensor,
         reqs_logprobs: list[int],
-    ) -> StepOutput:
+    ) -> PendingStep:
         B, k1 = out_tokens.shape
         parts = [out_tokens.double().flatten(), num_acc.double()]
         n_top = max(reqs_logprobs) if reqs_logprobs else -1
@@ -256,8 +278,23 @@ class ModelRunner:
                 logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
             )
             parts += [lp.double(), top_ids.double().flatten(), top_lp.double().flatten()]
+        flat = torch.cat(parts)
+        if flat.device.type != "cuda":
+            return PendingStep(flat.cpu(), None, B, k1, n_top)
         # NOTE: the single device-to-host copy of the step; everything above stayed on device.
-        host = torch.cat(parts).cpu().numpy()
+        # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile.
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return PendingStep(host, event, B, k1, n_top)
+
+    def finish(self, pending: PendingStep) -> StepOutput:
+        """Wait for a launched step's results and unpack them."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        host = pending.host.numpy()
+        B, k1, n_top = pending.num_reqs, pending.k1, pending.n_top
         tokens = host[: B * k1].astype(np.int64).reshape(B, k1)
         num_accepted = host[B * k1 : B * k1 + B].astype(np.int64)
         logprobs = None
