@@ -187,7 +187,9 @@ def compare_with_reference(
     device: str,
     num_pad_reqs: int = 1,
     seed: int = 0,
+    num_splits: int | None = None,
 ) -> None:
+    """`num_splits` forces the split-KV path (None: the launcher's own choice)."""
     gen = torch.Generator().manual_seed(seed)
     pages = alloc_pages([c + q for c, q in reqs], gen)
     pad_q = max(q for _, q in reqs)
@@ -199,7 +201,15 @@ def compare_with_reference(
     ref_backend, backend = TorchAttentionBackend(), _backend()
     ref_cache = kv_cache.clone()
     ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.build(common, window), scale, window)
-    out = backend.forward(q, k, v, kv_cache, backend.build(common, window), scale, window)
+    from unittest import mock
+
+    from specserve.attention import triton_paged
+
+    choose = triton_paged._num_splits
+    with mock.patch.object(
+        triton_paged, "_num_splits", (lambda *a: num_splits) if num_splits else choose
+    ):
+        out = backend.forward(q, k, v, kv_cache, backend.build(common, window), scale, window)
     real = real_tokens(common)
     err = rel_err(out[real], ref[real])
     assert err < tolerance(dtype), f"relative error {err:.2e}"
@@ -246,6 +256,36 @@ def test_uniform_batches_gpu(
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("splits", [2, 8, 16])
+@pytest.mark.parametrize(
+    "reqs",
+    [[(3000, 1)], [(c, 1) for c in range(0, 640, 97)], [(c, 5) for c in range(3, 900, 251)], MIXED],
+    ids=["long-decode", "decode", "verify", "mixed"],
+)
+def test_split_kv_gpu(
+    reqs: list[tuple[int, int]], splits: int, window: int | None, dtype: torch.dtype
+) -> None:
+    """Split-KV (flash-decoding) attention equals the reference, empty splits included."""
+    compare_with_reference(reqs, 32, 8, 128, window, dtype, "cuda", 2, num_splits=splits)
+
+
+def test_split_choice() -> None:
+    """Splits only where the grid leaves SMs idle and keys are many; a power of two <= 16."""
+    pytest.importorskip("triton")
+    from specserve.attention.triton_paged import _num_splits
+
+    cpu = torch.device("cpu")  # counted as 132 SMs
+    assert _num_splits(16, 8192, cpu) == 8  # batch-1 decode, 8 KV heads, long context
+    assert _num_splits(2, 100_000, cpu) == 16
+    assert _num_splits(16, 400, cpu) == 1  # short context
+    assert _num_splits(512, 8192, cpu) == 1  # the grid already fills the GPU
+    assert _num_splits(40, 4096, cpu) == 2
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("heads", [(28, 4), (12, 4)])  # Qwen2-7B-like group 7; group 3
 def test_non_power_of_two_group_gpu(heads: tuple[int, int]) -> None:
     compare_with_reference(MIXED, *heads, 128, 24, torch.bfloat16, "cuda")
@@ -269,6 +309,19 @@ def test_mixed_batch_interpreter(
 ) -> None:
     reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
     compare_with_reference(reqs, *heads, head_dim, window, dtype, "cpu", num_pad_reqs=1)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "dtype,window,splits",
+    [(torch.float32, None, 4), (torch.float32, 12, 2), (torch.bfloat16, 12, 4)],
+)
+def test_split_kv_interpreter(
+    interpreter: None, dtype: torch.dtype, window: int | None, splits: int
+) -> None:
+    """Split-KV on CPU: short contexts leave some splits empty (m = -inf, l = 0)."""
+    reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
+    compare_with_reference(reqs, 4, 2, 16, window, dtype, "cpu", 1, num_splits=splits)
 
 
 # ---- advance_decode_ ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Paged attention in Triton: one kernel for mixed prefill / decode / verification batches.
 
 Layout and launch (vLLM "unified attention" style):
-  grid = (num_tokens // BLOCK_Q + num_reqs, num_kv_heads)
+  grid = (num_tokens // BLOCK_Q + num_reqs, num_kv_heads, num_splits)
   Each program owns one q-block of one request: BLOCK_Q query tokens x GROUP query heads of one
   KV head, flattened into BLOCK_M = BLOCK_Q * GROUP (padded to a power of two) rows, so every KV
   tile is loaded once per GQA group. Request i's q-blocks are numbered from
@@ -11,6 +11,10 @@ Layout and launch (vLLM "unified attention" style):
   through block_table, from the first tile inside the sliding window to the last visible key,
   with an fp32 online softmax.
 
+Small decode batches over long contexts leave most SMs idle with that grid, so the keys are then
+split over a third grid axis (flash-decoding): each split writes its partial softmax state (m, l,
+unnormalized acc) and a second kernel merges them (`_num_splits` picks the count).
+
 The metadata holds no position-dependent derived state: window bounds are computed in the kernel
 from `positions`, so the per-window metadata of one forward all share one common metadata and
 `advance_decode_` only has to advance the common tensors.
@@ -18,6 +22,7 @@ from `positions`, so the per-window metadata of one forward all share one common
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -158,9 +163,15 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SPLITS: tl.constexpr,
+    ws_acc_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    num_heads,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
@@ -201,6 +212,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    if SPLITS > 1:
+        # Split-KV (flash-decoding): this program takes its share of the key tiles; partial
+        # softmax states are merged by _combine_splits_kernel.
+        per = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), SPLITS) * BLOCK_N
+        kv_begin = kv_begin + split * per
+        kv_end = tl.minimum(kv_end, kv_begin + per)
     for start in range(kv_begin, kv_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
@@ -225,13 +242,50 @@ def _paged_attention_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None],
-    )
+    if SPLITS > 1:
+        ws = (tok * num_heads + head) * SPLITS + split
+        tl.store(ws_m_ptr + ws, m_i, mask=row_valid)
+        tl.store(ws_l_ptr + ws, l_i, mask=row_valid)
+        tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
+    else:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None],
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr,
+    ws_acc_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """out[t, h] from the SPLITS partial (m, l, acc) of row (t, h): rescale each to the global
+    max (log2 domain, as the main kernel) and normalize once. Empty splits have m = -inf."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = (t * num_heads + h) * SPLITS
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.load(ws_m_ptr + row + sp)
+    lse = tl.load(ws_l_ptr + row + sp)
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_safe)
+    denom = tl.sum(lse * w, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    acc = tl.load(ws_acc_ptr + (row + sp)[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -270,7 +324,9 @@ def paged_attention(
     common: CommonAttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
+    """`num_splits`: key splits per program (None: `_num_splits`' choice; tests force it)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if num_heads % num_kv_heads != 0:
@@ -288,7 +344,16 @@ def paged_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     bt = common.block_table
     # Fixed by host-side sizes only, so a captured graph replays with any data.
-    grid = (num_tokens // block_q + common.num_reqs, num_kv_heads)
+    q_blocks = num_tokens // block_q + common.num_reqs
+    if num_splits is None:
+        num_splits = _num_splits(q_blocks * num_kv_heads, common.max_seq_len, q.device)
+    grid = (q_blocks, num_kv_heads, num_splits)
+    if num_splits > 1:
+        ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
+        ws_m = torch.empty(num_tokens, num_heads, num_splits, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+    else:
+        ws_acc = ws_m = ws_l = out  # unused
     _paged_attention_kernel[grid](
         out,
         q,
@@ -319,10 +384,45 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None,
         # fp32 caches get exact fp32 dots (no tf32), so results track the reference closely.
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        SPLITS=num_splits,
+        ws_acc_ptr=ws_acc,
+        ws_m_ptr=ws_m,
+        ws_l_ptr=ws_l,
+        num_heads=num_heads,
         num_warps=cfg.num_warps,
         num_stages=2,
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out,
+            ws_acc,
+            ws_m,
+            ws_l,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS=num_splits,
+        )
     return out
+
+
+def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+    """Key splits per (q-block, KV head): 1 unless the grid leaves most SMs idle (small decode
+    batches) and keys are many (at least MIN_KEYS_PER_SPLIT each); a power of two <= 16.
+
+    From host-side sizes only (a captured graph uses max_model_len for max_seq_len)."""
+    sms = _num_sms(device.index) if device.type == "cuda" else 132
+    want = min(16, max_seq_len // MIN_KEYS_PER_SPLIT, sms // max(num_programs, 1))
+    return 1 if want < 2 else 1 << (want.bit_length() - 1)
+
+
+MIN_KEYS_PER_SPLIT = 512
+
+
+@functools.cache
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class TritonAttentionBackend(AttentionBackend):
