@@ -2,7 +2,8 @@
 
 Llama-3-8B attention shapes (32 query heads, 8 KV heads, head_dim 128), bf16, block size 16,
 shuffled pages. Each row times one backend `forward` (KV write + attention) eagerly and replayed
-from a CUDA graph (launch overhead removed).
+from a CUDA graph (launch overhead removed). Long-context batch-1 rows also time the Triton
+kernel with split-KV off ("triton-1split").
 
     python benchmarks/attention.py            # prints a table; writes $OUT/attention.json if set
 """
@@ -111,10 +112,35 @@ def bench_case(
                 graph_us=time_graph_us(fn, iters),
             )
         )
+    # The Triton kernel again with split-KV off, where the launcher would split.
+    from unittest import mock
+
+    from specserve.attention import triton_paged as tp
+
+    if tp._num_splits(num_reqs * 2 * NUM_KV_HEADS, context + query_len, device) > 1:
+        backend = TritonAttentionBackend()
+        meta = backend.build(common, None)
+
+        def one_split() -> torch.Tensor:
+            return backend.forward(q, k, v, kv_cache, meta, scale, None)
+
+        with mock.patch.object(tp, "_num_splits", lambda *a: 1):
+            outs["triton-1split"] = one_split().float()
+            rows.append(
+                dict(
+                    case=name,
+                    backend="triton-1split",
+                    num_reqs=num_reqs,
+                    context=context,
+                    query_len=query_len,
+                    eager_us=time_us(one_split, iters),
+                    graph_us=time_graph_us(one_split, iters),
+                )
+            )
     ref = outs["torch"]
-    err = ((outs["triton"] - ref).abs().max() / ref.abs().max()).item()
     for r in rows:
-        r["max_rel_err_vs_torch"] = err
+        out = outs[r["backend"]]  # type: ignore[index]
+        r["max_rel_err_vs_torch"] = ((out - ref).abs().max() / ref.abs().max()).item()
     return rows
 
 
@@ -127,16 +153,19 @@ def main() -> None:
         raise SystemExit("benchmarks/attention.py needs a CUDA device.")
     cases = [(f"decode B={b}", b, args.context, 1) for b in (1, 16, 64)]
     cases += [("verify B=16 q=5", 16, args.context, 5), ("prefill 128", 1, 128, 128)]
+    # Long contexts at batch 1: where split-KV applies (compared with one split).
+    cases += [(f"decode B=1 ctx {c}", 1, c, 1) for c in (4096, 16384)]
+    cases += [("verify B=1 q=5 ctx 8192", 1, 8192, 5)]
     rows = [r for c in cases for r in bench_case(*c, iters=args.iters)]
 
     def fmt(x: object) -> str:
         return "-" if x is None else f"{x:.1f}"
 
     print(f"device: {torch.cuda.get_device_name()}  heads {NUM_HEADS}/{NUM_KV_HEADS} d={HEAD_DIM}")
-    print(f"{'case':<18}{'backend':<9}{'eager us':>10}{'graph us':>10}{'rel err':>10}")
+    print(f"{'case':<24}{'backend':<15}{'eager us':>10}{'graph us':>10}{'rel err':>10}")
     for r in rows:
         print(
-            f"{r['case']:<18}{r['backend']:<9}{fmt(r['eager_us']):>10}{fmt(r['graph_us']):>10}"
+            f"{r['case']:<24}{r['backend']:<15}{fmt(r['eager_us']):>10}{fmt(r['graph_us']):>10}"
             f"{r['max_rel_err_vs_torch']:>10.1e}"
         )
     out_dir = os.environ.get("OUT")

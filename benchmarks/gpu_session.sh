@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_session.sh tests   # family build in the background + `pytest -m gpu`
 #   bash benchmarks/gpu_session.sh e2e     # waits for the build; batch 64 (auto K) + PTD K = 2..8
-#   bash benchmarks/gpu_session.sh speed   # decode.py and spec_step.py (nothing else running)
+#   bash benchmarks/gpu_session.sh speed   # decode.py (sync/async), spec_step.py, attention.py
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -42,6 +42,7 @@ case "${1:-}" in
   speed)
     python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 | tee "$OUT/decode.log" | tail -12
     python benchmarks/spec_step.py --ks 4 --modes fused 2>&1 | tee "$OUT/spec_step.log" | tail -8
+    python benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | tail -16
     ;;
   *)
     echo "usage: $0 tests|e2e|speed" >&2
