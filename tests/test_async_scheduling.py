@@ -103,3 +103,75 @@ def test_abort_while_a_step_is_in_flight(ckpt_dir) -> None:
     assert "1" not in done
     assert [done[str(i)] for i in (0, 2, 3)] == [ref[i][0] for i in (0, 2, 3)]
     assert eng._inflight is None and eng.kv.usage() == 0.0
+
+
+# ---- behind steps that verify drafts ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafters(ckpt_dir, tmp_path_factory) -> dict[str, str]:
+    import os
+
+    from .spec_utils import (
+        write_eagle3,
+        write_mtp_target,
+        write_multi_mtp_target,
+        write_ptd_eagle3,
+    )
+
+    root = tmp_path_factory.mktemp("async_drafters")
+    target = ckpt_dir("llama_gqa", "llama")
+    return {
+        "target": target,
+        "draft_model": ckpt_dir("small_draft", "llama", num_hidden_layers=2, seed=5),
+        "eagle3": write_eagle3(os.path.join(root, "eagle3")),
+        "ptd": write_ptd_eagle3(os.path.join(root, "ptd")),
+        "mtp": write_mtp_target(target, os.path.join(root, "mtp")),
+        "mtp3": write_multi_mtp_target(target, os.path.join(root, "mtp3"), 3, seed=3),
+    }
+
+
+def _spec(drafters: dict[str, str], method: str, k: int) -> tuple[str, dict]:
+    target = drafters["target"]
+    if method in ("mtp", "mtp3"):
+        return drafters[method], {"method": "mtp", "num_speculative_tokens": k}
+    if method == "ptd":
+        return target, {
+            "method": "eagle3",
+            "model": drafters["ptd"],
+            "num_speculative_tokens": k,
+            "parallel_draft": True,
+        }
+    return target, {"method": method, "model": drafters[method], "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp", "ptd", "mtp3"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_async_speculative_equals_sync(drafters, method: str, mode: str) -> None:
+    """Step N+1 launched before N's accept counts are read: scheduled as if every draft were
+    accepted, placed on the device. Same tokens as the synchronous engine (greedy and seeded
+    sampling, stops, chunking, preemption), also with self-drafting (all accepted)."""
+    target, cfg = _spec(drafters, method, 3)
+    prompts = random_prompts(6, 3, 40, seed=12)
+    params = _params(6)
+    kw = {"max_model_len": 160, **MODES[mode]}
+    ref = _run(LLM(target, speculative_config=cfg, **kw), prompts, params)
+    llm = LLM(target, speculative_config=cfg, async_scheduling=True, **kw)
+    stats = _count_overlaps(llm)
+    assert _run(llm, prompts, params) == ref
+    assert stats["overlapped"] > 5
+    assert llm.engine._inflight is None and llm.engine.kv.usage() == 0.0
+    assert llm.get_metrics()["spec_decode_num_drafts_total"] > 0
+
+
+def test_async_self_drafting_accepts_everything(drafters) -> None:
+    """Every draft accepted: the upper-bound start is the true one (delta 0 on the device)."""
+    target = drafters["target"]
+    cfg = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
+    prompts = random_prompts(3, 5, 20, seed=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    llm = LLM(target, speculative_config=cfg, async_scheduling=True, max_model_len=160)
+    stats = _count_overlaps(llm)
+    outs = _run(llm, prompts, [sp] * 3)
+    ref = _run(LLM(target, max_model_len=160), prompts, [sp] * 3)
+    assert outs == ref and stats["overlapped"] > 3
+    m = llm.get_metrics()
+    assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"]

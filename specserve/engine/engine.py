@@ -241,10 +241,14 @@ class LLMEngine:
         the assumption that N's requests all continue, then read N's results.
 
         Step N+1's input tokens are N's outputs, which N writes into the persistent token
-        buffer on the device; the host only needs to know how many there are (one per sampling
-        request: no drafts), kept in `num_pending_tokens` until N's results are read. A request
-        that N finishes (EOS, stop string) got one wasted token in N+1, dropped by `_update`.
-        Steps that could finish by length, could preempt, or verify drafts are not overlapped."""
+        buffer on the device; the host only needs to know how many there are, kept in
+        `num_pending_tokens` until N's results are read. Without drafts that is one per
+        sampling request. With drafts N accepts an unknown number: N+1 is scheduled (and KV
+        allocated) as if N accepted all of them, and the device shifts N+1's positions to the
+        true start it recorded (`start_on_device`, `ModelRunner._place_on_device`). A request
+        N finishes (EOS, stop string) got a wasted step in N+1, dropped by `_update`. Steps that
+        could preempt or run past max_model_len, n-gram drafting and dynamic K are not
+        overlapped."""
         if self._inflight is None:
             sched = self._schedule(self._spec_budget())
             if sched.is_empty:
@@ -253,15 +257,23 @@ class LLMEngine:
         sched, pending = self._inflight
         nxt = None
         if self._can_overlap(sched):
-            for s in sched.scheduled:  # what N computes, as `_update` will record it
+            saved = [(s.req, s.req.num_computed_tokens) for s in sched.scheduled]
+            on_device = self.speculator is not None
+            for s in sched.scheduled:
+                # What N computes if every draft is accepted: exact without drafts, else the
+                # upper bound KV is allocated for (the device places the step exactly).
                 s.req.num_computed_tokens = s.start + s.num_tokens
-                s.req.num_pending_tokens = int(s.samples)
+                if s.samples:
+                    s.req.num_pending_tokens = 1 + s.num_draft
+                    s.req.start_on_device = on_device
             sched2 = self._schedule(None)
             assert not sched2.preempted, "_can_overlap leaves room for every running request"
             if not sched2.is_empty:
                 nxt = (sched2, self.runner.launch(sched2, self._logprobs(sched2)))
-            for s in sched.scheduled:
-                s.req.num_pending_tokens = 0
+            for req, computed in saved:  # `_update` records what N really computed
+                req.num_computed_tokens = computed
+                req.num_pending_tokens = 0
+                req.start_on_device = False
         out = self.runner.finish(pending)
         outputs = self._update(sched, out)
         if nxt is not None and all(s.req.is_finished() for s in nxt[0].scheduled):
@@ -272,19 +284,31 @@ class LLMEngine:
         return outputs
 
     def _can_overlap(self, sched: SchedulerOutput) -> bool:
-        if not self.config.async_scheduling or self.speculator is not None:
+        if not self.config.async_scheduling:
             return False
+        spec = self.speculator
+        if spec is not None and (
+            spec.proposes_on_host  # n-gram drafts are found in tokens the host has not seen
+            or self._spec_budget() is not None  # dynamic K: decided per step, after N
+        ):
+            return False
+        k1 = self.num_spec_tokens + 1
         for s in sched.scheduled:
             req = s.req
-            if s.samples and (
-                req.num_output_tokens + 1 >= req.max_tokens
-                or req.num_tokens + 1 >= self.max_model_len
-            ):
+            if not s.samples:
+                continue
+            if spec is None and req.num_output_tokens + 1 >= req.max_tokens:
                 return False  # N finishes it by length: N+1 must not schedule it
-        # No preemption while scheduling N+1: a block for every running request plus a full
-        # prefill chunk's worth for the waiting ones.
+            # N+1 must stay inside max_model_len even if N and N+1 accept every draft. (With
+            # drafts, tokens past max_tokens are dropped by `_append` as in synchronous steps.)
+            if req.num_tokens + 3 * k1 >= self.max_model_len:
+                return False
+        # No preemption while scheduling N+1: the blocks 1 + K tokens may need for every
+        # running request plus a full prefill chunk's worth for the waiting ones.
         kv = self.kv
-        room = len(self.scheduler.running) + kv.blocks_needed(self.config.max_num_batched_tokens)
+        per_req = kv.blocks_needed(k1 + self.num_spec_tokens) + 1
+        room = per_req * len(self.scheduler.running)
+        room += kv.blocks_needed(self.config.max_num_batched_tokens)
         return kv.pool.num_free > room
 
     def _spec_budget(self) -> int | None:
@@ -312,7 +336,9 @@ class LLMEngine:
                 req.num_computed_tokens = s.start + s.num_tokens
                 continue
             n_acc = int(out.num_accepted[i])
-            req.num_computed_tokens = s.start + s.num_tokens - s.num_draft + n_acc
+            # A start placed on the device is the one the previous step's `_update` recorded.
+            start = req.num_computed_tokens if s.start_on_device else s.start
+            req.num_computed_tokens = start + s.num_tokens - s.num_draft + n_acc
             if s.num_draft > 0:
                 self.stats.record_draft(req, s.num_draft, n_acc)
                 if self.auto_k is not None:

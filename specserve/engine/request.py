@@ -52,6 +52,9 @@ class Request:
         # Tokens sampled by a launched step that the host has not seen yet (async scheduling):
         # the scheduler counts them; their ids are already in the device token buffer.
         self.num_pending_tokens = 0
+        # Set while scheduling behind a launched step that verifies this request's drafts:
+        # num_computed_tokens then holds an upper bound (every draft accepted).
+        self.start_on_device = False
         # Host-side drafts (n-gram) to upload with the next step's inputs.
         self.host_draft_tokens: list[int] = []
         self.block_ids: list[int] = []

@@ -15,8 +15,11 @@ class ScheduledRequest:
     # Tokens fed to the target this step: a prefill chunk, or 1 + num_draft when decoding.
     num_tokens: int
     num_draft: int
-    # num_computed_tokens before this step: the position of the first scheduled token.
+    # num_computed_tokens before this step: the position of the first scheduled token. With
+    # `start_on_device` (async scheduling behind a step that verifies drafts) it is only an
+    # upper bound, the one KV is allocated for; the device corrects it from the accept counts.
     start: int
+    start_on_device: bool = False
 
     @property
     def samples(self) -> bool:
@@ -112,7 +115,7 @@ class Scheduler:
                     break
             if req.status is RequestStatus.PREEMPTED:
                 continue  # `req` itself was the newest and got preempted; nothing at index i
-            out.scheduled.append(ScheduledRequest(req, n, k, start))
+            out.scheduled.append(ScheduledRequest(req, n, k, start, req.start_on_device))
             scheduled.add(id(req))
             budget -= n
             i += 1

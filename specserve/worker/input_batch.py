@@ -40,6 +40,8 @@ class StepInputs:
     samples: torch.Tensor
     # [3, N] (row, position, token) of host-proposed drafts (n-gram), N may be 0
     host_drafts: torch.Tensor
+    # [B] 1 where the host's start is an upper bound to correct on the device; None if no row
+    start_on_device: torch.Tensor | None = None
 
 
 def prepare_inputs(
@@ -53,6 +55,7 @@ def prepare_inputs(
     starts = np.fromiter((x.start for x in s), np.int64, B)
     num_draft = np.fromiter((x.num_draft for x in s), np.int64, B)
     samples = np.fromiter((x.samples for x in s), np.int64, B)
+    on_device = np.fromiter((x.start_on_device for x in s), np.int64, B)
     qsl = np.zeros(B + 1, np.int64)
     np.cumsum(num_sched, out=qsl[1:])
     T = int(qsl[-1])
@@ -78,12 +81,13 @@ def prepare_inputs(
         out_pos0,
         seq_lens,
         samples,
+        on_device,
         host_drafts.ravel(),
     ]
     packed = torch.from_numpy(np.concatenate(parts))
     if device.type == "cuda":
         packed = packed.pin_memory().to(device, non_blocking=True)
-    sizes = [B, B + 1, T, T, B * k1, B, B, B, B, host_drafts.size]
+    sizes = [B, B + 1, T, T, B * k1, B, B, B, B, B, host_drafts.size]
     v = torch.split(packed, sizes)
     return StepInputs(
         num_reqs=B,
@@ -101,5 +105,6 @@ def prepare_inputs(
         out_pos0=v[6],
         seq_lens=v[7],
         samples=v[8],
-        host_drafts=v[9].view(3, -1),
+        host_drafts=v[10].view(3, -1),
+        start_on_device=v[9] if on_device.any() else None,
     )

@@ -183,6 +183,8 @@ class ModelRunner:
         self.states.upload_block_table()
         k = self.num_spec_tokens
         inp = prepare_inputs(sched, k, self.device)
+        if inp.start_on_device is not None:
+            self._place_on_device(inp)
         st_rows = inp.idx_mapping
         tok = self.states.token_ids
         if inp.host_drafts.shape[1] > 0:
@@ -219,6 +221,9 @@ class ModelRunner:
                 synthetic_acceptance_rate=spec.synthetic_acceptance_rate,
             )
         self._write_tokens(inp, out_tokens, num_acc)
+        if self.config.async_scheduling:
+            # What this step leaves computed, for a step launched before its results are read.
+            self.states.num_computed[inp.idx_mapping] = inp.seq_lens - inp.num_draft + num_acc
         if self.speculator is not None:
             if self.draft_events is not None:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -235,6 +240,16 @@ class ModelRunner:
                 ev[1].record()
                 self.draft_events.append(ev)
         return self._start_copy(inp, logits, out_tokens, num_acc, reqs_logprobs)
+
+    def _place_on_device(self, inp: StepInputs) -> None:
+        """Rows scheduled behind a step whose accept counts the host has not read: their host
+        start is an upper bound; shift positions, seq_lens and out_pos0 by the true start (the
+        previous step's `num_computed`) minus it. Such rows decode (out_pos0 = start + 1)."""
+        true_start = self.states.num_computed[inp.idx_mapping]
+        delta = torch.where(inp.start_on_device > 0, true_start - (inp.out_pos0 - 1), 0)
+        inp.positions += delta[inp.token_req]
+        inp.seq_lens += delta
+        inp.out_pos0 += delta
 
     def _run_target(
         self, input_ids: torch.Tensor, inp: StepInputs, common: CommonAttentionMetadata

@@ -29,6 +29,9 @@ class RequestStates:
         # scratch column that masked-off writes are sent to.
         self.width = max_model_len + num_spec_tokens + 2
         self.token_ids = torch.zeros(self.num_rows, self.width, dtype=torch.int64, device=device)
+        # [rows] tokens whose KV is computed, as of the last launched step (async scheduling
+        # reads it to place a step launched before the host knows the accept counts).
+        self.num_computed = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
         # Host mirror of the block table, uploaded in one copy when it changes.
         self.block_table_cpu = np.full((self.num_rows, max_blocks_per_req), null_block, np.int32)
         self.block_table = torch.from_numpy(self.block_table_cpu.copy()).to(device)
