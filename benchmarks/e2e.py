@@ -77,11 +77,17 @@ def draft_lm(family: str) -> str:
     return out
 
 
-def run_specserve(target: str, spec: dict | None, ps: list[str], batch1: bool = True) -> dict:
+def run_specserve(
+    target: str, spec: dict | None, ps: list[str], batch1: bool = True, **llm_kw: object
+) -> dict:
     from specserve import LLM, SamplingParams
 
     llm = LLM(
-        target, max_model_len=1024, max_num_seqs=64 if not batch1 else 4, speculative_config=spec
+        target,
+        max_model_len=1024,
+        max_num_seqs=64 if not batch1 else 4,
+        speculative_config=spec,
+        **llm_kw,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     # Warm-up: Triton compiles and autotunes, allocator. A batched run warms up on the whole
@@ -169,6 +175,13 @@ def main() -> None:
             res["batch1"][name] = r
             print(f"{name:>8}: {r['tok_s']:.0f} tok/s tau {r['tau']:.2f} lossless {r['lossless']}")
         print(f"   plain: {plain['tok_s']:.0f} tok/s", flush=True)
+        # Async scheduling: step N+1 launched while step N runs (same outputs).
+        for name, spec in (("plain", None), ("eagle3", methods["eagle3"])):
+            spec = {**spec, "num_speculative_tokens": k} if spec else None
+            r = run_specserve(target, spec, ps, async_scheduling=True)
+            r["lossless"] = r["texts"] == plain["texts"]
+            res["batch1"][f"{name}_async"] = r
+            print(f"{name}_async: {r['tok_s']:.0f} tok/s lossless {r['lossless']}", flush=True)
         save(res)
     if "hf" in parts:
         lm = draft_lm(fam)

@@ -2,7 +2,7 @@
 # One device lease, three calls of a warm machine (each under the 10-minute command limit):
 #
 #   bash benchmarks/gpu_session.sh tests   # family build in the background + `pytest -m gpu`
-#   bash benchmarks/gpu_session.sh e2e     # waits for the build; batch 64 (auto K) + PTD K = 2..8
+#   bash benchmarks/gpu_session.sh e2e     # waits for the build; batch 1 (sync/async), 64 (auto K), PTD
 #   bash benchmarks/gpu_session.sh speed   # decode.py (sync/async), spec_step.py, attention.py
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -36,12 +36,14 @@ case "${1:-}" in
     ;;
   e2e)
     wait_build 300
-    python benchmarks/e2e.py --family-dir "$FAMILY" --parts batch64,ptd 2>&1 \
+    python benchmarks/e2e.py --family-dir "$FAMILY" --parts methods,batch64,ptd 2>&1 \
       | grep -v Warning | tee "$OUT/e2e.log" | tail -40
     ;;
   speed)
     python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 | tee "$OUT/decode.log" | tail -12
     python benchmarks/spec_step.py --ks 4 --modes fused 2>&1 | tee "$OUT/spec_step.log" | tail -8
+    python benchmarks/spec_step.py --ks 4 --modes fused --async-scheduling 2>&1 \
+      | tee "$OUT/spec_step_async.log" | tail -8
     python benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | tail -16
     ;;
   *)

@@ -8,6 +8,7 @@ draft loop as one fused graph and as a per-step graph replayed K-1 times, the dr
 the step (CUDA events around drafting), and output tokens per second.
 
     python benchmarks/spec_step.py [--ks 1,2,3,4,5,6,7] [--batches 1,16,64]  # $OUT/spec_step.json
+    python benchmarks/spec_step.py --async-scheduling ...             # $OUT/spec_step_async.json
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ EAGLE3_HEAD = {
 }
 
 
-def make_engine(target: str, spec: dict | None, mode: str, max_seqs: int) -> object:
+def make_engine(
+    target: str, spec: dict | None, mode: str, max_seqs: int, async_scheduling: bool = False
+) -> object:
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
 
@@ -55,6 +58,7 @@ def make_engine(target: str, spec: dict | None, mode: str, max_seqs: int) -> obj
         gpu_memory_utilization=0.85,
         speculative_config=spec,
         draft_graph_mode=mode,
+        async_scheduling=async_scheduling,
     )
     return LLMEngine(cfg)
 
@@ -103,14 +107,21 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--modes", default="fused,per_step")
     ap.add_argument("--acceptance", type=float, default=0.7)
+    ap.add_argument(
+        "--async-scheduling", action="store_true", help="launch step N+1 while step N runs"
+    )
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     target = write_config(LLAMA3_8B)
     head = write_config(EAGLE3_HEAD)
-    results: dict = {"device": torch.cuda.get_device_name(), "rows": []}
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "async_scheduling": args.async_scheduling,
+        "rows": [],
+    }
 
     def run(label: str, k: int, mode: str, spec: dict | None) -> None:
-        engine = make_engine(target, spec, mode, max(batches))
+        engine = make_engine(target, spec, mode, max(batches), args.async_scheduling)
         for b in batches:
             r = measure(engine, b)
             results["rows"].append({"label": label, "k": k, "mode": mode, "batch": b, **r})
@@ -135,7 +146,8 @@ def main() -> None:
             }
             run("eagle3", k, mode, spec)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "spec_step.json"), "w") as f:
+        name = "spec_step_async.json" if args.async_scheduling else "spec_step.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(results, f, indent=1)
     plain = {r["batch"]: r["ms_per_step"] for r in results["rows"] if r["label"] == "plain"}
     print(f"\n{results['device']}; ms per step (x plain decode step), drafting share")
