@@ -187,6 +187,51 @@ def profile_steps(model_dir: str, prompt_len: int, steps: int = 40) -> None:
     torch.cuda.empty_cache()
 
 
+def kernel_profile(model_dir: str, prompt_len: int, steps: int = 10) -> list[dict]:
+    """Device time per kernel of a batch-1 decode step (eager engine: the kernels a graph
+    replays, without the launch gaps), with the bandwidth GEMMs reach on their weights: where
+    the captured graph's time over the weight floor goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specserve import SamplingParams
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=model_dir,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=1024,
+        max_num_seqs=1,
+        gpu_memory_utilization=0.5,
+        enforce_eager=True,
+    )
+    engine = LLMEngine(cfg)
+    sp = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True)
+    engine.add_request("p", {"prompt_token_ids": list(range(1, prompt_len + 1))}, sp)
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as tp:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in tp.key_averages():
+        us = e.self_device_time_total / steps
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "calls_per_step": e.count / steps, "us": us})
+    rows.sort(key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    print(f"\nbatch-1 decode step, device time per kernel (eager engine): {total / 1e3:.2f} ms")
+    for r in rows[:20]:
+        print(f"{r['us']:>9.1f} us {r['calls_per_step']:>6.0f}x  {r['kernel']}")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def run_hf(cfg: dict, batch: int, prompt_len: int, new_tokens: int) -> dict:
     import transformers as tf
 
@@ -215,11 +260,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile host time of batch-1 steps")
+    ap.add_argument(
+        "--kernels", action="store_true", help="device time per kernel of a batch-1 step"
+    )
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     model_dir = write_config(LLAMA3_8B)
     if args.profile:
         profile_steps(model_dir, args.prompt_len)
+    kernels = kernel_profile(model_dir, args.prompt_len) if args.kernels else None
     bw = copy_bandwidth()
     rows = []
     for bs in [int(x) for x in args.batch_sizes.split(",")]:
@@ -250,6 +299,7 @@ def main() -> None:
         "copy_bandwidth_GBs": bw / 1e9,
         "torch": torch.__version__,
         "rows": rows,
+        "kernels": kernels,
     }
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "decode.json"), "w") as f:

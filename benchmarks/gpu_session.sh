@@ -40,7 +40,7 @@ case "${1:-}" in
       | grep -v Warning | tee "$OUT/e2e.log" | tail -40
     ;;
   speed)
-    python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 | tee "$OUT/decode.log" | tail -12
+    python benchmarks/decode.py --no-hf --batch-sizes 1,16 --kernels 2>&1 | tee "$OUT/decode.log" | tail -30
     python benchmarks/spec_step.py --ks 4 --modes fused 2>&1 | tee "$OUT/spec_step.log" | tail -8
     python benchmarks/spec_step.py --ks 4 --modes fused --async-scheduling 2>&1 \
       | tee "$OUT/spec_step_async.log" | tail -8
