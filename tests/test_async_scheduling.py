@@ -175,3 +175,22 @@ def test_async_self_drafting_accepts_everything(drafters) -> None:
     assert outs == ref and stats["overlapped"] > 3
     m = llm.get_metrics()
     assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_preemption_while_a_step_is_in_flight(ckpt_dir, drafters, monkeypatch, speculative) -> None:
+    """Overlap forced even when the KV cache is nearly full: requests preempted while the step
+    before is in flight restart from their host tokens; the outputs do not change."""
+    from specserve.engine.engine import LLMEngine
+
+    target, cfg = _spec(drafters, "eagle3", 3) if speculative else (drafters["target"], None)
+    prompts = random_prompts(6, 10, 40, seed=8)
+    params = _params(6)
+    kw = {"max_model_len": 160, "num_gpu_blocks_override": 12, "max_num_batched_tokens": 64}
+    ref = _run(LLM(target, speculative_config=cfg, **kw), prompts, params)
+    llm = LLM(target, speculative_config=cfg, async_scheduling=True, **kw)
+    monkeypatch.setattr(LLMEngine, "_can_overlap", lambda self, sched: True)
+    stats = _count_overlaps(llm)
+    assert _run(llm, prompts, params) == ref
+    assert stats["overlapped"] > 5 and llm.engine.stats.num_preemptions > 0
+    assert llm.engine.kv.usage() == 0.0

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
@@ -266,16 +267,23 @@ class LLMEngine:
                 if s.samples:
                     s.req.num_pending_tokens = 1 + s.num_draft
                     s.req.start_on_device = on_device
+            # `_can_overlap` leaves room for every running request, so this should preempt
+            # nothing; a request it does preempt anyway restarts from its host tokens, and
+            # `_update` drops what N computed for it.
             sched2 = self._schedule(None)
-            assert not sched2.preempted, "_can_overlap leaves room for every running request"
+            # (A preempted request may even be scheduled again in sched2, as a new prefill.)
+            preempted = {id(r) for r in sched2.preempted}
             if not sched2.is_empty:
                 nxt = (sched2, self.runner.launch(sched2, self._logprobs(sched2)))
             for req, computed in saved:  # `_update` records what N really computed
-                req.num_computed_tokens = computed
+                if id(req) not in preempted:
+                    req.num_computed_tokens = computed
                 req.num_pending_tokens = 0
                 req.start_on_device = False
+        else:
+            preempted = set()
         out = self.runner.finish(pending)
-        outputs = self._update(sched, out)
+        outputs = self._update(sched, out, skip=preempted)
         if nxt is not None and all(s.req.is_finished() for s in nxt[0].scheduled):
             self.runner.finish(nxt[1])  # nothing left to read from it
             nxt = None
@@ -326,12 +334,16 @@ class LLMEngine:
             return fits[0] if fits else 0
         return None
 
-    def _update(self, sched: SchedulerOutput, out: StepOutput) -> list[RequestOutput]:
+    def _update(
+        self, sched: SchedulerOutput, out: StepOutput, skip: AbstractSet[int] = frozenset()
+    ) -> list[RequestOutput]:
+        """Record a step's results. `skip`: ids of requests whose results are void (preempted
+        after the step was launched)."""
         outputs = []
         for i, s in enumerate(sched.scheduled):
             req = s.req
-            if req.is_finished():
-                continue  # finished (or aborted) after this step was launched
+            if req.is_finished() or id(req) in skip:
+                continue  # finished, aborted or preempted after this step was launched
             if not s.samples:
                 req.num_computed_tokens = s.start + s.num_tokens
                 continue

@@ -84,6 +84,9 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        # What a launched step computes for it is void: it restarts from its host tokens.
+        victim.num_pending_tokens = 0
+        victim.start_on_device = False
         victim.num_draft_tokens = 0
         victim.host_draft_tokens = []
         victim.num_preemptions += 1
