@@ -531,7 +531,56 @@ def test_concurrent_streams_with_random_disconnects(server: LiveServer) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-# ---- other servers: api key + draft model, a dead engine -----------------------------------
+# ---- other servers: api key + draft model, async scheduling, a dead engine -------------------
+
+
+def test_async_scheduling_server(dirs: dict[str, str]) -> None:
+    """`--async-scheduling` with a draft model: 32 concurrent streams, a third of them leaving
+    early; the rest get their exact greedy completions (= LLM.generate) and every block is
+    freed."""
+    spec = {"method": "draft_model", "model": dirs["draft"], "num_speculative_tokens": 2}
+    s = LiveServer(_config(dirs, spec, async_scheduling=True))
+    ref_llm = LLM(
+        dirs["model"],
+        tokenizer=dirs["tokenizer"],
+        speculative_config=spec,
+        max_model_len=MAX_MODEL_LEN,
+    )
+    n, max_tokens = 32, 10
+    leave = {i for i in range(n) if i % 3 == 0}
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    refs = ref_llm.generate([f"client {i} says" for i in range(n)], greedy, use_tqdm=False)
+
+    async def one(h: httpx.AsyncClient, i: int) -> str | None:
+        body = {
+            "prompt": f"client {i} says",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        text = ""
+        async with h.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if i in leave:
+                    return None
+                text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def run() -> list[str | None]:
+        async with httpx.AsyncClient(base_url=s.url, timeout=60) as h:
+            return await asyncio.gather(*(one(h, i) for i in range(n)))
+
+    try:
+        got = asyncio.run(run())
+        for i, text in enumerate(got):
+            assert text == (None if i in leave else refs[i].outputs[0].text), i
+        s.wait_idle()
+        assert s.metrics()["vllm:spec_decode_num_drafts_total"] > 0
+    finally:
+        s.close()
 
 
 def test_api_key_and_draft_model(dirs: dict[str, str]) -> None:
