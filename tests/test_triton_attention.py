@@ -280,6 +280,7 @@ def test_split_choice() -> None:
     assert _num_splits(16, 8192, cpu) == 8  # batch-1 decode, 8 KV heads, long context
     assert _num_splits(2, 100_000, cpu) == 16
     assert _num_splits(16, 400, cpu) == 1  # short context
+    assert _num_splits(16, 1024, cpu) == 1  # max_model_len 1024: not worth a second kernel
     assert _num_splits(512, 8192, cpu) == 1  # the grid already fills the GPU
     assert _num_splits(40, 4096, cpu) == 2
 

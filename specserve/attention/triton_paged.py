@@ -417,7 +417,7 @@ def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> in
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
-MIN_KEYS_PER_SPLIT = 512
+MIN_KEYS_PER_SPLIT = 1024
 
 
 @functools.cache
