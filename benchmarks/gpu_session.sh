@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device lease, three calls of a warm machine (each under the 10-minute command limit):
+# One device lease, four calls of a warm machine (each under the 10-minute command limit):
 #
 #   bash benchmarks/gpu_session.sh tests   # family build in the background + `pytest -m gpu`
-#   bash benchmarks/gpu_session.sh e2e     # waits for the build; batch 1 (sync/async), 64 (auto K), PTD
+#   bash benchmarks/gpu_session.sh e2e     # waits for the build; batch 1 (sync/async), 64 (auto K)
+#   bash benchmarks/gpu_session.sh ptd     # PTD vs autoregressive EAGLE-3, K = 2..8
 #   bash benchmarks/gpu_session.sh speed   # decode.py (sync/async), spec_step.py, attention.py
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -36,8 +37,13 @@ case "${1:-}" in
     ;;
   e2e)
     wait_build 300
-    python benchmarks/e2e.py --family-dir "$FAMILY" --parts methods,batch64,ptd 2>&1 \
+    python benchmarks/e2e.py --family-dir "$FAMILY" --parts methods,batch64 2>&1 \
       | grep -v Warning | tee "$OUT/e2e.log" | tail -40
+    ;;
+  ptd)
+    wait_build 300
+    python benchmarks/e2e.py --family-dir "$FAMILY" --parts ptd 2>&1 \
+      | grep -v Warning | tee "$OUT/e2e_ptd.log" | tail -40
     ;;
   speed)
     python benchmarks/decode.py --no-hf --batch-sizes 1,16 --kernels 2>&1 | tee "$OUT/decode.log" | tail -30
@@ -47,7 +53,7 @@ case "${1:-}" in
     python benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | tail -16
     ;;
   *)
-    echo "usage: $0 tests|e2e|speed" >&2
+    echo "usage: $0 tests|e2e|ptd|speed" >&2
     exit 2
     ;;
 esac
