@@ -226,6 +226,14 @@ def main() -> None:
             r = run_specserve(target, spec, ps64, batch1=False)
             res["batch64"][name] = {x: r[x] for x in ("tok_s", "tau")}
             print(f"64 concurrent {name}: {r['tok_s']:.0f} tok/s", flush=True)
+        # Async scheduling (fixed K: the automatic controller times synchronous steps).
+        for name, spec in (
+            ("plain_async", None),
+            ("eagle3_k5_async", {**methods["eagle3"], "num_speculative_tokens": k}),
+        ):
+            r = run_specserve(target, spec, ps64, batch1=False, async_scheduling=True)
+            res["batch64"][name] = {x: r[x] for x in ("tok_s", "tau")}
+            print(f"64 concurrent {name}: {r['tok_s']:.0f} tok/s", flush=True)
         save(res)
     save(res)
     print(json.dumps(res, indent=1)[-3000:])
