@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh tests   # family build in the background + `pytest -m gpu`
 #   bash benchmarks/gpu_session.sh e2e     # waits for the build; batch 1 (sync/async), 64 (auto K)
 #   bash benchmarks/gpu_session.sh ptd     # PTD vs autoregressive EAGLE-3, K = 2..8
-#   bash benchmarks/gpu_session.sh speed   # decode.py (sync/async), spec_step.py, attention.py
+#   bash benchmarks/gpu_session.sh speed   # decode.py (sync/async), spec_step, attention, gemv
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -51,6 +51,7 @@ case "${1:-}" in
     python benchmarks/spec_step.py --ks 4 --modes fused --async-scheduling 2>&1 \
       | tee "$OUT/spec_step_async.log" | tail -8
     python benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | tail -16
+    python benchmarks/gemv.py 2>&1 | tee "$OUT/gemv.log" | tail -18
     ;;
   *)
     echo "usage: $0 tests|e2e|ptd|speed" >&2

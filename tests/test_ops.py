@@ -9,6 +9,8 @@ import torch
 
 from specserve.ops import fused
 
+from .test_triton_attention import interpreter  # noqa: F401  (fixture)
+
 ON_CUDA = torch.cuda.is_available()
 modes = [
     pytest.param(
@@ -90,3 +92,24 @@ def test_silu_and_mul(device: str, inter: int) -> None:
     for dtype in _dtypes(device):
         x = torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(1)).to(device, dtype)
         _close(silu_and_mul_triton(x), fused.silu_and_mul_ref(x), dtype)
+
+
+@pytest.mark.parametrize("device", modes)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("n, k, bias", [(40, 96, False), (257, 1000, True)])
+def test_gemv(request, device: str, m: int, n: int, k: int, bias: bool) -> None:
+    """The skinny-matmul kernel against its reference: ragged N and K tiles, M not a power of
+    two, a strided activation view, with and without bias."""
+    pytest.importorskip("triton")
+    if device == "cpu":
+        request.getfixturevalue("interpreter")  # its K loop has tensor bounds
+    from specserve.ops.gemv import gemv, gemv_ref
+
+    g = torch.Generator().manual_seed(m * 7 + n)
+    for dtype in _dtypes(device):
+        x = torch.randn(m, 2 * k, generator=g).to(dtype=dtype, device=device)[:, ::2]
+        w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
+        b = torch.randn(n, generator=g).to(dtype=dtype, device=device) if bias else None
+        _close(gemv(x, w, b), gemv_ref(x, w, b), dtype)
+    with pytest.raises(ValueError, match="gemv takes"):
+        gemv(torch.zeros(9, 4, device=device), torch.zeros(3, 4, device=device))

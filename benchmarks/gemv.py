@@ -1,0 +1,108 @@
+"""Decode matmuls of the Llama-3-8B shape: cuBLAS (F.linear) vs specserve's Triton gemv.
+
+For each weight of a layer (qkv, o, gate_up, down) and lm_head, bf16, M = 1, 4, 8 rows: time per
+call inside a CUDA graph (20 calls per replay, so launch gaps are those of a captured forward),
+the weight-read bandwidth it reaches and its share of the device-to-device copy bandwidth (the
+floor decode.py uses). Every Triton launch config in `specserve.ops.gemv.CONFIGS` is tried; the
+best is reported next to cuBLAS, after a check against the reference.
+
+    python benchmarks/gemv.py          # table last; writes $OUT/gemv.json if set
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode import copy_bandwidth  # noqa: E402
+
+SHAPES = {  # name: (N, K) of the nn.Linear weight
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+CALLS = 20
+
+
+def graph_us(fn: Callable[[], object]) -> float:
+    """Microseconds per call of `fn`, CALLS calls captured in one graph, median of 10 replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / CALLS)
+    return sorted(times[2:])[len(times[2:]) // 2]
+
+
+def main() -> None:
+    from specserve.ops.gemv import CONFIGS, gemv, gemv_ref
+
+    bw = copy_bandwidth()
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        for m in (1, 4, 8):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = gemv_ref(x, w).float()
+            cublas = graph_us(lambda x=x, w=w: F.linear(x, w))
+            best = None
+            for cfg in CONFIGS:
+                err = (gemv(x, w, config=cfg).float() - ref).abs().max().item()
+                assert err <= 2e-2 * ref.abs().max().item(), (name, m, cfg, err)
+                us = graph_us(lambda x=x, w=w, cfg=cfg: gemv(x, w, config=cfg))
+                if best is None or us < best[0]:
+                    best = (us, cfg)
+            nbytes = 2 * n * k
+            rows.append(
+                {
+                    "weight": name,
+                    "N": n,
+                    "K": k,
+                    "M": m,
+                    "cublas_us": cublas,
+                    "triton_us": best[0],
+                    "triton_config": best[1],
+                    "cublas_pct_of_copy_bw": 100 * nbytes / (cublas * 1e-6) / bw,
+                    "triton_pct_of_copy_bw": 100 * nbytes / (best[0] * 1e-6) / bw,
+                }
+            )
+        del w
+    result = {"device": torch.cuda.get_device_name(), "copy_bw_GBs": bw / 1e9, "rows": rows}
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "gemv.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    print(
+        f"{'weight':>8} {'M':>2} {'cuBLAS us':>10} {'% of bw':>8} {'Triton us':>10} {'% of bw':>8}  config"
+    )
+    for r in rows:
+        print(
+            f"{r['weight']:>8} {r['M']:>2} {r['cublas_us']:>10.1f} "
+            f"{r['cublas_pct_of_copy_bw']:>7.1f}% {r['triton_us']:>10.1f} "
+            f"{r['triton_pct_of_copy_bw']:>7.1f}%  {r['triton_config']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

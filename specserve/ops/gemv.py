@@ -1,0 +1,131 @@
+"""Skinny matmul (decode batches: M <= 8 rows) as a Triton kernel, with its torch reference.
+
+Decode is a stream of weight reads: y[M, N] = x[M, K] @ W[N, K]^T (+ b) with M tiny reads N x K
+weights once. Each program owns BLOCK_N output columns and walks K in BLOCK_K tiles, so every
+weight byte is loaded exactly once, in long contiguous rows; the few activation rows are reloaded
+per tile from L2. No split-K: with BLOCK_N <= 32 even N = 4096 gives >= 128 programs, and a
+deterministic reduction order keeps results reproducible.
+
+NOT wired into the model yet: `benchmarks/gemv.py` first compares it with cuBLAS (torch.nn.
+functional.linear) on the Llama-3-8B shapes; it replaces cuBLAS only where it is faster.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference only
+    triton = None
+
+MAX_M = 8
+
+
+def gemv_ref(
+    # [M, K]
+    x: torch.Tensor,
+    # [N, K] (nn.Linear layout)
+    w: torch.Tensor,
+    # [N] or None
+    b: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[M, N], accumulated in fp32, rounded once to x's dtype."""
+    y = x.float() @ w.float().t()
+    if b is not None:
+        y = y + b.float()
+    return y.to(x.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_ym,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        n_ok = n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            # [BLOCK_N, BLOCK_K]: the weight tile, read once
+            w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = w.to(tl.float32)
+            for i in tl.static_range(BLOCK_M):
+                xi = tl.load(x_ptr + i * stride_xm + k, mask=k_ok & (i < M), other=0.0)
+                part = tl.sum(w * xi.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+                acc += tl.where(rows[:, None] == i, part[None, :], 0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rows[:, None] * stride_ym + n[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_ok[None, :])
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages); benchmarks/gemv.py sweeps CONFIGS on the GPU.
+CONFIGS = [
+    (8, 512, 4, 4),
+    (16, 256, 4, 4),
+    (16, 512, 4, 3),
+    (16, 512, 8, 4),
+    (32, 256, 8, 3),
+    (32, 128, 4, 4),
+]
+DEFAULT_CONFIG = (16, 512, 4, 3)
+
+
+def gemv(
+    # [M, K], M <= MAX_M, last dim contiguous
+    x: torch.Tensor,
+    # [N, K], last dim contiguous
+    w: torch.Tensor,
+    # [N] or None
+    b: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] = DEFAULT_CONFIG,
+) -> torch.Tensor:
+    """y = x @ w.T (+ b) for decode-sized M, with the Triton kernel (semantics: `gemv_ref`).
+    A fixed launch config, not autotuning: graph capture and the interpreter both need one."""
+    M, K = x.shape
+    N = w.shape[0]
+    if M > MAX_M or w.shape[1] != K:
+        raise ValueError(
+            f"gemv takes [M <= {MAX_M}, K] x [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}"
+        )
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_n, block_k, num_warps, num_stages = config
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x,
+        w,
+        b if b is not None else w,
+        y,
+        M,
+        N,
+        K,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        HAS_BIAS=b is not None,
+        BLOCK_M=triton.next_power_of_2(M),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return y
