@@ -2,9 +2,9 @@
 
 Batch 1 and 16, 128-token prompts, 256 new tokens. Prints tokens/s and ms/token for specserve,
 the floor (bytes one decode step must read / device-to-device copy bandwidth measured in this run)
-and the ratio to it, the same with async scheduling (step N+1 launched while step N runs), the
-captured target graph alone (no host work), and the same model under transformers' `generate`
-in the same run.
+and the ratio to it, the same with async scheduling (step N+1 launched while step N runs) and
+with async + the Triton decode matmul (batch <= 8), the captured target graph alone (no host
+work), and the same model under transformers' `generate` in the same run.
 
     python benchmarks/decode.py [--batch-sizes 1,16] [--no-hf]   # writes $OUT/decode.json if set
 """
@@ -278,6 +278,19 @@ def main() -> None:
         ours_async = run_specserve(
             model_dir, bs, args.prompt_len, args.new_tokens, async_scheduling=True
         )
+        # Async + the Triton decode matmul (batches of at most 8 rows only).
+        ours_gemv = (
+            run_specserve(
+                model_dir,
+                bs,
+                args.prompt_len,
+                args.new_tokens,
+                async_scheduling=True,
+                decode_matmul="triton",
+            )
+            if bs <= 8
+            else None
+        )
         eager = run_specserve(
             model_dir, bs, args.prompt_len, min(args.new_tokens, 64), enforce_eager=True
         )
@@ -288,10 +301,14 @@ def main() -> None:
                 "floor_ms": floor_ms,
                 "specserve": ours,
                 "specserve_async": ours_async,
+                "specserve_async_gemv": ours_gemv,
                 "specserve_eager": eager,
                 "hf": hf,
                 "pct_of_floor": floor_ms / ours["ms_per_step"],
                 "pct_of_floor_async": floor_ms / ours_async["ms_per_step"],
+                "pct_of_floor_async_gemv": floor_ms / ours_gemv["ms_per_step"]
+                if ours_gemv
+                else None,
             }
         )
     result = {
@@ -306,16 +323,20 @@ def main() -> None:
             json.dump(result, f, indent=1)
     print(f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     hdr = f"{'batch':>5} {'floor ms':>9} {'ms/step':>8} {'graph ms':>9} {'of floor':>9} "
-    hdr += f"{'async ms':>9} {'of floor':>9} {'tok/s':>8} {'eager tok/s':>12} {'HF tok/s':>9}"
+    hdr += f"{'async ms':>9} {'of floor':>9} {'+gemv ms':>9} {'of floor':>9} "
+    hdr += f"{'tok/s':>8} {'eager tok/s':>12} {'HF tok/s':>9}"
     print(hdr)
     for r in rows:
         s, a, e, hf = r["specserve"], r["specserve_async"], r["specserve_eager"], r["hf"]
+        gv = r["specserve_async_gemv"]
         g = f"{s['graph_ms']:.2f}" if s["graph_ms"] else "-"
+        gv_ms = f"{gv['ms_per_step']:.2f}" if gv else "-"
+        gv_pct = f"{100 * r['pct_of_floor_async_gemv']:.1f}%" if gv else "-"
         print(
             f"{r['batch']:>5} {r['floor_ms']:>9.2f} {s['ms_per_step']:>8.2f} {g:>9} "
             f"{100 * r['pct_of_floor']:>8.1f}% {a['ms_per_step']:>9.2f} "
-            f"{100 * r['pct_of_floor_async']:>8.1f}% {s['tok_s']:>8.1f} {e['tok_s']:>12.1f} "
-            f"{(hf['tok_s'] if hf else float('nan')):>9.1f}"
+            f"{100 * r['pct_of_floor_async']:>8.1f}% {gv_ms:>9} {gv_pct:>9} "
+            f"{s['tok_s']:>8.1f} {e['tok_s']:>12.1f} {(hf['tok_s'] if hf else float('nan')):>9.1f}"
         )
 
 

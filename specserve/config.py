@@ -58,6 +58,8 @@ class EngineConfig:
     # auto: read the safetensors; dummy: random weights from config.json alone (benchmarks).
     load_format: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
+    # Matmuls of decode batches (<= 8 rows) on CUDA: cublas (F.linear) | triton (ops/gemv.py)
+    decode_matmul: str = "cublas"
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     served_model_name: str | None = None
     disable_log_stats: bool = True
@@ -90,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}.")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be auto, torch or triton.")
+        if self.decode_matmul not in ("cublas", "triton"):
+            raise ValueError(f"decode_matmul must be cublas or triton; got {self.decode_matmul!r}.")
         if isinstance(self.speculative_config, str):
             try:
                 self.speculative_config = json.loads(self.speculative_config)

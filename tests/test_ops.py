@@ -113,3 +113,30 @@ def test_gemv(request, device: str, m: int, n: int, k: int, bias: bool) -> None:
         _close(gemv(x, w, b), gemv_ref(x, w, b), dtype)
     with pytest.raises(ValueError, match="gemv takes"):
         gemv(torch.zeros(9, 4, device=device), torch.zeros(3, 4, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+def test_decode_linear_gpu() -> None:
+    """`decode_matmul="triton"`: every nn.Linear becomes a DecodeLinear whose decode-sized calls
+    run the Triton gemv and whose larger ones stay F.linear; outputs match nn.Linear."""
+    from torch import nn
+
+    from specserve.ops.gemv import DecodeLinear, use_decode_gemv_
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 300), nn.Linear(300, 96, bias=False)).cuda().bfloat16()
+    with torch.inference_mode():
+        xs = [torch.randn(m, 512, device="cuda", dtype=torch.bfloat16) for m in (1, 5, 8, 40)]
+        refs = [model(x) for x in xs]
+        assert use_decode_gemv_(model) == 2
+        assert all(type(m) is DecodeLinear for m in model)
+        for x, ref in zip(xs, refs):
+            _close(model(x), ref, torch.bfloat16)
+
+
+def test_decode_matmul_config() -> None:
+    from specserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="decode_matmul must be cublas or triton"):
+        EngineConfig(model=os.path.dirname(__file__), decode_matmul="cutlass")

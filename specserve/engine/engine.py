@@ -83,6 +83,12 @@ class LLMEngine:
             if spec is not None
             else None
         )
+        if config.decode_matmul == "triton" and device.type == "cuda":
+            from specserve.ops.gemv import use_decode_gemv_
+
+            for m in (self.model, getattr(self.speculator, "model", None)):
+                if m is not None:
+                    use_decode_gemv_(m)
         num_blocks = self._num_kv_blocks()
         self.runner = ModelRunner(
             config, self.model, self.max_model_len, num_blocks, self.speculator

@@ -6,13 +6,15 @@ weight byte is loaded exactly once, in long contiguous rows; the few activation 
 per tile from L2. No split-K: with BLOCK_N <= 32 even N = 4096 gives >= 128 programs, and a
 deterministic reduction order keeps results reproducible.
 
-NOT wired into the model yet: `benchmarks/gemv.py` first compares it with cuBLAS (torch.nn.
-functional.linear) on the Llama-3-8B shapes; it replaces cuBLAS only where it is faster.
+Off by default (`decode_matmul="cublas"`): `benchmarks/gemv.py` compares it with cuBLAS on the
+Llama-3-8B shapes and `benchmarks/decode.py` measures a whole decode step with
+`decode_matmul="triton"`, which turns every nn.Linear of the models into `DecodeLinear`.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 try:
     import triton
@@ -129,3 +131,30 @@ def gemv(
         num_stages=num_stages,
     )
     return y
+
+
+class DecodeLinear(nn.Linear):
+    """nn.Linear whose decode-sized calls (at most MAX_M rows, 16-bit, CUDA, no autograd) run
+    the Triton `gemv`; everything else (prefill, training, CPU) stays F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dim() == 2
+            and x.shape[0] <= MAX_M
+            and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and not torch.is_grad_enabled()
+        ):
+            return gemv(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+def use_decode_gemv_(model: nn.Module) -> int:
+    """Turn every plain nn.Linear of `model` into a DecodeLinear in place (same parameters);
+    returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = DecodeLinear
+            n += 1
+    return n
