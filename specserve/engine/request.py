@@ -20,11 +20,13 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+        return self in _FINISHED
+
+
+# NOTE: checked several times per request per step: a set lookup, not a tuple built per call.
+_FINISHED = frozenset(
+    (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+)
 
 
 class Request:
@@ -92,4 +94,4 @@ class Request:
         return mt if mt is not None else 1 << 30
 
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status in _FINISHED
