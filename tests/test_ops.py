@@ -103,7 +103,7 @@ def test_gemv(request, device: str, m: int, n: int, k: int, bias: bool) -> None:
     pytest.importorskip("triton")
     if device == "cpu":
         request.getfixturevalue("interpreter")  # its K loop has tensor bounds
-    from specserve.ops.gemv import gemv, gemv_ref
+    from specserve.ops.gemv import gemv, gemv_ref, gemv_silu_mul_ref
 
     g = torch.Generator().manual_seed(m * 7 + n)
     for dtype in _dtypes(device):
@@ -111,6 +111,10 @@ def test_gemv(request, device: str, m: int, n: int, k: int, bias: bool) -> None:
         w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
         b = torch.randn(n, generator=g).to(dtype=dtype, device=device) if bias else None
         _close(gemv(x, w, b), gemv_ref(x, w, b), dtype)
+        # The MLP's gate_up + SiLU-and-mul in one kernel: [2n, k] weights -> [m, n].
+        w2 = torch.randn(2 * n, k, generator=g).to(dtype=dtype, device=device) / k**0.5
+        b2 = torch.randn(2 * n, generator=g).to(dtype=dtype, device=device) if bias else None
+        _close(gemv(x, w2, b2, silu_mul=True), gemv_silu_mul_ref(x, w2, b2), dtype)
     with pytest.raises(ValueError, match="gemv takes"):
         gemv(torch.zeros(9, 4, device=device), torch.zeros(3, 4, device=device))
 
@@ -133,6 +137,16 @@ def test_decode_linear_gpu() -> None:
         assert all(type(m) is DecodeLinear for m in model)
         for x, ref in zip(xs, refs):
             _close(model(x), ref, torch.bfloat16)
+
+    # The MLP then runs gate_up + SiLU-and-mul as one kernel for decode-sized inputs.
+    from specserve.models.layers import MLP
+
+    mlp = MLP(512, 384).cuda().bfloat16()
+    with torch.inference_mode():
+        refs = [mlp(x) for x in xs]
+        use_decode_gemv_(mlp)
+        for x, ref in zip(xs, refs):
+            _close(mlp(x), ref, torch.bfloat16)
 
 
 def test_decode_matmul_config() -> None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from specserve import ops
 from specserve.attention.backend import ForwardContext
+from specserve.ops.gemv import DecodeLinear, gemv
 
 
 class RMSNorm(nn.Module):
@@ -153,4 +154,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gu = self.gate_up_proj
+        if isinstance(gu, DecodeLinear) and gu.takes(x):
+            # decode_matmul="triton": gate_up and SiLU-and-mul in one kernel
+            return self.down_proj(gemv(x, gu.weight, gu.bias, silu_mul=True))
+        return self.down_proj(ops.silu_and_mul(gu(x)))

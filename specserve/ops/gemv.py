@@ -40,6 +40,22 @@ def gemv_ref(
     return y.to(x.dtype)
 
 
+def gemv_silu_mul_ref(
+    # [M, K]
+    x: torch.Tensor,
+    # [2N, K]: gate rows, then up rows (the MLP's gate_up_proj)
+    w: torch.Tensor,
+    # [2N] or None
+    b: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[M, N] = silu(gate) * up, in fp32, rounded once to x's dtype."""
+    y = x.float() @ w.float().t()
+    if b is not None:
+        y = y + b.float()
+    gate, up = y.chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
 if triton is not None:
 
     @triton.jit
@@ -55,27 +71,41 @@ if triton is not None:
         stride_wn,
         stride_ym,
         HAS_BIAS: tl.constexpr,
+        SILU_MUL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
+        # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
+        # [M, 2N] intermediate is never written.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_M)
         n_ok = n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        up_row = w_row + N * stride_wn
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
-            # [BLOCK_N, BLOCK_K]: the weight tile, read once
-            w = tl.load(w_row + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            w = w.to(tl.float32)
+            tile_ok = n_ok[:, None] & k_ok[None, :]
+            # [BLOCK_N, BLOCK_K]: the weight tile(s), read once
+            w = tl.load(w_row + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+            if SILU_MUL:
+                w_up = tl.load(up_row + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
             for i in tl.static_range(BLOCK_M):
                 xi = tl.load(x_ptr + i * stride_xm + k, mask=k_ok & (i < M), other=0.0)
-                part = tl.sum(w * xi.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
-                acc += tl.where(rows[:, None] == i, part[None, :], 0.0)
+                xi = xi.to(tl.float32)[None, :]
+                at_i = rows[:, None] == i
+                acc += tl.where(at_i, tl.sum(w * xi, axis=1)[None, :], 0.0)
+                if SILU_MUL:
+                    acc_up += tl.where(at_i, tl.sum(w_up * xi, axis=1)[None, :], 0.0)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if SILU_MUL:
+                acc_up += tl.load(b_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         y = y_ptr + rows[:, None] * stride_ym + n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_ok[None, :])
 
@@ -100,12 +130,14 @@ def gemv(
     # [N] or None
     b: torch.Tensor | None = None,
     config: tuple[int, int, int, int] = DEFAULT_CONFIG,
+    silu_mul: bool = False,
 ) -> torch.Tensor:
-    """y = x @ w.T (+ b) for decode-sized M, with the Triton kernel (semantics: `gemv_ref`).
+    """y = x @ w.T (+ b) for decode-sized M, with the Triton kernel (semantics: `gemv_ref`);
+    `silu_mul`: [M, N/2] = silu(gate) * up of that product (semantics: `gemv_silu_mul_ref`).
     A fixed launch config, not autotuning: graph capture and the interpreter both need one."""
     M, K = x.shape
-    N = w.shape[0]
-    if M > MAX_M or w.shape[1] != K:
+    N = w.shape[0] // 2 if silu_mul else w.shape[0]
+    if M > MAX_M or w.shape[1] != K or (silu_mul and w.shape[0] % 2):
         raise ValueError(
             f"gemv takes [M <= {MAX_M}, K] x [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}"
         )
@@ -124,6 +156,7 @@ def gemv(
         w.stride(0),
         y.stride(0),
         HAS_BIAS=b is not None,
+        SILU_MUL=silu_mul,
         BLOCK_M=triton.next_power_of_2(M),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -137,14 +170,19 @@ class DecodeLinear(nn.Linear):
     """nn.Linear whose decode-sized calls (at most MAX_M rows, 16-bit, CUDA, no autograd) run
     the Triton `gemv`; everything else (prefill, training, CPU) stays F.linear."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether a call with input `x` runs the Triton kernel."""
+        return (
             x.dim() == 2
             and x.shape[0] <= MAX_M
             and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)
             and not torch.is_grad_enabled()
-        ):
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes(x):
             return gemv(x, self.weight, self.bias)
         return super().forward(x)
 
