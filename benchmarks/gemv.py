@@ -4,7 +4,8 @@ For each weight of a layer (qkv, o, gate_up, down) and lm_head, bf16, M = 1, 4, 
 call inside a CUDA graph (20 calls per replay, so launch gaps are those of a captured forward),
 the weight-read bandwidth it reaches and its share of the device-to-device copy bandwidth (the
 floor decode.py uses). Every Triton launch config in `specserve.ops.gemv.CONFIGS` is tried; the
-best is reported next to cuBLAS, after a check against the reference.
+best is reported next to cuBLAS, after a check against the reference. "gate_up+silu" compares
+cuBLAS + the SiLU-and-mul kernel with the fused Triton kernel.
 
     python benchmarks/gemv.py          # table last; writes $OUT/gemv.json if set
 """
@@ -87,6 +88,25 @@ def main() -> None:
                     "triton_pct_of_copy_bw": 100 * nbytes / (best[0] * 1e-6) / bw,
                 }
             )
+            if name == "gate_up":  # + SiLU-and-mul: two kernels vs the fused one
+                from specserve.ops import silu_and_mul
+
+                two = graph_us(lambda x=x, w=w: silu_and_mul(F.linear(x, w)))
+                cfg = best[1]
+                fused = graph_us(lambda x=x, w=w, cfg=cfg: gemv(x, w, config=cfg, silu_mul=True))
+                rows.append(
+                    {
+                        "weight": "gate_up+silu",
+                        "N": n,
+                        "K": k,
+                        "M": m,
+                        "cublas_us": two,
+                        "triton_us": fused,
+                        "triton_config": cfg,
+                        "cublas_pct_of_copy_bw": 100 * 2 * n * k / (two * 1e-6) / bw,
+                        "triton_pct_of_copy_bw": 100 * 2 * n * k / (fused * 1e-6) / bw,
+                    }
+                )
         del w
     result = {"device": torch.cuda.get_device_name(), "copy_bw_GBs": bw / 1e9, "rows": rows}
     if os.environ.get("OUT"):
