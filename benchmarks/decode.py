@@ -138,13 +138,9 @@ def time_graph(engine: object, batch: int) -> float | None:
     return s.elapsed_time(e) / 50
 
 
-def profile_steps(model_dir: str, prompt_len: int, steps: int = 40) -> None:
-    """Where a batch-1 step's host time goes: cProfile of `steps` engine steps, and the CUDA
-    kernels launched outside the captured graph (torch profiler)."""
-    import cProfile
-    import io
-    import pstats
-
+def batch1_engine(model_dir: str, prompt_len: int, steps: int, **engine_kw: object) -> object:
+    """An engine decoding one request, past its prefill and a few warm-up steps, with room for
+    `steps` more (and then some)."""
     from specserve import SamplingParams
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
@@ -156,13 +152,25 @@ def profile_steps(model_dir: str, prompt_len: int, steps: int = 40) -> None:
         max_model_len=1024,
         max_num_seqs=1,
         gpu_memory_utilization=0.5,
+        **engine_kw,  # type: ignore[arg-type]
     )
     engine = LLMEngine(cfg)
-    sp = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4 * steps + 20, ignore_eos=True)
     engine.add_request("p", {"prompt_token_ids": list(range(1, prompt_len + 1))}, sp)
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
+    return engine
+
+
+def profile_steps(model_dir: str, prompt_len: int, steps: int = 40) -> None:
+    """Where a batch-1 step's host time goes: cProfile of `steps` engine steps, and the CUDA
+    kernels launched outside the captured graph (torch profiler)."""
+    import cProfile
+    import io
+    import pstats
+
+    engine = batch1_engine(model_dir, prompt_len, steps)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -193,25 +201,7 @@ def kernel_profile(model_dir: str, prompt_len: int, steps: int = 10) -> list[dic
     the captured graph's time over the weight floor goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    from specserve import SamplingParams
-    from specserve.config import EngineConfig
-    from specserve.engine.engine import LLMEngine
-
-    cfg = EngineConfig(
-        model=model_dir,
-        dtype="bfloat16",
-        load_format="dummy",
-        max_model_len=1024,
-        max_num_seqs=1,
-        gpu_memory_utilization=0.5,
-        enforce_eager=True,
-    )
-    engine = LLMEngine(cfg)
-    sp = SamplingParams(temperature=0.0, max_tokens=4 * steps, ignore_eos=True)
-    engine.add_request("p", {"prompt_token_ids": list(range(1, prompt_len + 1))}, sp)
-    for _ in range(5):
-        engine.step()
-    torch.cuda.synchronize()
+    engine = batch1_engine(model_dir, prompt_len, steps, enforce_eager=True)
     with profile(activities=[ProfilerActivity.CUDA]) as tp:
         for _ in range(steps):
             engine.step()

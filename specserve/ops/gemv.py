@@ -34,10 +34,12 @@ def gemv_ref(
     b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[M, N], accumulated in fp32, rounded once to x's dtype."""
+    return _matmul_f32(x, w, b).to(x.dtype)
+
+
+def _matmul_f32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = x.float() @ w.float().t()
-    if b is not None:
-        y = y + b.float()
-    return y.to(x.dtype)
+    return y + b.float() if b is not None else y
 
 
 def gemv_silu_mul_ref(
@@ -49,10 +51,7 @@ def gemv_silu_mul_ref(
     b: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[M, N] = silu(gate) * up, in fp32, rounded once to x's dtype."""
-    y = x.float() @ w.float().t()
-    if b is not None:
-        y = y + b.float()
-    gate, up = y.chunk(2, dim=-1)
+    gate, up = _matmul_f32(x, w, b).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
