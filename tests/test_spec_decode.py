@@ -197,9 +197,9 @@ def test_draft_metadata_is_rebuilt_every_step(ckpt_dir, monkeypatch) -> None:
     assert len(good) > 5
     assert all(d == from_scratch(toks) for toks, d in good)
 
-    def stale_propose(self, runner, inp, common, ctx, hidden, aux, num_acc, st) -> None:
-        rows = inp.idx_mapping
-        pos, h = self.draft_prefill(runner, inp, ctx, hidden, aux, num_acc, st)
+    def stale_propose(self, runner, t, num_drafts=None) -> None:
+        inp, st, rows = t.inp, t.st, t.inp.idx_mapping
+        pos, h = self.draft_prefill(runner, inp, t.ctx, t.hidden, t.aux, t.num_acc, st)
         ctx0 = None
         for j in range(self.num_decode_steps):
             fresh = self.decode_metadata(runner, rows, pos + j, inp.max_seq_len + j + 1)

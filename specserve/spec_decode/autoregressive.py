@@ -25,7 +25,7 @@ from specserve.ops.spec_kernels import (
 )
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
-from specserve.spec_decode.drafting import DeviceSpeculator
+from specserve.spec_decode.drafting import DeviceSpeculator, TargetStep
 
 if TYPE_CHECKING:
     from specserve.worker.input_batch import StepInputs
@@ -183,27 +183,16 @@ class AutoregressiveSpeculator(DeviceSpeculator):
         self.current_draft_step.add_(1)
         return carry
 
-    def propose(
-        self,
-        runner: ModelRunner,
-        inp: StepInputs,
-        common: CommonAttentionMetadata,
-        ctx: ForwardContext,
-        hidden: torch.Tensor,
-        aux: list[torch.Tensor],
-        num_acc: torch.Tensor,
-        st: SamplingTensors,
-        num_drafts: int | None = None,
-    ) -> None:
+    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
         """Eager drafting: prefill, then single-token steps with metadata REBUILT each step.
 
         `num_drafts` < K (dynamic speculation) runs fewer decode steps; the prefill always runs,
         so the drafter's KV stays complete for when K grows again."""
-        rows = inp.idx_mapping
-        pos, h = self.draft_prefill(runner, inp, ctx, hidden, aux, num_acc, st)
+        inp, rows = t.inp, t.inp.idx_mapping
+        pos, h = self.draft_prefill(runner, inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)
         for j in range(self.decode_steps_for(num_drafts)):
             p = pos + (j if self.advance_draft_positions else 0)
             ctx_j = runner.forward_context(
                 self.decode_metadata(runner, rows, p, inp.max_seq_len + j + 1)
             )
-            h = self.draft_step(runner, rows, p, h, inp.samples, st, ctx_j)
+            h = self.draft_step(runner, rows, p, h, inp.samples, t.st, ctx_j)

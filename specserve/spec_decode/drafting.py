@@ -8,17 +8,36 @@ they run the drafter; they subclass `DeviceSpeculator` and call `store_drafts`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.models.drafters import Drafter
 from specserve.sample.rejection import sample_draft
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
+    from specserve.worker.input_batch import StepInputs
     from specserve.worker.model_runner import ModelRunner
+
+
+@dataclass
+class TargetStep:
+    """What a target step leaves for a speculator to draft from (the eager drafting path)."""
+
+    inp: StepInputs
+    common: CommonAttentionMetadata
+    ctx: ForwardContext
+    # [T, hidden] target hidden states (final norm)
+    hidden: torch.Tensor
+    # EAGLE-3's taps of the target's residual stream, each [T, hidden]
+    aux: list[torch.Tensor]
+    # [B] drafts accepted per request this step
+    num_acc: torch.Tensor
+    st: SamplingTensors
 
 
 class DeviceSpeculator:
@@ -39,6 +58,11 @@ class DeviceSpeculator:
 
     def aux_layers(self) -> tuple[int, ...]:
         return self.model.aux_layers()
+
+    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
+        """Write the next step's drafts into the token buffer. `num_drafts` (dynamic K): how
+        many the next step will verify; None: all K."""
+        raise NotImplementedError
 
     def draft_probs(self, rows: torch.Tensor) -> torch.Tensor | None:
         if self.greedy_draft or self._draft_probs is None:

@@ -42,11 +42,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
+from specserve.attention.backend import CommonAttentionMetadata
 from specserve.models.drafters import MultiLayerMTPDrafter
-from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
-from specserve.spec_decode.drafting import DeviceSpeculator
+from specserve.spec_decode.drafting import DeviceSpeculator, TargetStep
 from specserve.spec_decode.parallel_inputs import expand_regions
 
 if TYPE_CHECKING:
@@ -113,22 +112,10 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
         )
         return meta, ids, s
 
-    def propose(
-        self,
-        runner: ModelRunner,
-        inp: StepInputs,
-        common: CommonAttentionMetadata,
-        ctx: ForwardContext,
-        # [T, hidden] target hidden states (final norm)
-        hidden: torch.Tensor,
-        aux: list[torch.Tensor],
-        # [B]
-        num_acc: torch.Tensor,
-        st: SamplingTensors,
-        num_drafts: int | None = None,
-    ) -> None:
+    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
         """`num_drafts` (dynamic K) is not used: every module runs, so each module's KV stays
         complete for when K grows again; the scheduler verifies only the first drafts."""
+        inp, common, hidden, num_acc, st = t.inp, t.common, t.hidden, t.num_acc, t.st
         B = inp.num_reqs
         rows = inp.idx_mapping
         qsl = inp.query_start_loc

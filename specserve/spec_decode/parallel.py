@@ -41,7 +41,7 @@ from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.models.drafters import Drafter, DraftModelDrafter
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
-from specserve.spec_decode.drafting import DeviceSpeculator
+from specserve.spec_decode.drafting import DeviceSpeculator, TargetStep
 from specserve.spec_decode.parallel_inputs import (
     ParallelDraftBuffers,
     ParallelDraftInputs,
@@ -195,19 +195,6 @@ class ParallelDraftSpeculator(DeviceSpeculator):
         self.store_drafts(runner, d, logits, st, inp.idx_mapping, draft_pos, pin.draft_col, 0)
         return None, None
 
-    def propose(
-        self,
-        runner: ModelRunner,
-        inp: StepInputs,
-        common: CommonAttentionMetadata,
-        ctx: ForwardContext,
-        # [T, hidden] target hidden states (final norm)
-        hidden: torch.Tensor,
-        aux: list[torch.Tensor],
-        # [B]
-        num_acc: torch.Tensor,
-        st: SamplingTensors,
-        num_drafts: int | None = None,
-    ) -> None:
+    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
         """Eager drafting (batches the target ran without a graph)."""
-        self.draft_prefill(runner, inp, ctx, hidden, aux, num_acc, st)
+        self.draft_prefill(runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)

@@ -27,6 +27,7 @@ from specserve.engine.scheduler import SchedulerOutput
 from specserve.ops.spec_kernels import prepare_target_inputs, write_verified_tokens_
 from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import SamplingTensors, compute_logprobs, sample
+from specserve.spec_decode.drafting import TargetStep
 from specserve.worker.input_batch import StepInputs, prepare_inputs
 from specserve.worker.request_states import RequestStates
 
@@ -235,7 +236,8 @@ class ModelRunner:
                 if ctx is None:  # the target replayed a graph: eager drafting needs metadata
                     ctx = self.forward_context(common)
                 kw = {"num_drafts": num_drafts} if num_drafts is not None else {}
-                self.speculator.propose(self, inp, common, ctx, hidden, aux, num_acc, st, **kw)
+                t = TargetStep(inp, common, ctx, hidden, aux, num_acc, st)
+                self.speculator.propose(self, t, **kw)
             if self.draft_events is not None:
                 ev[1].record()
                 self.draft_events.append(ev)
