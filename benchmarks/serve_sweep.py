@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--skip-build", action="store_true", help="use --family-dir as it is")
     ap.add_argument("--labels", default="plain,eagle3", help="which halves to run")
     ap.add_argument("--result-dir", default="/tmp/sweep")
+    ap.add_argument("--async-scheduling", action="store_true", help="serve with it on")
     args = ap.parse_args()
     out = args.result_dir
     os.makedirs(out, exist_ok=True)
@@ -77,6 +78,8 @@ def main() -> None:
                "--port", str(args.port), "--max-num-seqs", "64", "--max-model-len", "1024"]  # fmt: skip
         if spec:
             cmd += ["--speculative-config", json.dumps(spec)]
+        if args.async_scheduling:
+            cmd += ["--async-scheduling"]
         server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_healthy(url, server)
