@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 class CompletionOutput:
     index: int
     text: str
+    # The request's token list itself: it keeps growing while the request runs (read
+    # RequestOutput.delta_token_ids for what a step added).
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None

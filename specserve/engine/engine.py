@@ -439,7 +439,9 @@ class LLMEngine:
         comp = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(req.output_token_ids),
+            # NOTE: the request's own list, not a copy (a copy per step is O(length) for every
+            # running request); complete once the request finishes. Streaming reads the deltas.
+            token_ids=req.output_token_ids,
             finish_reason=finish,
             stop_reason=req.stop_reason,
             logprobs=req.output_logprobs if req.sampling_params.logprobs is not None else None,
