@@ -206,3 +206,45 @@ def test_ptd_graph_gives_eager_drafts(drafters, prompts, method: str, sampled: b
         assert (llm.engine.runner.draft_graphs is None) == (mode == "eager")
         runs[mode] = drafts_per_step(llm, prompts[:4], sp)
     assert runs["auto"] == runs["eager"]
+
+
+@pytest.mark.parametrize("method", [None, "eagle3", "mtp", "ptd_eagle3"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_async_scheduling_cuda(drafters, prompts, method: str | None, mode: str) -> None:
+    """Async scheduling with CUDA graphs (target, draft loop, PTD proposal): the same tokens as
+    the synchronous engine, greedy and seeded sampling."""
+    target = drafters["mtp"] if method == "mtp" else drafters["target"]
+    cfg: dict | None = None
+    if method == "mtp":
+        cfg = {"method": "mtp", "num_speculative_tokens": 3}
+    elif method == "eagle3":
+        cfg = {"method": "eagle3", "model": drafters["eagle3"], "num_speculative_tokens": 3}
+    elif method == "ptd_eagle3":
+        cfg = {
+            "method": "eagle3",
+            "model": drafters["ptd_eagle3"],
+            "num_speculative_tokens": 3,
+            "parallel_draft": True,
+        }
+    sp = SamplingParams(temperature=0.8, seed=7, max_tokens=40, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    params = [GREEDY, sp] * 3
+    ref = cuda_llm(target, speculative_config=cfg, **MODES[mode]).generate(batch, params)
+    llm = cuda_llm(target, speculative_config=cfg, async_scheduling=True, **MODES[mode])
+    outs = llm.generate(batch, params)
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+    assert llm.engine._inflight is None and llm.engine.kv.usage() == 0.0
+
+
+def test_split_kv_in_the_engine_cuda(ckpt_dir, prompts) -> None:
+    """max_model_len 4096: batch-1 decode graphs split the keys (flash-decoding); greedy tokens
+    still equal transformers'."""
+    from specserve.attention import triton_paged
+
+    path = ckpt_dir("llama_gqa", "llama")
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=4096, max_num_seqs=4)
+    assert triton_paged._num_splits(2, 4096, torch.device("cuda")) > 1
+    for p in prompts[:2]:
+        out = llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids
+        assert out == hf_greedy(path, p, GREEDY.max_tokens)
