@@ -169,6 +169,15 @@ class DecodeLinear(nn.Linear):
     """nn.Linear whose decode-sized calls (at most MAX_M rows, 16-bit, CUDA, no autograd) run
     the Triton `gemv`; everything else (prefill, training, CPU) stays F.linear."""
 
+    @classmethod
+    def sharing(cls, linear: nn.Linear) -> DecodeLinear:
+        """A DecodeLinear over `linear`'s own Parameter objects (no copy)."""
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
         """Whether a call with input `x` runs the Triton kernel."""
@@ -187,11 +196,12 @@ class DecodeLinear(nn.Linear):
 
 
 def use_decode_gemv_(model: nn.Module) -> int:
-    """Turn every plain nn.Linear of `model` into a DecodeLinear in place (same parameters);
-    returns how many."""
+    """Replace every plain nn.Linear child of `model` by a DecodeLinear holding the same
+    parameters (tied weights stay tied); returns how many."""
     n = 0
-    for m in model.modules():
-        if type(m) is nn.Linear:
-            m.__class__ = DecodeLinear
-            n += 1
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, DecodeLinear.sharing(child))
+                n += 1
     return n
