@@ -211,7 +211,7 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.config.async_scheduling or self._inflight is not None:
+        if self.config.async_scheduling:
             return self._step_async()
         t0 = time.perf_counter()
         k = self._spec_budget()
