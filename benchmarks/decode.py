@@ -163,33 +163,51 @@ def batch1_engine(model_dir: str, prompt_len: int, steps: int, **engine_kw: obje
     return engine
 
 
-def profile_steps(model_dir: str, prompt_len: int, steps: int = 40) -> None:
-    """Where a batch-1 step's host time goes: cProfile of `steps` engine steps, and the CUDA
-    kernels launched outside the captured graph (torch profiler)."""
+def profile_steps(model_dir: str, prompt_len: int, steps: int = 40, **engine_kw: object) -> None:
+    """Where a batch-1 step's host time goes: cProfile of `steps` engine steps (top functions by
+    own time: a host wait for the device shows up as a long own time), and every operation that
+    synchronizes with the device (torch's sync debug mode), with the line that called it."""
     import cProfile
     import io
     import pstats
+    import traceback
+    import warnings
 
-    engine = batch1_engine(model_dir, prompt_len, steps)
+    engine = batch1_engine(model_dir, prompt_len, steps, **engine_kw)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
         engine.step()
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    from torch.profiler import ProfilerActivity, profile
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    sites: dict[str, int] = {}
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
-        for _ in range(10):
+    def record(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        stack = [f for f in traceback.extract_stack()[:-1] if "specserve" in f.filename]
+        site = " <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in stack[-3:])
+        key = f"{str(message)[:60]} @ {site}"
+        sites[key] = sites.get(key, 0) + 1
+
+    old_show = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize()
-    table = tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-    text = buf.getvalue() + "\n" + table
+    torch.cuda.set_sync_debug_mode("default")
+    warnings.showwarning = old_show
+    tag = ", ".join(f"{k}={v}" for k, v in engine_kw.items()) or "sync"
+    text = f"== host profile, batch 1, {steps} steps ({tag})\n"
+    text += "\n".join(buf.getvalue().splitlines()[:40])
+    text += f"\n== synchronizing operations in {steps} steps ({tag})\n"
+    text += "\n".join(f"{n:>5}x {k}" for k, n in sorted(sites.items(), key=lambda x: -x[1]))
+    print(text)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "profile.txt"), "w") as f:
-            f.write(text)
-    print(buf.getvalue()[:3000])
+        with open(os.path.join(os.environ["OUT"], "profile.txt"), "a") as f:
+            f.write(text + "\n")
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -250,14 +268,18 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile host time of batch-1 steps")
+    ap.add_argument("--profile-only", action="store_true", help="--profile, then stop")
     ap.add_argument(
         "--kernels", action="store_true", help="device time per kernel of a batch-1 step"
     )
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     model_dir = write_config(LLAMA3_8B)
-    if args.profile:
+    if args.profile or args.profile_only:
         profile_steps(model_dir, args.prompt_len)
+        profile_steps(model_dir, args.prompt_len, async_scheduling=True)
+        if args.profile_only:
+            return
     kernels = kernel_profile(model_dir, args.prompt_len) if args.kernels else None
     bw = copy_bandwidth()
     rows = []

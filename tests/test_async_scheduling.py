@@ -72,6 +72,19 @@ def test_async_equals_sync(ckpt_dir, mode: str) -> None:
         assert llm.engine.stats.num_preemptions > 0
 
 
+def test_async_overlaps_with_the_default_kv_size(ckpt_dir) -> None:
+    """The default KV cache holds max_num_seqs * max_model_len tokens and no more: a lone decode
+    must still overlap every step but the first and the last few."""
+    path = ckpt_dir("llama_gqa", "llama")
+    prompts = random_prompts(1, 20, 20, seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = _run(LLM(path, max_model_len=128, max_num_seqs=1), prompts, [sp])
+    llm = LLM(path, max_model_len=128, max_num_seqs=1, async_scheduling=True)
+    stats = _count_overlaps(llm)
+    assert _run(llm, prompts, [sp]) == ref
+    assert stats["overlapped"] >= 36
+
+
 def test_async_greedy_matches_transformers(ckpt_dir) -> None:
     path = ckpt_dir("qwen3_tied", "qwen3", tie_word_embeddings=True, head_dim=32)
     prompts = random_prompts(4, 5, 30, seed=5)

@@ -317,12 +317,22 @@ class LLMEngine:
             # drafts, tokens past max_tokens are dropped by `_append` as in synchronous steps.)
             if req.num_tokens + 3 * k1 >= self.max_model_len:
                 return False
-        # No preemption while scheduling N+1: the blocks 1 + K tokens may need for every
-        # running request plus a full prefill chunk's worth for the waiting ones.
+        # No preemption while scheduling N+1: room for what every running request can grow by
+        # in N+1 (1 + K tokens past N's upper bound when decoding; the prefilling ones share
+        # one token budget). Waiting requests need none: new work never preempts running work,
+        # it waits for blocks. (A reserve for them made a KV cache sized to max_num_seqs *
+        # max_model_len, the default, never overlap.)
         kv = self.kv
-        per_req = kv.blocks_needed(k1 + self.num_spec_tokens) + 1
-        room = per_req * len(self.scheduler.running)
-        room += kv.blocks_needed(self.config.max_num_batched_tokens)
+        after = {id(s.req): s.start + s.num_tokens for s in sched.scheduled}
+        room, prefilling = 0, False
+        for req in self.scheduler.running:
+            done = after.get(id(req), req.num_computed_tokens)
+            if req.num_scheduling_tokens - done > 1:
+                prefilling = True
+            else:
+                room += kv.blocks_needed(k1 + self.num_spec_tokens) + 1
+        if prefilling:
+            room += kv.blocks_needed(self.config.max_num_batched_tokens) + 1
         return kv.pool.num_free > room
 
     def _spec_budget(self) -> int | None:
