@@ -33,31 +33,12 @@ SHAPES = {  # name: (N, K) of the nn.Linear weight
 CALLS = 20
 
 
-def graph_us(fn: Callable[[], object]) -> float:
-    """Microseconds per call of `fn`, CALLS calls captured in one graph, median of 10 replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(12):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
-    return sorted(times[2:])[len(times[2:]) // 2]
-
-
 def main() -> None:
     from specserve.ops.gemv import CONFIGS, gemv, gemv_ref
+    from specserve.ops.gemv_plan import graph_us as graph_us_calls
+
+    def graph_us(fn: Callable[[], object]) -> float:
+        return graph_us_calls(fn, calls=CALLS)
 
     bw = copy_bandwidth()
     rows = []

@@ -9,6 +9,7 @@ the step (CUDA events around drafting), and output tokens per second.
 
     python benchmarks/spec_step.py [--ks 1,2,3,4,5,6,7] [--batches 1,16,64]  # $OUT/spec_step.json
     python benchmarks/spec_step.py --async-scheduling ...             # $OUT/spec_step_async.json
+    python benchmarks/spec_step.py --methods eagle3,ptd --modes fused --batches 1 --ks 2,...,8
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ EAGLE3_HEAD = {
     "rope_theta": 500000.0,
     "torch_dtype": "bfloat16",
 }
+# The same head trained for parallel drafting: K drafts from one forward (mask slots).
+PTD_HEAD = {**EAGLE3_HEAD, "parallel_draft": True, "ptd_token_id": 128255}
 
 
 def make_engine(
@@ -88,7 +91,8 @@ def measure(engine: object, batch: int, steps: int = 24, prompt_len: int = 128) 
         engine.step()  # type: ignore[attr-defined]
     dt = time.perf_counter() - t0
     gen = sum(len(r.output_token_ids) for r in engine.requests.values()) - gen_before  # type: ignore[attr-defined]
-    draft_ms = sum(s.elapsed_time(e) for s, e in runner.draft_events) / steps
+    torch.cuda.synchronize()  # async scheduling: a step is still in flight
+    draft_ms = sum(s.elapsed_time(e) for s, e in runner.draft_events[:steps]) / steps
     runner.draft_events = None
     for rid in list(engine.requests):  # type: ignore[attr-defined]
         engine.abort_request(rid)  # type: ignore[attr-defined]
@@ -106,6 +110,12 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3,4,5,6,7")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--modes", default="fused,per_step")
+    ap.add_argument(
+        "--methods",
+        default="eagle3",
+        help="eagle3 (autoregressive drafting, each --modes) and/or ptd (one graph, K drafts "
+        "from one forward)",
+    )
     ap.add_argument("--acceptance", type=float, default=0.7)
     ap.add_argument(
         "--async-scheduling", action="store_true", help="launch step N+1 while step N runs"
@@ -113,7 +123,7 @@ def main() -> None:
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     target = write_config(LLAMA3_8B)
-    head = write_config(EAGLE3_HEAD)
+    heads = {"eagle3": write_config(EAGLE3_HEAD), "ptd": write_config(PTD_HEAD)}
     results: dict = {
         "device": torch.cuda.get_device_name(),
         "async_scheduling": args.async_scheduling,
@@ -136,23 +146,25 @@ def main() -> None:
 
     run("plain", 0, "auto", None)
     for k in [int(x) for x in args.ks.split(",")]:
-        for mode in args.modes.split(","):
-            spec = {
-                "method": "eagle3",
-                "model": head,
-                "num_speculative_tokens": k,
-                "rejection_sample_method": "synthetic",
-                "synthetic_acceptance_rate": args.acceptance,
-            }
-            run("eagle3", k, mode, spec)
+        for method in args.methods.split(","):
+            for mode in args.modes.split(",") if method == "eagle3" else ["graph"]:
+                spec = {
+                    "method": "eagle3",
+                    "model": heads[method],
+                    "num_speculative_tokens": k,
+                    "rejection_sample_method": "synthetic",
+                    "synthetic_acceptance_rate": args.acceptance,
+                    "parallel_draft": method == "ptd",
+                }
+                run(method, k, "fused" if mode == "graph" else mode, spec)
     if os.environ.get("OUT"):
         name = "spec_step_async.json" if args.async_scheduling else "spec_step.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(results, f, indent=1)
     plain = {r["batch"]: r["ms_per_step"] for r in results["rows"] if r["label"] == "plain"}
     print(f"\n{results['device']}; ms per step (x plain decode step), drafting share")
-    print(f"{'K':>2} {'mode':>8} " + " ".join(f"{'B=' + str(b):>22}" for b in batches))
-    print(f"{0:>2} {'plain':>8} " + " ".join(f"{plain[b]:>10.2f} ms {'':>10}" for b in batches))
+    print(f"{'K':>2} {'drafter':>15} " + " ".join(f"{'B=' + str(b):>22}" for b in batches))
+    print(f"{0:>2} {'plain':>15} " + " ".join(f"{plain[b]:>10.2f} ms {'':>10}" for b in batches))
     for r0 in results["rows"]:
         if r0["label"] == "plain" or r0["batch"] != batches[0]:
             continue
@@ -161,13 +173,17 @@ def main() -> None:
             r = next(
                 x
                 for x in results["rows"]
-                if x["k"] == r0["k"] and x["mode"] == r0["mode"] and x["batch"] == b
+                if x["label"] == r0["label"]
+                and x["k"] == r0["k"]
+                and x["mode"] == r0["mode"]
+                and x["batch"] == b
             )
             share = r["draft_ms"] / r["ms_per_step"]
             cells.append(
                 f"{r['ms_per_step']:>6.2f} ({r['ms_per_step'] / plain[b]:.2f}x) {100 * share:>3.0f}%"
             )
-        print(f"{r0['k']:>2} {r0['mode']:>8} " + " ".join(f"{c:>22}" for c in cells))
+        name = "ptd" if r0["label"] == "ptd" else f"{r0['label']} {r0['mode']}"
+        print(f"{r0['k']:>2} {name:>15} " + " ".join(f"{c:>22}" for c in cells))
 
 
 if __name__ == "__main__":

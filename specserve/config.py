@@ -59,6 +59,7 @@ class EngineConfig:
     load_format: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
     # Matmuls of decode batches (<= 8 rows) on CUDA: cublas (F.linear) | triton (ops/gemv.py)
+    # | auto (per weight shape and row count, whichever was faster when timed at start-up)
     decode_matmul: str = "cublas"
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     served_model_name: str | None = None
@@ -92,8 +93,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}.")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be auto, torch or triton.")
-        if self.decode_matmul not in ("cublas", "triton"):
-            raise ValueError(f"decode_matmul must be cublas or triton; got {self.decode_matmul!r}.")
+        if self.decode_matmul not in ("cublas", "triton", "auto"):
+            raise ValueError(
+                f"decode_matmul must be cublas, triton or auto; got {self.decode_matmul!r}."
+            )
         if isinstance(self.speculative_config, str):
             try:
                 self.speculative_config = json.loads(self.speculative_config)

@@ -83,12 +83,18 @@ class LLMEngine:
             if spec is not None
             else None
         )
+        # Decode matmuls (before graph capture): `triton` always, `auto` where timed faster.
+        self.decode_matmul_plan: list[dict] = []
+        models = [m for m in (self.model, getattr(self.speculator, "model", None)) if m is not None]
         if config.decode_matmul == "triton" and device.type == "cuda":
             from specserve.ops.gemv import use_decode_gemv_
 
-            for m in (self.model, getattr(self.speculator, "model", None)):
-                if m is not None:
-                    use_decode_gemv_(m)
+            for m in models:
+                use_decode_gemv_(m)
+        elif config.decode_matmul == "auto" and device.type == "cuda":
+            from specserve.ops.gemv_plan import tune_decode_gemv_
+
+            self.decode_matmul_plan = tune_decode_gemv_(models)
         num_blocks = self._num_kv_blocks()
         self.runner = ModelRunner(
             config, self.model, self.max_model_len, num_blocks, self.speculator

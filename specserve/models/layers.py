@@ -155,7 +155,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj
-        if isinstance(gu, DecodeLinear) and gu.takes(x):
-            # decode_matmul="triton": gate_up and SiLU-and-mul in one kernel
-            return self.down_proj(gemv(x, gu.weight, gu.bias, silu_mul=True))
+        cfg = gu.config(x, silu_mul=True) if isinstance(gu, DecodeLinear) else None
+        if cfg is not None:  # decode_matmul triton/auto: gate_up and SiLU-and-mul in one kernel
+            return self.down_proj(gemv(x, gu.weight, gu.bias, config=cfg, silu_mul=True))
         return self.down_proj(ops.silu_and_mul(gu(x)))

@@ -6,9 +6,11 @@ weight byte is loaded exactly once, in long contiguous rows; the few activation 
 per tile from L2. No split-K: with BLOCK_N <= 32 even N = 4096 gives >= 128 programs, and a
 deterministic reduction order keeps results reproducible.
 
-Off by default (`decode_matmul="cublas"`): `benchmarks/gemv.py` compares it with cuBLAS on the
-Llama-3-8B shapes and `benchmarks/decode.py` measures a whole decode step with
-`decode_matmul="triton"`, which turns every nn.Linear of the models into `DecodeLinear`.
+Off by default (`decode_matmul="cublas"`). `decode_matmul="triton"` turns every nn.Linear of the
+models into a `DecodeLinear` that always takes it for decode batches; `"auto"` times both on the
+model's own weights at start-up and picks per weight shape and row count (ops/gemv_plan.py).
+`benchmarks/gemv.py` compares them on the Llama-3-8B shapes, `benchmarks/decode.py` on a whole
+decode step.
 """
 
 from __future__ import annotations
@@ -165,22 +167,41 @@ def gemv(
     return y
 
 
+Config = tuple[int, int, int, int]
+BUCKETS = (1, 2, 4, 8)  # decode row counts a plan is made for (CUDA graph sizes up to 8)
+
+
+def bucket(m: int) -> int:
+    """The plan entry a call with `m` rows uses: the smallest bucket holding it."""
+    return next(b for b in BUCKETS if b >= m)
+
+
 class DecodeLinear(nn.Linear):
     """nn.Linear whose decode-sized calls (at most MAX_M rows, 16-bit, CUDA, no autograd) run
-    the Triton `gemv`; everything else (prefill, training, CPU) stays F.linear."""
+    the Triton `gemv` where its plan says so; everything else (prefill, training, CPU, rows
+    the plan gives to cuBLAS) stays F.linear."""
+
+    # row bucket -> Triton launch config, or None for F.linear (cuBLAS)
+    plan: dict[int, Config | None]
+    # gate_up_proj of an MLP only: the same for the fused gate_up + SiLU-and-mul kernel
+    # (None: F.linear, then the SiLU-and-mul kernel)
+    silu_plan: dict[int, Config | None]
 
     @classmethod
-    def sharing(cls, linear: nn.Linear) -> DecodeLinear:
-        """A DecodeLinear over `linear`'s own Parameter objects (no copy)."""
+    def sharing(cls, linear: nn.Linear, config: Config | None = DEFAULT_CONFIG) -> DecodeLinear:
+        """A DecodeLinear over `linear`'s own Parameter objects (no copy), every bucket planned
+        to `config`."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
         new.weight = linear.weight
         new.bias = linear.bias
+        new.plan = dict.fromkeys(BUCKETS, config)
+        new.silu_plan = dict.fromkeys(BUCKETS, config)
         return new
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
-        """Whether a call with input `x` runs the Triton kernel."""
+        """Whether a call with input `x` may run the Triton kernel."""
         return (
             x.dim() == 2
             and x.shape[0] <= MAX_M
@@ -189,19 +210,26 @@ class DecodeLinear(nn.Linear):
             and not torch.is_grad_enabled()
         )
 
+    def config(self, x: torch.Tensor, silu_mul: bool = False) -> Config | None:
+        """The Triton launch config for input `x`, or None: cuBLAS."""
+        if not self.takes(x):
+            return None
+        return (self.silu_plan if silu_mul else self.plan)[bucket(x.shape[0])]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.takes(x):
-            return gemv(x, self.weight, self.bias)
+        cfg = self.config(x)
+        if cfg is not None:
+            return gemv(x, self.weight, self.bias, config=cfg)
         return super().forward(x)
 
 
-def use_decode_gemv_(model: nn.Module) -> int:
+def use_decode_gemv_(model: nn.Module, config: Config | None = DEFAULT_CONFIG) -> int:
     """Replace every plain nn.Linear child of `model` by a DecodeLinear holding the same
-    parameters (tied weights stay tied); returns how many."""
+    parameters (tied weights stay tied), planned to `config`; returns how many."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, DecodeLinear.sharing(child))
+                setattr(parent, name, DecodeLinear.sharing(child, config))
                 n += 1
     return n

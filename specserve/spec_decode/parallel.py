@@ -60,10 +60,11 @@ if TYPE_CHECKING:
 
 
 def configure_parallel_drafter(
-    drafter: Drafter, cfg: dict[str, Any], names: set[str], draft_dir: str
+    drafter: Drafter, cfg: dict[str, Any], names: set[str] | None, draft_dir: str
 ) -> None:
     """Check the checkpoint was trained for PTD and give the drafter its mask token / hidden
-    (`mask_hidden` is then loaded like any weight)."""
+    (`mask_hidden` is then loaded like any weight). `names`: the checkpoint's tensor names
+    (None: a bare config.json for random weights, benchmarks only)."""
 
     def error(msg: str) -> ValueError:
         return ValueError(f"speculative_config.parallel_draft: {draft_dir}/config.json {msg}")
@@ -80,7 +81,7 @@ def configure_parallel_drafter(
     drafter.ptd_token_id = tid
     if isinstance(drafter, DraftModelDrafter):
         return  # PARD style: mask slots carry only the mask token
-    if "mask_hidden" not in names:
+    if names is not None and "mask_hidden" not in names:
         raise error(
             "declares parallel_draft, but the checkpoint has no mask_hidden tensor (the fused "
             "hidden input of EAGLE heads at mask slots)"

@@ -267,7 +267,7 @@ def build_speculator(
         if spec.parallel_draft:
             from specserve.spec_decode.parallel import configure_parallel_drafter
 
-            configure_parallel_drafter(drafter, cfg, names, draft_dir)
+            configure_parallel_drafter(drafter, cfg, None if dummy else names, draft_dir)
     if load_format == "dummy":  # random weights of the right shapes (speed benchmarks)
         dummy_weights_(drafter)
     else:
