@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_session.sh e2e     # kernel GPU tests; then (build done) e2e batch 1 and 64
 #   bash benchmarks/gpu_session.sh ptd     # PTD vs autoregressive EAGLE-3, K = 2..8
 #   bash benchmarks/gpu_session.sh speed   # decode.py (sync/async), spec_step, attention, gemv
+#   bash benchmarks/gpu_session.sh recheck # after changes: async + gemv GPU tests, decode.py
+#                                          # (sync/async/auto), PTD vs EAGLE-3 draft cost K=2..8
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -55,8 +57,19 @@ case "${1:-}" in
     python benchmarks/attention.py 2>&1 | tee "$OUT/attention.log" | tail -16
     python benchmarks/gemv.py 2>&1 | tee "$OUT/gemv.log" | tail -18
     ;;
+  recheck)
+    timeout 200 python -m pytest -q -m gpu tests/test_ops.py tests/test_gpu.py \
+      -k "async or decode_linear or decode_matmul" -p no:cacheprovider 2>&1 \
+      | tee "$OUT/gpu_tests_recheck.log" | tail -6
+    python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 | grep -v tokenizer \
+      | tee "$OUT/decode.log" | tail -24
+    python benchmarks/spec_step.py --methods eagle3,ptd --modes fused --batches 1 \
+      --ks 2,3,4,5,6,7,8 2>&1 | grep -v tokenizer | tee "$OUT/spec_step_ptd.log" | tail -18
+    python benchmarks/spec_step.py --ks 4 --modes fused --async-scheduling 2>&1 \
+      | grep -v tokenizer | tee "$OUT/spec_step_async.log" | tail -5
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck" >&2
     exit 2
     ;;
 esac

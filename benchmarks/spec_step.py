@@ -156,7 +156,7 @@ def main() -> None:
                     "synthetic_acceptance_rate": args.acceptance,
                     "parallel_draft": method == "ptd",
                 }
-                run(method, k, "fused" if mode == "graph" else mode, spec)
+                run(method, k, "auto" if mode == "graph" else mode, spec)
     if os.environ.get("OUT"):
         name = "spec_step_async.json" if args.async_scheduling else "spec_step.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
