@@ -424,3 +424,70 @@ def test_cuda_graph_advance_and_attend(window: int | None) -> None:
         ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.build(fresh, window), 0.1, window)
         assert rel_err(out[real], ref[real]) < tolerance(torch.bfloat16)
         torch.testing.assert_close(kv_cache[:, :-1], ref_cache[:, :-1], rtol=0, atol=0)
+
+
+# ---- RoPE fused into the KV write ---------------------------------------------------------------
+def _check_rope_and_cache(device: str, dtype: torch.dtype, heads: tuple[int, int], d: int) -> None:
+    """rope_and_cache_ leaves q and the cache bit-equal to the RoPE kernel followed by the KV
+    write (q, k as strided views into one qkv tensor; padding slots write nothing), and close to
+    the torch reference."""
+    from specserve.attention.backend import write_kv
+    from specserve.attention.triton_paged import reshape_and_cache, rope_and_cache_
+    from specserve.ops.fused import rope_ref
+    from specserve.ops.triton_kernels import rope_triton_
+
+    hq, hk = heads
+    g = torch.Generator().manual_seed(7)
+    T, num_blocks = 11, 6
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype).to(device)
+    positions = torch.randint(0, 60, (T,), generator=g).to(device)
+    slots = torch.randperm((num_blocks - 1) * BLOCK_SIZE, generator=g)[:T]
+    slots[[2, 7]] = -1
+    slots = slots.to(device)
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.outer(torch.arange(64, dtype=torch.float32), inv)
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(device) for f in (torch.cos, torch.sin))
+
+    def views(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v = x.split([hq * d, hk * d, hk * d], dim=-1)
+        return q.view(T, hq, d), k.view(T, hk, d), v.view(T, hk, d)
+
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, hk, d, generator=g).to(dtype).to(device)
+    fused_x, fused_cache = qkv.clone(), cache.clone()
+    q, k, v = views(fused_x)
+    rope_and_cache_(positions, q, k, v, cos, sin, fused_cache, slots)
+    assert torch.equal(views(fused_x)[1], views(qkv)[1])  # k itself is left as it was
+
+    two_x, two_cache = qkv.clone(), cache.clone()
+    q2, k2, v2 = views(two_x)
+    rope_triton_(positions, q2, k2, cos, sin)
+    reshape_and_cache(k2, v2, two_cache, slots)
+    assert torch.equal(q, q2) and torch.equal(fused_cache, two_cache)
+
+    q0, k0, v0 = views(qkv.clone())
+    ref_cache = cache.clone()
+    keep = slots >= 0
+    k_rot = rope_ref(positions, k0, cos, sin)
+    write_kv(ref_cache, k_rot[keep], v0[keep], slots[keep])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(
+        q.float(), rope_ref(positions, q0, cos, sin).float(), atol=tol, rtol=tol
+    )
+    torch.testing.assert_close(fused_cache.float(), ref_cache.float(), atol=tol, rtol=tol)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((4, 2), 16), ((6, 2), 32)])
+def test_rope_and_cache_interpreter(
+    interpreter: None, dtype: torch.dtype, heads: tuple[int, int], head_dim: int
+) -> None:
+    _check_rope_and_cache("cpu", dtype, heads, head_dim)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((28, 4), 64)])
+def test_rope_and_cache_gpu(dtype: torch.dtype, heads: tuple[int, int], head_dim: int) -> None:
+    _check_rope_and_cache("cuda", dtype, heads, head_dim)

@@ -54,6 +54,9 @@ class AttentionBackend(ABC):
     name: str = "abstract"
     # True when `advance_decode_` can update metadata inside a captured CUDA graph.
     supports_inplace_advance: bool = False
+    # True when `forward` takes `rope=(positions, cos, sin)` with q and k not yet rotated and
+    # applies the rotary embedding inside its KV write (one kernel instead of two per layer).
+    fuses_rope: bool = False
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata, sliding_window: int | None) -> Any:

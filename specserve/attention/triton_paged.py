@@ -35,6 +35,7 @@ from specserve.attention.backend import (
     ForwardContext,
 )
 from specserve.ops.spec_kernels import advance_decode_metadata_
+from specserve.ops.triton_kernels import _rope_rows
 
 
 @dataclass
@@ -114,6 +115,121 @@ def reshape_and_cache(
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
+    )
+
+
+@triton.jit
+def _rope_and_cache_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    num_q_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cos,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    """One token: rotate q in place, write rotated k and v to the cache. The arithmetic and
+    roundings of the RoPE kernel followed by _reshape_and_cache_kernel (fp32, rounded to k's
+    dtype, then to the cache's), so the cache holds the same bits."""
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < HALF
+    c = tl.load(cos_ptr + pos * stride_cos + d, mask=dm, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_cos + d, mask=dm, other=0.0)[None, :]
+    # q of padding tokens too: whoever reads their outputs expects the unfused behaviour.
+    _rope_rows(q_ptr + t * stride_qt, stride_qh, num_q_heads, c, s, d, dm, HALF, BLOCK_HQ)
+    slot = tl.load(slot_mapping_ptr + t)
+    if slot >= 0:  # padding tokens write nothing
+        h = tl.arange(0, BLOCK_HK)
+        hm = (h < num_kv_heads)[:, None]
+        m = hm & dm[None, :]
+        dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        dst = dst + h[:, None] * stride_ch
+        src = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
+        k1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        k2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        k_ty, c_ty = k_ptr.dtype.element_ty, k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst + d[None, :], (k1 * c - k2 * s).to(k_ty).to(c_ty), mask=m)
+        tl.store(k_cache_ptr + dst + HALF + d[None, :], (k2 * c + k1 * s).to(k_ty).to(c_ty), mask=m)
+        dv = tl.arange(0, HEAD_DIM)
+        v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + dv[None, :], mask=hm)
+        tl.store(v_cache_ptr + dst + dv[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=hm)
+
+
+def rope_and_cache_(
+    # [num_tokens]
+    positions: torch.Tensor,
+    # [num_tokens, num_heads, head_dim], last dim contiguous: rotated in place
+    q: torch.Tensor,
+    # [num_tokens, num_kv_heads, head_dim], last dim contiguous: read, not modified
+    k: torch.Tensor,
+    # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    # [max_position, head_dim] fp32 as cat(cos, cos) / cat(sin, sin)
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,
+    # [num_tokens] int64, -1 = padding (no write)
+    slot_mapping: torch.Tensor,
+) -> None:
+    """ops.rope_ then reshape_and_cache in one launch (reference: those two)."""
+    num_tokens, num_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    half = head_dim // 2
+    _rope_and_cache_kernel[(num_tokens,)](
+        positions,
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_heads,
+        k.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim,
+        HALF=half,
+        BLOCK_D=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        num_warps=4,
     )
 
 
@@ -428,6 +544,7 @@ def _num_sms(index: int | None) -> int:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_inplace_advance = True
+    fuses_rope = True
 
     def build(
         self, common: CommonAttentionMetadata, sliding_window: int | None
@@ -449,6 +566,8 @@ class TritonAttentionBackend(AttentionBackend):
         meta: TritonAttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        # (positions [num_tokens], cos, sin): q and k are not rotated yet (see fuses_rope)
+        rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if sliding_window != meta.sliding_window:
             raise ValueError(
@@ -456,7 +575,10 @@ class TritonAttentionBackend(AttentionBackend):
                 f"forward got {sliding_window}: pass ForwardContext.meta(sliding_window)."
             )
         c = meta.common
-        reshape_and_cache(k, v, kv_cache, c.slot_mapping)
+        if rope is not None:
+            rope_and_cache_(rope[0], q, k, v, rope[1], rope[2], kv_cache, c.slot_mapping)
+        else:
+            reshape_and_cache(k, v, kv_cache, c.slot_mapping)
         return paged_attention(q, kv_cache, c, scale, sliding_window)
 
     def advance_decode_(self, meta: TritonAttentionMetadata, block_size: int) -> None:

@@ -133,16 +133,14 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rope_(positions, q, k, self.rope.cos, self.rope.sin)
-        out = ctx.backend.forward(
-            q,
-            k,
-            v,
-            ctx.kv_caches[self.kv_index],
-            ctx.meta(self.sliding_window),
-            self.scale,
-            self.sliding_window,
-        )
+        args = (ctx.kv_caches[self.kv_index], ctx.meta(self.sliding_window), self.scale)
+        if ctx.backend.fuses_rope and q.stride(-1) == 1 and k.stride(-1) == 1:
+            # RoPE inside the KV write: q rotated in place, rotated k goes to the cache only.
+            rope = (positions, self.rope.cos, self.rope.sin)
+            out = ctx.backend.forward(q, k, v, *args, self.sliding_window, rope=rope)
+        else:
+            q, k = ops.rope_(positions, q, k, self.rope.cos, self.rope.sin)
+            out = ctx.backend.forward(q, k, v, *args, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
