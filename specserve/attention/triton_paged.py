@@ -169,9 +169,10 @@ def _rope_and_cache_kernel(
         src = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
         k1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
         k2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        k_ty, c_ty = k_ptr.dtype.element_ty, k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + dst + d[None, :], (k1 * c - k2 * s).to(k_ty).to(c_ty), mask=m)
-        tl.store(k_cache_ptr + dst + HALF + d[None, :], (k2 * c + k1 * s).to(k_ty).to(c_ty), mask=m)
+        r1 = (k1 * c - k2 * s).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        r2 = (k2 * c + k1 * s).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + dst + d[None, :], r1, mask=m)
+        tl.store(k_cache_ptr + dst + HALF + d[None, :], r2, mask=m)
         dv = tl.arange(0, HEAD_DIM)
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + dv[None, :], mask=hm)
         tl.store(v_cache_ptr + dst + dv[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=hm)
