@@ -285,6 +285,28 @@ def test_split_choice() -> None:
     assert _num_splits(40, 4096, cpu) == 2
 
 
+def test_split_count_same_for_graph_and_eager() -> None:
+    """A captured graph (padded batch, max_model_len) and the eager step it stands for (the real
+    batch) choose the same split count, so they compute the same bits."""
+    pytest.importorskip("triton")
+    from specserve.attention.triton_paged import split_count
+    from specserve.worker.cudagraph import capture_sizes
+
+    cpu = torch.device("cpu")
+    for max_num_seqs in (1, 3, 20, 100, 256):
+        sizes = capture_sizes(max_num_seqs)
+        for b in range(1, max_num_seqs + 1):
+            bg = next(s for s in sizes if s >= b)  # the graph a batch of b replays
+            for q, block_q, kv_heads in ((1, 4, 8), (5, 4, 8), (8, 32, 2)):
+                for max_len in (400, 4096, 32768):
+                    eager = split_count(b, q, block_q, kv_heads, max_len, cpu)
+                    graph = split_count(bg, q, block_q, kv_heads, max_len, cpu)
+                    assert eager == graph, (max_num_seqs, b, q, max_len)
+    assert split_count(1, 1, 4, 8, 4096, cpu) == 4  # batch-1 decode at max_model_len 4096
+    assert split_count(1, 1, 4, 8, 1024, cpu) == 1
+    assert split_count(64, 1, 4, 8, 32768, cpu) == 1  # the grid fills the GPU
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("heads", [(28, 4), (12, 4)])  # Qwen2-7B-like group 7; group 3

@@ -115,7 +115,9 @@ def write_kv(
     kv_cache[1].view(nb * bs, hk, d)[slot_mapping] = v.to(kv_cache.dtype)
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_backend(
+    name: str, device: torch.device, max_model_len: int | None = None
+) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
@@ -127,5 +129,5 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError("attention_backend=triton needs a CUDA device.")
         from specserve.attention.triton_paged import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(max_model_len)
     raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton).")

@@ -442,8 +442,11 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     num_splits: int | None = None,
+    split_len: int | None = None,
 ) -> torch.Tensor:
-    """`num_splits`: key splits per program (None: `_num_splits`' choice; tests force it)."""
+    """`num_splits`: key splits per program (None: `split_count`'s choice; tests force it).
+    `split_len`: the key count that choice assumes (the engine passes max_model_len; None: the
+    batch's max_seq_len)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if num_heads % num_kv_heads != 0:
@@ -463,7 +466,14 @@ def paged_attention(
     # Fixed by host-side sizes only, so a captured graph replays with any data.
     q_blocks = num_tokens // block_q + common.num_reqs
     if num_splits is None:
-        num_splits = _num_splits(q_blocks * num_kv_heads, common.max_seq_len, q.device)
+        num_splits = split_count(
+            common.num_reqs,
+            common.max_query_len,
+            block_q,
+            num_kv_heads,
+            split_len or common.max_seq_len,
+            q.device,
+        )
     grid = (q_blocks, num_kv_heads, num_splits)
     if num_splits > 1:
         ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
@@ -524,6 +534,24 @@ def paged_attention(
     return out
 
 
+def split_count(
+    num_reqs: int,
+    max_query_len: int,
+    block_q: int,
+    num_kv_heads: int,
+    split_len: int,
+    device: torch.device,
+) -> int:
+    """The split count of a launch, from sizes that a captured graph and the eager step it
+    stands for share, so both round the same way: the batch rounded up to a power of two (every
+    power of two up to max_num_seqs is a graph size, so a padded graph batch and the real one
+    round alike), the query length, and `split_len` (max_model_len in the engine: the graph's
+    bound, never the batch's own max_seq_len). An upper bound on the grid's q-blocks decides."""
+    rows = triton.next_power_of_2(max(num_reqs, 1))
+    q_blocks = rows * max_query_len // block_q + rows
+    return _num_splits(q_blocks * num_kv_heads, split_len, device)
+
+
 def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
     """Key splits per (q-block, KV head): 1 unless the grid leaves most SMs idle (small decode
     batches) and keys are many (at least MIN_KEYS_PER_SPLIT each); a power of two <= 16.
@@ -546,6 +574,10 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_inplace_advance = True
     fuses_rope = True
+
+    def __init__(self, max_model_len: int | None = None) -> None:
+        # Split-KV counts follow max_model_len, the bound every captured graph is built for.
+        self.max_model_len = max_model_len
 
     def build(
         self, common: CommonAttentionMetadata, sliding_window: int | None
@@ -580,7 +612,7 @@ class TritonAttentionBackend(AttentionBackend):
             rope_and_cache_(rope[0], q, k, v, rope[1], rope[2], kv_cache, c.slot_mapping)
         else:
             reshape_and_cache(k, v, kv_cache, c.slot_mapping)
-        return paged_attention(q, kv_cache, c, scale, sliding_window)
+        return paged_attention(q, kv_cache, c, scale, sliding_window, split_len=self.max_model_len)
 
     def advance_decode_(self, meta: TritonAttentionMetadata, block_size: int) -> None:
         """One decode token per request: advance positions, seq_lens and slots in place.

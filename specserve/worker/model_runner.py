@@ -73,7 +73,7 @@ class ModelRunner:
         self.speculator = speculator
         spec = config.spec
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
-        self.backend = get_backend(config.attention_backend, self.device)
+        self.backend = get_backend(config.attention_backend, self.device, max_model_len)
         self.null_block = num_blocks
         self.max_blocks_per_req = (max_model_len + self.block_size - 1) // self.block_size
         self.states = RequestStates(
