@@ -242,6 +242,31 @@ def kernel_profile(model_dir: str, prompt_len: int, steps: int = 10) -> list[dic
     return rows
 
 
+def split_sweep(model_dir: str, args: argparse.Namespace, values: list[int]) -> None:
+    """Batch-1 async + decode_matmul=auto decode per MIN_KEYS_PER_SPLIT value (the first value
+    again at the end: the spread between identical runs)."""
+    from specserve.attention import triton_paged
+
+    default = triton_paged.MIN_KEYS_PER_SPLIT
+    rows = []
+    for v in [*values, values[0]]:
+        triton_paged.MIN_KEYS_PER_SPLIT = v
+        r = run_specserve(
+            model_dir,
+            1,
+            args.prompt_len,
+            args.new_tokens,
+            async_scheduling=True,
+            decode_matmul="auto",
+        )
+        rows.append({"min_keys_per_split": v, **{k: r[k] for k in ("ms_per_step", "graph_ms")}})
+        print(f"MIN_KEYS_PER_SPLIT={v}: {r['ms_per_step']:.3f} ms/step, graph {r['graph_ms']:.3f}")
+    triton_paged.MIN_KEYS_PER_SPLIT = default
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "split_sweep.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def run_hf(cfg: dict, batch: int, prompt_len: int, new_tokens: int) -> dict:
     import transformers as tf
 
@@ -272,6 +297,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile host time of batch-1 steps")
     ap.add_argument("--profile-only", action="store_true", help="--profile, then stop")
     ap.add_argument(
+        "--split-min-keys",
+        default="",
+        help="comma list of MIN_KEYS_PER_SPLIT values: time batch-1 async + auto decode with "
+        "each (split-KV at short contexts), then stop",
+    )
+    ap.add_argument(
         "--kernels", action="store_true", help="device time per kernel of a batch-1 step"
     )
     args = ap.parse_args()
@@ -282,6 +313,9 @@ def main() -> None:
         profile_steps(model_dir, args.prompt_len, async_scheduling=True)
         if args.profile_only:
             return
+    if args.split_min_keys:
+        split_sweep(model_dir, args, [int(x) for x in args.split_min_keys.split(",")])
+        return
     kernels = kernel_profile(model_dir, args.prompt_len) if args.kernels else None
     bw = copy_bandwidth()
     rows = []

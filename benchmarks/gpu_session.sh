@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_session.sh speed   # decode.py (sync/async), spec_step, attention, gemv
 #   bash benchmarks/gpu_session.sh recheck # after changes: async + gemv GPU tests, decode.py
 #                                          # (sync/async/auto), PTD vs EAGLE-3 draft cost K=2..8
+#   bash benchmarks/gpu_session.sh splits  # graph == eager at max_model_len 4096 (split-KV),
+#                                          # batch-1 decode per MIN_KEYS_PER_SPLIT
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -68,8 +70,14 @@ case "${1:-}" in
     python benchmarks/spec_step.py --ks 4 --modes fused --async-scheduling 2>&1 \
       | grep -v tokenizer | tee "$OUT/spec_step_async.log" | tail -5
     ;;
+  splits)
+    timeout 200 python -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_attention.py \
+      -k "equals_eager or split" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_splits.log" | tail -6
+    python benchmarks/decode.py --split-min-keys 1024,256,64 2>&1 | grep -v tokenizer \
+      | tee "$OUT/split_sweep.log" | tail -6
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits" >&2
     exit 2
     ;;
 esac
