@@ -119,6 +119,22 @@ def test_gemv(request, device: str, m: int, n: int, k: int, bias: bool) -> None:
         gemv(torch.zeros(9, 4, device=device), torch.zeros(3, 4, device=device))
 
 
+@pytest.mark.parametrize("device", modes)
+def test_gemv_every_config(request, device: str) -> None:
+    """Every launch config benchmarks/gemv.py and decode_matmul="auto" may pick is correct."""
+    pytest.importorskip("triton")
+    if device == "cpu":
+        request.getfixturevalue("interpreter")
+    from specserve.ops.gemv import CONFIGS, gemv, gemv_ref
+
+    g = torch.Generator().manual_seed(3)
+    dtype = _dtypes(device)[-1]
+    for cfg in CONFIGS:
+        x = torch.randn(3, 1100, generator=g).to(dtype=dtype, device=device)
+        w = torch.randn(37, 1100, generator=g).to(dtype=dtype, device=device)
+        _close(gemv(x, w, config=cfg), gemv_ref(x, w), dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 def test_decode_linear_gpu() -> None:

@@ -113,7 +113,9 @@ if triton is not None:
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); benchmarks/gemv.py sweeps CONFIGS on the GPU.
 CONFIGS = [
+    (4, 512, 4, 4),  # twice the programs of (8, ...): small N (o, down) fill more SMs
     (8, 512, 4, 4),
+    (8, 1024, 4, 3),
     (16, 256, 4, 4),
     (16, 512, 4, 3),
     (16, 512, 8, 4),
