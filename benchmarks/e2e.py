@@ -116,6 +116,16 @@ def run_specserve(
         "texts": [o.outputs[0].token_ids for o in outs],
     }
     runner.draft_events = None
+    ctl = llm.engine.auto_k
+    if ctl is not None:  # automatic K: which K each batch-size bucket ran, and at what cost
+        res["auto_k"] = {
+            b: {
+                "steps_per_k": ctl.counts[b].tolist(),
+                "ms_per_k": [round(1e3 * x, 3) for x in ctl.times[b].tolist()],
+            }
+            for b in sorted(ctl.times)
+        }
+        res["auto_k_acceptance"] = ctl.acceptance().round(3).tolist()
     del llm
     free()
     return res
@@ -224,8 +234,10 @@ def main() -> None:
             ),
         ):
             r = run_specserve(target, spec, ps64, batch1=False)
-            res["batch64"][name] = {x: r[x] for x in ("tok_s", "tau")}
+            res["batch64"][name] = {x: r[x] for x in ("tok_s", "tau", "auto_k") if x in r}
             print(f"64 concurrent {name}: {r['tok_s']:.0f} tok/s", flush=True)
+            for b, v in r.get("auto_k", {}).items():
+                print(f"  bucket {b}: steps per K {v['steps_per_k']}, ms per K {v['ms_per_k']}")
         # Async scheduling (fixed K: the automatic controller times synchronous steps).
         for name, spec in (
             ("plain_async", None),
