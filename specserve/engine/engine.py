@@ -330,13 +330,14 @@ class LLMEngine:
         # max_model_len, the default, never overlap.)
         kv = self.kv
         after = {id(s.req): s.start + s.num_tokens for s in sched.scheduled}
+        per_decode = kv.blocks_needed(k1 + self.num_spec_tokens) + 1
         room, prefilling = 0, False
         for req in self.scheduler.running:
             done = after.get(id(req), req.num_computed_tokens)
             if req.num_scheduling_tokens - done > 1:
                 prefilling = True
             else:
-                room += kv.blocks_needed(k1 + self.num_spec_tokens) + 1
+                room += per_decode
         if prefilling:
             room += kv.blocks_needed(self.config.max_num_batched_tokens) + 1
         return kv.pool.num_free > room

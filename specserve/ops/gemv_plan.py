@@ -23,6 +23,7 @@ from specserve.ops.gemv import BUCKETS, Config, DecodeLinear, gemv, use_decode_g
 CANDIDATES: tuple[Config, ...] = ((8, 512, 4, 4), (16, 512, 4, 3))
 # Rows the Triton kernel is tried for; larger buckets stay cuBLAS (it lost by 2x or more there).
 TUNED_BUCKETS = (1, 2)
+assert set(TUNED_BUCKETS) <= set(BUCKETS)
 
 
 def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> float:
@@ -67,9 +68,9 @@ def _fastest(
             else:
                 gemv(x, lin.weight, lin.bias, config=cfg, silu_mul=silu_mul)
 
-    times = {str(c): graph_us(lambda c=c: run(c)) for c in (None, *CANDIDATES)}
-    best = min(times, key=times.__getitem__)
-    return next(c for c in (None, *CANDIDATES) if str(c) == best), times
+    cands = (None, *CANDIDATES)
+    us = [graph_us(lambda c=c: run(c)) for c in cands]
+    return cands[us.index(min(us))], {str(c): t for c, t in zip(cands, us)}
 
 
 @torch.inference_mode()
@@ -101,5 +102,4 @@ def tune_decode_gemv_(models: list[nn.Module]) -> list[dict]:
                     {"shape": shape, "layers": len(layers), "rows": b, "silu_mul": silu_mul}
                     | {"choice": str(cfg), "us": times}
                 )
-    assert all(b in BUCKETS for b in TUNED_BUCKETS)
     return report
