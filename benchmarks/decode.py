@@ -242,15 +242,31 @@ def kernel_profile(model_dir: str, prompt_len: int, steps: int = 10) -> list[dic
     return rows
 
 
-def split_sweep(model_dir: str, args: argparse.Namespace, values: list[int]) -> None:
-    """Batch-1 async + decode_matmul=auto decode per MIN_KEYS_PER_SPLIT value (the first value
-    again at the end: the spread between identical runs)."""
-    from specserve.attention import triton_paged
+# --sweep keys: the module switch each one sets (benchmark-only knobs of the decode path)
+SWEEP_KNOBS = {
+    "split": ("specserve.attention.triton_paged", "MIN_KEYS_PER_SPLIT", int),
+    "pdl": ("specserve.ops.pdl", "ENABLED", lambda v: bool(int(v))),
+}
 
-    default = triton_paged.MIN_KEYS_PER_SPLIT
+
+def sweep(model_dir: str, args: argparse.Namespace, variants: list[str]) -> None:
+    """Batch-1 async + decode_matmul=auto decode per variant, a variant being a comma list of
+    knob=value (SWEEP_KNOBS); knobs not named keep their defaults. List one variant twice to
+    see the spread between identical runs."""
+    import importlib
+
+    defaults = {
+        key: getattr(importlib.import_module(mod), attr)
+        for key, (mod, attr, _) in SWEEP_KNOBS.items()
+    }
     rows = []
-    for v in [*values, values[0]]:
-        triton_paged.MIN_KEYS_PER_SPLIT = v
+    for variant in variants:
+        setting = dict(defaults)
+        for item in filter(None, variant.split(",")):
+            key, value = item.split("=")
+            setting[key] = SWEEP_KNOBS[key][2](value)
+        for key, (mod, attr, _) in SWEEP_KNOBS.items():
+            setattr(importlib.import_module(mod), attr, setting[key])
         r = run_specserve(
             model_dir,
             1,
@@ -259,12 +275,22 @@ def split_sweep(model_dir: str, args: argparse.Namespace, values: list[int]) -> 
             async_scheduling=True,
             decode_matmul="auto",
         )
-        rows.append({"min_keys_per_split": v, **{k: r[k] for k in ("ms_per_step", "graph_ms")}})
-        print(f"MIN_KEYS_PER_SPLIT={v}: {r['ms_per_step']:.3f} ms/step, graph {r['graph_ms']:.3f}")
-    triton_paged.MIN_KEYS_PER_SPLIT = default
+        rows.append({"variant": variant, **{k: r[k] for k in ("ms_per_step", "graph_ms")}})
+        print(f"{variant or 'defaults'}: {r['ms_per_step']:.3f} ms/step, graph {r['graph_ms']:.3f}")
+    for key, (mod, attr, _) in SWEEP_KNOBS.items():
+        setattr(importlib.import_module(mod), attr, defaults[key])
+    bw = copy_bandwidth()
+    floor_ms = 1e3 * step_bytes(LLAMA3_8B, 1, args.prompt_len + args.new_tokens // 2) / bw
+    print(f"\nbatch 1, async + auto; floor {floor_ms:.2f} ms at {bw / 1e9:.0f} GB/s")
+    for r in rows:
+        r["pct_of_floor"] = floor_ms / r["ms_per_step"]
+        print(
+            f"{r['variant'] or 'defaults':>28} {r['ms_per_step']:>7.3f} ms "
+            f"{100 * r['pct_of_floor']:>6.1f}%  graph {r['graph_ms']:.3f} ms"
+        )
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "split_sweep.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        with open(os.path.join(os.environ["OUT"], "sweep.json"), "w") as f:
+            json.dump({"floor_ms": floor_ms, "copy_bandwidth_GBs": bw / 1e9, "rows": rows}, f)
 
 
 def run_hf(cfg: dict, batch: int, prompt_len: int, new_tokens: int) -> dict:
@@ -297,10 +323,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile host time of batch-1 steps")
     ap.add_argument("--profile-only", action="store_true", help="--profile, then stop")
     ap.add_argument(
-        "--split-min-keys",
+        "--sweep",
         default="",
-        help="comma list of MIN_KEYS_PER_SPLIT values: time batch-1 async + auto decode with "
-        "each (split-KV at short contexts), then stop",
+        help="semicolon list of variants, each a comma list of knob=value (knobs: "
+        f"{', '.join(SWEEP_KNOBS)}): time batch-1 async + auto decode under each, then stop",
     )
     ap.add_argument(
         "--kernels", action="store_true", help="device time per kernel of a batch-1 step"
@@ -313,8 +339,8 @@ def main() -> None:
         profile_steps(model_dir, args.prompt_len, async_scheduling=True)
         if args.profile_only:
             return
-    if args.split_min_keys:
-        split_sweep(model_dir, args, [int(x) for x in args.split_min_keys.split(",")])
+    if args.sweep:
+        sweep(model_dir, args, args.sweep.split(";"))
         return
     kernels = kernel_profile(model_dir, args.prompt_len) if args.kernels else None
     bw = copy_bandwidth()

@@ -9,6 +9,7 @@
 #                                          # (sync/async/auto), PTD vs EAGLE-3 draft cost K=2..8
 #   bash benchmarks/gpu_session.sh splits  # graph == eager at max_model_len 4096 (split-KV),
 #                                          # batch-1 decode per MIN_KEYS_PER_SPLIT
+#   bash benchmarks/gpu_session.sh pdl     # PDL / split GPU tests, batch-1 decode per PDL variant
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -73,11 +74,19 @@ case "${1:-}" in
   splits)
     timeout 200 python -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_attention.py \
       -k "equals_eager or split" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_splits.log" | tail -6
-    python benchmarks/decode.py --split-min-keys 1024,256,64 2>&1 | grep -v tokenizer \
-      | tee "$OUT/split_sweep.log" | tail -6
+    python benchmarks/decode.py --sweep "split=1024;split=256;split=64;split=1024" 2>&1 \
+      | grep -v tokenizer | tee "$OUT/split_sweep.log" | tail -6
+    ;;
+  pdl)
+    timeout 300 python -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_attention.py \
+      tests/test_ops.py -k "equals_eager or split or pdl or decode_linear or decode_matmul or \
+      matches_transformers" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_pdl.log" | tail -8
+    python benchmarks/decode.py --sweep \
+      "pdl=0;pdl=1,prefetch=0;pdl=1;pdl=1,early=1;pdl=0,split=1024;pdl=1" 2>&1 \
+      | grep -v tokenizer | tee "$OUT/pdl_sweep.log" | tail -9
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl" >&2
     exit 2
     ;;
 esac

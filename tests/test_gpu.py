@@ -253,3 +253,31 @@ def test_split_kv_in_the_engine_cuda(ckpt_dir, prompts) -> None:
     for p in prompts[:2]:
         out = llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids
         assert out == hf_greedy(path, p, GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("method", [None, "eagle3"])
+def test_pdl_bit_equal_to_plain_launches(drafters, prompts, method: str | None) -> None:
+    """Programmatic dependent launch (specserve/ops/pdl.py) changes when kernels start, never
+    what they compute: bf16, Triton gemv for every decode matmul (every kernel of a layer is a
+    PDL launch), split keys (max_model_len 4096), CUDA graphs, greedy and seeded sampling: the
+    same tokens with PDL on and off."""
+    from specserve.ops import pdl
+
+    if not pdl.on(torch.device("cuda")):
+        pytest.skip("PDL needs sm_90+")
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    spec = None
+    if method:
+        spec = {"method": method, "model": drafters[method], "num_speculative_tokens": 3}
+    kw = {"dtype": "bfloat16", "max_model_len": 4096, "decode_matmul": "triton"}
+    runs = []
+    for enabled in (False, True):
+        pdl.ENABLED = enabled
+        try:
+            llm = cuda_llm(drafters["target"], speculative_config=spec, **kw)
+            outs = llm.generate(batch, [GREEDY, sp] * 3)
+        finally:
+            pdl.ENABLED = True
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[1] == runs[0]

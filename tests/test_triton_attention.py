@@ -279,8 +279,8 @@ def test_split_choice() -> None:
     cpu = torch.device("cpu")  # counted as 132 SMs
     assert _num_splits(16, 8192, cpu) == 8  # batch-1 decode, 8 KV heads, long context
     assert _num_splits(2, 100_000, cpu) == 16
-    assert _num_splits(16, 400, cpu) == 1  # short context
-    assert _num_splits(16, 1024, cpu) == 1  # max_model_len 1024: not worth a second kernel
+    assert _num_splits(16, 400, cpu) == 4  # short contexts split too: >= 64 keys a split
+    assert _num_splits(16, 100, cpu) == 1  # fewer than two splits' worth of keys
     assert _num_splits(512, 8192, cpu) == 1  # the grid already fills the GPU
     assert _num_splits(40, 4096, cpu) == 2
 
@@ -302,8 +302,9 @@ def test_split_count_same_for_graph_and_eager() -> None:
                     eager = split_count(b, q, block_q, kv_heads, max_len, cpu)
                     graph = split_count(bg, q, block_q, kv_heads, max_len, cpu)
                     assert eager == graph, (max_num_seqs, b, q, max_len)
-    assert split_count(1, 1, 4, 8, 4096, cpu) == 4  # batch-1 decode at max_model_len 4096
-    assert split_count(1, 1, 4, 8, 1024, cpu) == 1
+    assert split_count(1, 1, 4, 8, 4096, cpu) == 16  # batch-1 decode at max_model_len 4096
+    assert split_count(1, 1, 4, 8, 400, cpu) == 4
+    assert split_count(4, 1, 4, 8, 4096, cpu) == 2  # 5 q-blocks x 8 KV heads
     assert split_count(64, 1, 4, 8, 32768, cpu) == 1  # the grid fills the GPU
 
 

@@ -34,6 +34,7 @@ from specserve.attention.backend import (
     CommonAttentionMetadata,
     ForwardContext,
 )
+from specserve.ops import pdl
 from specserve.ops.spec_kernels import advance_decode_metadata_
 from specserve.ops.triton_kernels import _rope_rows
 
@@ -63,7 +64,9 @@ def _reshape_and_cache_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
     # NOTE: padding tokens (slot -1) write nothing, so the null block stays untouched.
@@ -115,6 +118,7 @@ def reshape_and_cache(
         BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        **pdl.launch_kwargs(k.device),
     )
 
 
@@ -147,10 +151,12 @@ def _rope_and_cache_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token: rotate q in place, write rotated k and v to the cache. The arithmetic and
     roundings of the RoPE kernel followed by _reshape_and_cache_kernel (fp32, rounded to k's
     dtype, then to the cache's), so the cache holds the same bits."""
+    pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -231,6 +237,7 @@ def rope_and_cache_(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=4,
+        **pdl.launch_kwargs(q.device),
     )
 
 
@@ -285,7 +292,9 @@ def _paged_attention_kernel(
     ws_m_ptr,
     ws_l_ptr,
     num_heads,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -385,9 +394,11 @@ def _combine_splits_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, h] from the SPLITS partial (m, l, acc) of row (t, h): rescale each to the global
     max (log2 domain, as the main kernel) and normalize once. Empty splits have m = -inf."""
+    pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = (t * num_heads + h) * SPLITS
@@ -518,6 +529,7 @@ def paged_attention(
         num_heads=num_heads,
         num_warps=cfg.num_warps,
         num_stages=2,
+        **pdl.launch_kwargs(q.device),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -530,6 +542,7 @@ def paged_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             SPLITS=num_splits,
+            **pdl.launch_kwargs(q.device),
         )
     return out
 
@@ -562,7 +575,9 @@ def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> in
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
-MIN_KEYS_PER_SPLIT = 1024
+# Splits pay off from short contexts on (batch-1 decode at max_model_len 400, H100: 5.64 vs
+# 5.76 ms a graph with 4 splits instead of 1; benchmarks/RESULTS.md).
+MIN_KEYS_PER_SPLIT = 64
 
 
 @functools.cache

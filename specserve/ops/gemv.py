@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specserve.ops import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -76,10 +78,15 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
         # [M, 2N] intermediate is never written.
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = tl.program_id(0) * BLOCK_N
+        n = n0 + tl.arange(0, BLOCK_N)
+        # PDL: wait for the previous kernel (it writes x); the successor may launch once every
+        # program is past its weight stream (see below).
+        pdl.start(PDL, LAUNCH_DEPENDENTS=False)
         rows = tl.arange(0, BLOCK_M)
         n_ok = n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -101,6 +108,8 @@ if triton is not None:
                 acc += tl.where(at_i, tl.sum(w * xi, axis=1)[None, :], 0.0)
                 if SILU_MUL:
                     acc_up += tl.where(at_i, tl.sum(w_up * xi, axis=1)[None, :], 0.0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             if SILU_MUL:
@@ -165,6 +174,7 @@ def gemv(
         BLOCK_K=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl.launch_kwargs(x.device),
     )
     return y
 

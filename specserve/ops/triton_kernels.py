@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.ops import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -22,7 +24,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -65,6 +69,7 @@ def rms_norm_triton(
         HAS_RES=residual is not None,
         BLOCK=block,
         num_warps=min(max(block // 512, 1), 16),
+        **pdl.launch_kwargs(x.device),
     )
     return out, res_out
 
@@ -108,7 +113,9 @@ def _rope_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -149,11 +156,15 @@ def rope_triton_(
         BLOCK_HQ=triton.next_power_of_2(hq),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=4,
+        **pdl.launch_kwargs(q.device),
     )
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, N, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < N
@@ -172,6 +183,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block = 1024
     _silu_and_mul_kernel[(T, triton.cdiv(n, block))](
-        x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        n,
+        BLOCK=block,
+        num_warps=4,
+        **pdl.launch_kwargs(x.device),
     )
     return out

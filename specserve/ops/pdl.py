@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the forward pass's Triton kernels.
+
+A batch-1 decode step is ~250 kernels in a row, each waiting for the one before to drain, launch
+and ramp up its memory pipeline: a few microseconds of idle HBM per kernel. With PDL a kernel may
+be scheduled while its predecessor still runs (once every program of the predecessor has called
+`gdc_launch_dependents`), so its launch and set-up overlap the predecessor's tail. Small kernels
+(norm, RoPE + KV write, attention) trigger at their start; the decode matmul triggers after its
+weight stream, so its successor does not take SM slots from its own later waves.
+
+Measured (batch-1 decode, Llama-3-8B shape, H100, benchmarks/RESULTS.md): 6.16 -> 6.00 ms a step.
+Tried and dropped: the matmul prefetching its weight rows into L2 (TMA bulk prefetch, weights
+never depend on the previous kernel) before waiting: 6.37 ms, and 6.32 ms with the matmul also
+triggering at its start; slower than no prefetch, not investigated further.
+
+The rule every kernel launched with `launch_kwargs` keeps: `start` comes before any memory
+access, in every program, including programs that then exit early. `gdc_wait` returns when the
+whole predecessor grid has finished and its writes are visible, so a PDL kernel never reads data its predecessor is still writing, never
+overwrites data its predecessor still reads, and finishes only after its predecessor did:
+ordering stays transitive along the stream and results are bitwise those of plain launches.
+Launches from torch or cuBLAS in between simply never trigger early.
+
+`ENABLED` is a switch for benchmarks and tests (`benchmarks/decode.py --sweep "pdl=0;pdl=1"`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs
+    triton = None
+
+ENABLED = True  # launch the forward pass's Triton kernels with PDL where the GPU has it
+
+
+@functools.cache
+def _supported(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def on(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL now."""
+    return ENABLED and device.type == "cuda" and _supported(device.index)
+
+
+def launch_kwargs(device: torch.device) -> dict[str, bool]:
+    """Extra launch arguments of a kernel with a `PDL: tl.constexpr` parameter."""
+    return {"PDL": True, "launch_pdl": True} if on(device) else {"PDL": False}
+
+
+if triton is not None:
+
+    @triton.jit
+    def start(PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = True):
+        """First statement of a PDL kernel: let the next kernel launch (unless the kernel
+        does that itself, later), then wait for the previous one (no-ops without PDL)."""
+        if PDL:
+            if LAUNCH_DEPENDENTS:
+                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()

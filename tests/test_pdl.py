@@ -1,0 +1,122 @@
+"""The decode path's Triton kernels compile for sm_90 with programmatic dependent launch.
+
+Compiled ahead of time on the CPU (Triton's bundled ptxas, no GPU): the interpreter runs these
+kernels as Python and accepts code the compiler rejects, and PDL only exists compiled. Each
+kernel must wait for its predecessor (griddepcontrol.wait) and let its successor launch. GPU equivalence with PDL on
+is in test_gpu.py (graph == eager, greedy == transformers) and test_ops.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+# Pointer arguments are bf16 unless named here; other runtime arguments are i32 unless named.
+TYPES = {
+    "slot_mapping_ptr": "*i64",
+    "pos_ptr": "*i64",
+    "positions_ptr": "*i64",
+    "query_start_loc_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "block_table_ptr": "*i32",
+    "cos_ptr": "*fp32",
+    "sin_ptr": "*fp32",
+    "ws_acc_ptr": "*fp32",
+    "ws_m_ptr": "*fp32",
+    "ws_l_ptr": "*fp32",
+    "scale": "fp32",
+    "eps": "fp32",
+}
+
+
+def compile_sm90(kernel, constexprs: dict, num_warps: int = 4, num_stages: int = 2) -> str:
+    """PTX of `kernel` compiled for sm_90 with PDL launch, given all its constexprs."""
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+    src = ASTSource(kernel, sig, constexprs=constexprs)
+    opts = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True}
+    compiled = triton.compile(src, target=SM90, options=opts)
+    assert compiled.asm["cubin"], "no cubin"
+    return compiled.asm["ptx"]
+
+
+def _pdl_ptx(ptx: str) -> None:
+    assert "griddepcontrol.wait" in ptx
+    assert "griddepcontrol.launch_dependents" in ptx
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_compiles_with_pdl(silu_mul: bool) -> None:
+    from specserve.ops.gemv import _gemv_kernel
+
+    ptx = compile_sm90(
+        _gemv_kernel,
+        dict(
+            HAS_BIAS=True,
+            SILU_MUL=silu_mul,
+            BLOCK_M=1,
+            BLOCK_N=4,
+            BLOCK_K=512,
+            PDL=True,
+        ),
+        num_stages=4,
+    )
+    _pdl_ptx(ptx)
+    # Without PDL none of it is emitted: the kernel is the plain one.
+    plain = compile_sm90(
+        _gemv_kernel,
+        dict(
+            HAS_BIAS=False,
+            SILU_MUL=silu_mul,
+            BLOCK_M=1,
+            BLOCK_N=4,
+            BLOCK_K=512,
+            PDL=False,
+        ),
+    )
+    assert "griddepcontrol" not in plain
+
+
+def test_norm_rope_activation_compile_with_pdl() -> None:
+    from specserve.ops import triton_kernels as k
+
+    for res in (False, True):
+        _pdl_ptx(compile_sm90(k._rms_norm_kernel, dict(HAS_RES=res, BLOCK=4096, PDL=True)))
+    rope = dict(HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8, PDL=True)
+    _pdl_ptx(compile_sm90(k._rope_kernel, rope))
+    _pdl_ptx(compile_sm90(k._silu_and_mul_kernel, dict(BLOCK=1024, PDL=True)))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_kernels_compile_with_pdl(splits: int) -> None:
+    from specserve.attention import triton_paged as tp
+
+    cache = dict(BLOCK_SIZE=16, HEAD_DIM=128, PDL=True)
+    _pdl_ptx(compile_sm90(tp._reshape_and_cache_kernel, dict(cache, BLOCK_H=8)))
+    rope = dict(cache, HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8)
+    _pdl_ptx(compile_sm90(tp._rope_and_cache_kernel, rope))
+    attn = dict(
+        GROUP=4,
+        HEAD_DIM=128,
+        BLOCK_SIZE=16,
+        BLOCK_M=16,
+        BLOCK_Q=4,
+        BLOCK_N=64,
+        USE_WINDOW=True,
+        DOT_PRECISION="tf32",
+        SPLITS=splits,
+        PDL=True,
+    )
+    _pdl_ptx(compile_sm90(tp._paged_attention_kernel, attn))
+    if splits > 1:
+        combine = dict(HEAD_DIM=128, SPLITS=splits, PDL=True)
+        _pdl_ptx(compile_sm90(tp._combine_splits_kernel, combine))
