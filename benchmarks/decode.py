@@ -246,6 +246,7 @@ def kernel_profile(model_dir: str, prompt_len: int, steps: int = 10) -> list[dic
 SWEEP_KNOBS = {
     "split": ("specserve.attention.triton_paged", "MIN_KEYS_PER_SPLIT", int),
     "pdl": ("specserve.ops.pdl", "ENABLED", lambda v: bool(int(v))),
+    "fuse_norm": ("specserve.ops.gemv", "FUSE_NORM", lambda v: bool(int(v))),
 }
 
 

@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh splits  # graph == eager at max_model_len 4096 (split-KV),
 #                                          # batch-1 decode per MIN_KEYS_PER_SPLIT
 #   bash benchmarks/gpu_session.sh pdl     # PDL / split GPU tests, batch-1 decode per PDL variant
+#   bash benchmarks/gpu_session.sh fuse    # fused norm + gemv GPU tests, decode per variant
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -85,8 +86,15 @@ case "${1:-}" in
       "pdl=0;pdl=1,prefetch=0;pdl=1;pdl=1,early=1;pdl=0,split=1024;pdl=1" 2>&1 \
       | grep -v tokenizer | tee "$OUT/pdl_sweep.log" | tail -9
     ;;
+  fuse)
+    timeout 300 python -m pytest -q -m gpu tests/test_gpu.py tests/test_ops.py \
+      -k "equals_eager or pdl or gemv or decode_linear or decode_matmul" -p no:cacheprovider \
+      2>&1 | tee "$OUT/gpu_tests_fuse.log" | tail -8
+    python benchmarks/decode.py --sweep "fuse_norm=0;fuse_norm=1;fuse_norm=0;fuse_norm=1" \
+      2>&1 | grep -v tokenizer | tee "$OUT/fuse_sweep.log" | tail -7
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse" >&2
     exit 2
     ;;
 esac

@@ -71,15 +71,24 @@ def test_greedy_matches_transformers_cuda(ckpt_dir, prompts, name: str, mode: st
     assert llm.engine.kv.usage() == 0.0
 
 
-@pytest.mark.parametrize("max_len", [256, 4096])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cudagraph_equals_eager(ckpt_dir, prompts, dtype: str, max_len: int) -> None:
+@pytest.mark.parametrize(
+    "dtype, max_len, matmul",
+    [
+        ("float32", 256, "cublas"),
+        ("float32", 4096, "cublas"),
+        ("bfloat16", 256, "cublas"),
+        ("bfloat16", 4096, "cublas"),
+        ("bfloat16", 4096, "triton"),
+    ],
+)
+def test_cudagraph_equals_eager(ckpt_dir, prompts, dtype: str, max_len: int, matmul: str) -> None:
     """Bit-equal tokens; max_model_len 4096 makes small batches split the keys (split_count
-    must choose the same count for a padded graph batch and the eager one)."""
+    must choose the same count for a padded graph batch and the eager one); decode_matmul
+    "triton": the Triton gemv with the norms fused in (norm_linear) for decode batches."""
     path = ckpt_dir("llama_gqa", "llama")
     sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    kw = {"dtype": dtype, "max_model_len": max_len}
+    kw = {"dtype": dtype, "max_model_len": max_len, "decode_matmul": matmul}
     graph = cuda_llm(path, **kw).generate(batch, [GREEDY, sp] * 3)
     eager = cuda_llm(path, enforce_eager=True, **kw).generate(batch, [GREEDY, sp] * 3)
     for g, e in zip(graph, eager):

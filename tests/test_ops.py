@@ -120,6 +120,41 @@ def test_gemv(request, device: str, m: int, n: int, k: int, bias: bool) -> None:
 
 
 @pytest.mark.parametrize("device", modes)
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_norm(request, device: str, m: int, with_residual: bool, silu_mul: bool) -> None:
+    """RMSNorm (+ residual add) inside the gemv's K loop against norm-then-matmul: ragged K,
+    bias, both outputs (the product and the new residual, written by program 0 alone)."""
+    pytest.importorskip("triton")
+    if device == "cpu":
+        request.getfixturevalue("interpreter")
+    from specserve.ops import fused
+    from specserve.ops.gemv import gemv_norm, gemv_norm_ref, gemv_ref, gemv_silu_mul_ref
+
+    g = torch.Generator().manual_seed(m + 10 * with_residual + 100 * silu_mul)
+    k, n = 1000, 70
+    for dtype in _dtypes(device):
+
+        def rand(*shape: int, scale: float = 1.0, dtype: torch.dtype = dtype) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+
+        x, res = rand(m, k, scale=3.0), rand(m, k) if with_residual else None
+        w, b = rand(2 * n if silu_mul else n, k, scale=k**-0.5), rand(2 * n if silu_mul else n)
+        nw = rand(k, scale=0.5) + 1
+        # Three block configs: 1, 8 and 2 programs over N (program 0 writes the residual).
+        for cfg in ((128, 256, 4, 2), (8, 512, 4, 3), (64, 128, 4, 2)):
+            y, h = gemv_norm(x, w, b, nw, 1e-5, res, cfg, silu_mul)
+            y_ref, h_ref = gemv_norm_ref(x, w, b, nw, 1e-5, res, silu_mul)
+            _close(y, y_ref, dtype)
+            assert torch.equal(h, h_ref)
+            # ... and close to the unfused path (norm kernel, rounding, then the matmul)
+            normed, _ = fused.rms_norm(x, nw, 1e-5, res)
+            unfused = gemv_silu_mul_ref(normed, w, b) if silu_mul else gemv_ref(normed, w, b)
+            _close(y, unfused, dtype)
+
+
+@pytest.mark.parametrize("device", modes)
 def test_gemv_every_config(request, device: str) -> None:
     """Every launch config benchmarks/gemv.py and decode_matmul="auto" may pick is correct."""
     pytest.importorskip("triton")

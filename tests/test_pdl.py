@@ -31,6 +31,7 @@ TYPES = {
     "ws_l_ptr": "*fp32",
     "scale": "fp32",
     "eps": "fp32",
+    "res_ptr": "*bf16",
 }
 
 
@@ -55,7 +56,8 @@ def _pdl_ptx(ptx: str) -> None:
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_gemv_compiles_with_pdl(silu_mul: bool) -> None:
+@pytest.mark.parametrize("norm", [False, True])
+def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool) -> None:
     from specserve.ops.gemv import _gemv_kernel
 
     ptx = compile_sm90(
@@ -63,6 +65,8 @@ def test_gemv_compiles_with_pdl(silu_mul: bool) -> None:
         dict(
             HAS_BIAS=True,
             SILU_MUL=silu_mul,
+            NORM=norm,
+            HAS_RES=norm,
             BLOCK_M=1,
             BLOCK_N=4,
             BLOCK_K=512,
@@ -77,6 +81,8 @@ def test_gemv_compiles_with_pdl(silu_mul: bool) -> None:
         dict(
             HAS_BIAS=False,
             SILU_MUL=silu_mul,
+            NORM=norm,
+            HAS_RES=False,
             BLOCK_M=1,
             BLOCK_N=4,
             BLOCK_K=512,

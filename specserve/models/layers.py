@@ -10,7 +10,8 @@ from torch import nn
 
 from specserve import ops
 from specserve.attention.backend import ForwardContext
-from specserve.ops.gemv import DecodeLinear, gemv
+from specserve.ops import gemv as gemv_ops
+from specserve.ops.gemv import DecodeLinear, gemv, gemv_norm
 
 
 class RMSNorm(nn.Module):
@@ -126,7 +127,17 @@ class Attention(nn.Module):
         x: torch.Tensor,
         ctx: ForwardContext,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        return self.attend(positions, self.qkv_proj(x), ctx)
+
+    def attend(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
+        qkv: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """Everything after qkv_proj: RoPE, KV write, attention, o_proj."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -152,8 +163,36 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj
-        cfg = gu.config(x, silu_mul=True) if isinstance(gu, DecodeLinear) else None
-        if cfg is not None:  # decode_matmul triton/auto: gate_up and SiLU-and-mul in one kernel
-            return self.down_proj(gemv(x, gu.weight, gu.bias, config=cfg, silu_mul=True))
-        return self.down_proj(ops.silu_and_mul(gu(x)))
+        return self.down_proj(gate_up_act(self.gate_up_proj, x))
+
+
+def gate_up_act(gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of an MLP's fused gate_up projection."""
+    cfg = gate_up.config(x, silu_mul=True) if isinstance(gate_up, DecodeLinear) else None
+    if cfg is not None:  # decode_matmul triton/auto: gate_up and SiLU-and-mul in one kernel
+        return gemv(x, gate_up.weight, gate_up.bias, config=cfg, silu_mul=True)
+    return ops.silu_and_mul(gate_up(x))
+
+
+def norm_linear(
+    norm: nn.Module,
+    linear: nn.Linear,
+    # [num_tokens, hidden]
+    x: torch.Tensor,
+    # [num_tokens, hidden] or None (the first layer: x is the residual)
+    residual: torch.Tensor | None,
+    silu_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual), `silu_mul`: gate_up_act instead of linear.
+    Where the decode plan runs `linear` in Triton (decode_matmul triton / auto) the norm runs
+    inside the matmul's K loop (`gemv_norm`): one launch instead of two."""
+    if isinstance(linear, DecodeLinear) and isinstance(norm, RMSNorm) and gemv_ops.FUSE_NORM:
+        cfg = linear.config(x, silu_mul)
+        if cfg is not None:
+            w, b = linear.weight, linear.bias
+            return gemv_norm(x, w, b, norm.weight, norm.eps, residual, cfg, silu_mul)
+    if residual is None:
+        x, residual = norm(x), x
+    else:
+        x, residual = norm(x, residual)
+    return (gate_up_act(linear, x) if silu_mul else linear(x)), residual

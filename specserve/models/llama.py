@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from specserve.attention.backend import ForwardContext
-from specserve.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding, rope_parameters
+from specserve.models.layers import (
+    MLP,
+    Attention,
+    RMSNorm,
+    RotaryEmbedding,
+    norm_linear,
+    rope_parameters,
+)
 
 
 @dataclass
@@ -109,14 +116,13 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
+        x = attn.attend(positions, qkv, ctx)
+        act, residual = norm_linear(
+            self.post_attention_layernorm, mlp.gate_up_proj, x, residual, silu_mul=True
+        )
+        return mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):

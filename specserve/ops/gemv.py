@@ -27,6 +27,9 @@ except ImportError:  # CPU-only installs: the reference only
     triton = None
 
 MAX_M = 8
+# Decoder layers run their RMSNorms inside the Triton gemv that follows (models/layers.py
+# norm_linear) wherever the plan picks Triton; a switch for benchmarks (decode.py --sweep).
+FUSE_NORM = True
 
 
 def gemv_ref(
@@ -59,6 +62,33 @@ def gemv_silu_mul_ref(
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def gemv_norm_ref(
+    # [M, K]
+    x: torch.Tensor,
+    # [N, K] or [2N, K] with silu_mul
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    # [K]
+    norm_weight: torch.Tensor,
+    eps: float,
+    # [M, K] or None
+    residual: torch.Tensor | None,
+    silu_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemv_ref or gemv_silu_mul_ref of rms_norm(x + residual), x + residual): the sum rounded
+    to x's dtype (as the norm kernel), the normalized input kept in fp32 (no rounding between
+    norm and matmul: the fused kernel never materializes it)."""
+    h = x + residual if residual is not None else x
+    hf = h.float()
+    normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    y = normed @ w.float().t()
+    y = y + b.float() if b is not None else y
+    if silu_mul:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y.to(x.dtype), h
+
+
 if triton is not None:
 
     @triton.jit
@@ -73,8 +103,14 @@ if triton is not None:
         stride_xm,
         stride_wn,
         stride_ym,
+        res_ptr,
+        res_out_ptr,
+        norm_w_ptr,
+        eps,
         HAS_BIAS: tl.constexpr,
         SILU_MUL: tl.constexpr,
+        NORM: tl.constexpr,
+        HAS_RES: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -82,7 +118,13 @@ if triton is not None:
     ):
         # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
         # [M, 2N] intermediate is never written.
-        n0 = tl.program_id(0) * BLOCK_N
+        # NORM: x is the pre-norm hidden state; the product is W @ rms_norm(x (+ res)). Since
+        # W @ (x * g * rstd) = rstd * (W @ (x * g)), the K loop accumulates W @ (x * g) and
+        # sum(x^2) side by side and scales by rstd at the end: no separate norm kernel, no extra
+        # pass over x. HAS_RES: x + res first (rounded to the model dtype, as the norm kernel
+        # does); program 0 also writes that sum to res_out (the next residual).
+        pid = tl.program_id(0)
+        n0 = pid * BLOCK_N
         n = n0 + tl.arange(0, BLOCK_N)
         # PDL: wait for the previous kernel (it writes x); the successor may launch once every
         # program is past its weight stream (see below).
@@ -91,6 +133,7 @@ if triton is not None:
         n_ok = n < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
         up_row = w_row + N * stride_wn
         for k0 in range(0, K, BLOCK_K):
@@ -101,15 +144,29 @@ if triton is not None:
             w = tl.load(w_row + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
             if SILU_MUL:
                 w_up = tl.load(up_row + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+            if NORM:
+                g = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             for i in tl.static_range(BLOCK_M):
                 xi = tl.load(x_ptr + i * stride_xm + k, mask=k_ok & (i < M), other=0.0)
-                xi = xi.to(tl.float32)[None, :]
+                if HAS_RES:
+                    ri = tl.load(res_ptr + i * stride_xm + k, mask=k_ok & (i < M), other=0.0)
+                    xi = (xi.to(tl.float32) + ri.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                    tl.store(res_out_ptr + i * stride_xm + k, xi, mask=k_ok & (i < M) & (pid == 0))
+                xi = xi.to(tl.float32)
+                if NORM:
+                    sum_sq += tl.where(rows == i, tl.sum(xi * xi, axis=0), 0.0)
+                    xi = xi * g
+                xi = xi[None, :]
                 at_i = rows[:, None] == i
                 acc += tl.where(at_i, tl.sum(w * xi, axis=1)[None, :], 0.0)
                 if SILU_MUL:
                     acc_up += tl.where(at_i, tl.sum(w_up * xi, axis=1)[None, :], 0.0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
+        if NORM:
+            rstd = tl.rsqrt(sum_sq / K + eps)[:, None]
+            acc = acc * rstd
+            acc_up = acc_up * rstd
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             if SILU_MUL:
@@ -132,6 +189,7 @@ CONFIGS = [
     (32, 128, 4, 4),
 ]
 DEFAULT_CONFIG = (16, 512, 4, 3)
+Config = tuple[int, int, int, int]
 
 
 def gemv(
@@ -147,14 +205,51 @@ def gemv(
     """y = x @ w.T (+ b) for decode-sized M, with the Triton kernel (semantics: `gemv_ref`);
     `silu_mul`: [M, N/2] = silu(gate) * up of that product (semantics: `gemv_silu_mul_ref`).
     A fixed launch config, not autotuning: graph capture and the interpreter both need one."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return _launch(x, w, b, config, silu_mul, None)
+
+
+def gemv_norm(
+    # [M, K], M <= MAX_M: the hidden state before the norm
+    x: torch.Tensor,
+    # [N, K] (gate_up's [2N, K] with silu_mul)
+    w: torch.Tensor,
+    # [N] or None
+    b: torch.Tensor | None,
+    # [K]: the RMSNorm weight
+    norm_weight: torch.Tensor,
+    eps: float,
+    # [M, K] or None (the first layer)
+    residual: torch.Tensor | None,
+    config: tuple[int, int, int, int] = DEFAULT_CONFIG,
+    silu_mul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gemv(rms_norm(x + residual)), x + residual) in one kernel (semantics:
+    `gemv_norm_ref`); without a residual the second is x itself."""
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    res_out = torch.empty_like(x) if residual is not None else x
+    y = _launch(x, w, b, config, silu_mul, (residual, res_out, norm_weight, eps))
+    return y, res_out
+
+
+def _launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    config: Config,
+    silu_mul: bool,
+    # (residual or None, residual out, norm weight, eps), or None: no norm
+    norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,
+) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
     if M > MAX_M or w.shape[1] != K or (silu_mul and w.shape[0] % 2):
         raise ValueError(
             f"gemv takes [M <= {MAX_M}, K] x [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}"
         )
-    x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    res, res_out, norm_w, eps = norm if norm is not None else (None, x, w, 0.0)
     block_n, block_k, num_warps, num_stages = config
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x,
@@ -167,8 +262,14 @@ def gemv(
         x.stride(0),
         w.stride(0),
         y.stride(0),
+        res if res is not None else x,
+        res_out,
+        norm_w,
+        eps,
         HAS_BIAS=b is not None,
         SILU_MUL=silu_mul,
+        NORM=norm is not None,
+        HAS_RES=res is not None,
         BLOCK_M=triton.next_power_of_2(M),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -179,7 +280,6 @@ def gemv(
     return y
 
 
-Config = tuple[int, int, int, int]
 BUCKETS = (1, 2, 4, 8)  # decode row counts a plan is made for (CUDA graph sizes up to 8)
 
 
