@@ -11,6 +11,7 @@
 #                                          # batch-1 decode per MIN_KEYS_PER_SPLIT
 #   bash benchmarks/gpu_session.sh pdl     # PDL / split GPU tests, batch-1 decode per PDL variant
 #   bash benchmarks/gpu_session.sh fuse    # fused norm + gemv GPU tests, decode per variant
+#   bash benchmarks/gpu_session.sh overlap # decode per gemv PDL overlap variant (no tests)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -93,8 +94,13 @@ case "${1:-}" in
     python benchmarks/decode.py --sweep "fuse_norm=0;fuse_norm=1;fuse_norm=0;fuse_norm=1" \
       2>&1 | grep -v tokenizer | tee "$OUT/fuse_sweep.log" | tail -7
     ;;
+  overlap)
+    python benchmarks/decode.py --sweep \
+      ";gemv_preload=0,gemv_early=0;gemv_preload=0;gemv_early=0;" 2>&1 \
+      | grep -v tokenizer | tee "$OUT/overlap_sweep.log" | tail -7
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap" >&2
     exit 2
     ;;
 esac

@@ -57,7 +57,10 @@ def _pdl_ptx(ptx: str) -> None:
 
 @pytest.mark.parametrize("silu_mul", [False, True])
 @pytest.mark.parametrize("norm", [False, True])
-def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool, overlap: bool) -> None:
+    """overlap: the first weight tile loaded before the wait, the successor triggered at the
+    start (pdl.GEMV_PRELOAD / GEMV_EARLY_TRIGGER)."""
     from specserve.ops.gemv import _gemv_kernel
 
     ptx = compile_sm90(
@@ -71,10 +74,17 @@ def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool) -> None:
             BLOCK_N=4,
             BLOCK_K=512,
             PDL=True,
+            EARLY_TRIGGER=overlap,
+            PRELOAD=overlap,
         ),
         num_stages=4,
     )
     _pdl_ptx(ptx)
+    # Where the first global load sits relative to the wait: before it only with the preload.
+    first_load = ptx.index("ld.global")
+    assert (first_load < ptx.index("griddepcontrol.wait")) == overlap
+    trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+    assert (trigger < wait) == overlap
     # Without PDL none of it is emitted: the kernel is the plain one.
     plain = compile_sm90(
         _gemv_kernel,
@@ -87,6 +97,8 @@ def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool) -> None:
             BLOCK_N=4,
             BLOCK_K=512,
             PDL=False,
+            EARLY_TRIGGER=False,
+            PRELOAD=False,
         ),
     )
     assert "griddepcontrol" not in plain

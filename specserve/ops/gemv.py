@@ -92,6 +92,63 @@ def gemv_norm_ref(
 if triton is not None:
 
     @triton.jit
+    def _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL: tl.constexpr):
+        """[BLOCK_N, BLOCK_K]: the weight tile at columns k (and the up tile), read once."""
+        tile_ok = n_ok[:, None] & (k < K)[None, :]
+        w = tl.load(w_row + k[None, :], mask=tile_ok, other=0.0)
+        w_up = w
+        if SILU_MUL:
+            w_up = tl.load(up_row + k[None, :], mask=tile_ok, other=0.0)
+        return w, w_up
+
+    @triton.jit
+    def _gemv_tile(
+        acc,
+        acc_up,
+        sum_sq,
+        # [BLOCK_N, BLOCK_K] weight tile (and the up tile with SILU_MUL), any float dtype
+        w,
+        w_up,
+        k,
+        x_ptr,
+        res_ptr,
+        res_out_ptr,
+        norm_w_ptr,
+        M,
+        K,
+        stride_xm,
+        write_res,
+        SILU_MUL: tl.constexpr,
+        NORM: tl.constexpr,
+        HAS_RES: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+    ):
+        """acc[, acc_up] += x[:, k] @ tile^T (x normed per NORM); sum_sq += sum(x[:, k]^2)."""
+        rows = tl.arange(0, BLOCK_M)
+        k_ok = k < K
+        w = w.to(tl.float32)
+        if SILU_MUL:
+            w_up = w_up.to(tl.float32)
+        if NORM:
+            g = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        for i in tl.static_range(BLOCK_M):
+            xi = tl.load(x_ptr + i * stride_xm + k, mask=k_ok & (i < M), other=0.0)
+            if HAS_RES:
+                ri = tl.load(res_ptr + i * stride_xm + k, mask=k_ok & (i < M), other=0.0)
+                xi = (xi.to(tl.float32) + ri.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                tl.store(res_out_ptr + i * stride_xm + k, xi, mask=k_ok & (i < M) & write_res)
+            xi = xi.to(tl.float32)
+            if NORM:
+                sum_sq += tl.where(rows == i, tl.sum(xi * xi, axis=0), 0.0)
+                xi = xi * g
+            xi = xi[None, :]
+            at_i = rows[:, None] == i
+            acc += tl.where(at_i, tl.sum(w * xi, axis=1)[None, :], 0.0)
+            if SILU_MUL:
+                acc_up += tl.where(at_i, tl.sum(w_up * xi, axis=1)[None, :], 0.0)
+        return acc, acc_up, sum_sq
+
+    @triton.jit
     def _gemv_kernel(
         x_ptr,
         w_ptr,
@@ -115,7 +172,10 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
+        EARLY_TRIGGER: tl.constexpr,
+        PRELOAD: tl.constexpr,
     ):
+        # Each program owns BLOCK_N output columns and walks K in BLOCK_K tiles.
         # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
         # [M, 2N] intermediate is never written.
         # NORM: x is the pre-norm hidden state; the product is W @ rms_norm(x (+ res)). Since
@@ -123,45 +183,37 @@ if triton is not None:
         # sum(x^2) side by side and scales by rstd at the end: no separate norm kernel, no extra
         # pass over x. HAS_RES: x + res first (rounded to the model dtype, as the norm kernel
         # does); program 0 also writes that sum to res_out (the next residual).
+        # PDL: weights never depend on the previous kernel, so with PRELOAD the first weight
+        # tile is requested before waiting for it (x is its output); EARLY_TRIGGER lets the
+        # next kernel launch as soon as this grid's last wave is resident, so its programs can
+        # do the same during this one's tail. Without them: trigger after the weight stream.
         pid = tl.program_id(0)
-        n0 = pid * BLOCK_N
-        n = n0 + tl.arange(0, BLOCK_N)
-        # PDL: wait for the previous kernel (it writes x); the successor may launch once every
-        # program is past its weight stream (see below).
-        pdl.start(PDL, LAUNCH_DEPENDENTS=False)
-        rows = tl.arange(0, BLOCK_M)
+        n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
+        w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+        up_row = w_row + N * stride_wn
+        k = tl.arange(0, BLOCK_K)
+        if PRELOAD:
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
+        pdl.start(PDL, LAUNCH_DEPENDENTS=EARLY_TRIGGER)
+        if not PRELOAD:
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-        up_row = w_row + N * stride_wn
-        for k0 in range(0, K, BLOCK_K):
+        write_res = pid == 0
+        acc, acc_up, sum_sq = _gemv_tile(
+            acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
+            stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
+        )  # fmt: skip
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            tile_ok = n_ok[:, None] & k_ok[None, :]
-            # [BLOCK_N, BLOCK_K]: the weight tile(s), read once
-            w = tl.load(w_row + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-            if SILU_MUL:
-                w_up = tl.load(up_row + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-            if NORM:
-                g = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            for i in tl.static_range(BLOCK_M):
-                xi = tl.load(x_ptr + i * stride_xm + k, mask=k_ok & (i < M), other=0.0)
-                if HAS_RES:
-                    ri = tl.load(res_ptr + i * stride_xm + k, mask=k_ok & (i < M), other=0.0)
-                    xi = (xi.to(tl.float32) + ri.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                    tl.store(res_out_ptr + i * stride_xm + k, xi, mask=k_ok & (i < M) & (pid == 0))
-                xi = xi.to(tl.float32)
-                if NORM:
-                    sum_sq += tl.where(rows == i, tl.sum(xi * xi, axis=0), 0.0)
-                    xi = xi * g
-                xi = xi[None, :]
-                at_i = rows[:, None] == i
-                acc += tl.where(at_i, tl.sum(w * xi, axis=1)[None, :], 0.0)
-                if SILU_MUL:
-                    acc_up += tl.where(at_i, tl.sum(w_up * xi, axis=1)[None, :], 0.0)
-        if PDL:
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
+            acc, acc_up, sum_sq = _gemv_tile(
+                acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
+                stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
+            )  # fmt: skip
+        if PDL and not EARLY_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
         if NORM:
             rstd = tl.rsqrt(sum_sq / K + eps)[:, None]
@@ -173,6 +225,7 @@ if triton is not None:
                 acc_up += tl.load(b_ptr + N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if SILU_MUL:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        rows = tl.arange(0, BLOCK_M)
         y = y_ptr + rows[:, None] * stride_ym + n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_ok[None, :])
 
@@ -275,6 +328,9 @@ def _launch(
         BLOCK_K=block_k,
         num_warps=num_warps,
         num_stages=num_stages,
+        # Both only mean something under PDL (they are the overlap it buys).
+        EARLY_TRIGGER=pdl.on(x.device) and pdl.GEMV_EARLY_TRIGGER,
+        PRELOAD=pdl.on(x.device) and pdl.GEMV_PRELOAD,
         **pdl.launch_kwargs(x.device),
     )
     return y

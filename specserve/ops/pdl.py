@@ -35,6 +35,8 @@ except ImportError:  # CPU-only installs
     triton = None
 
 ENABLED = True  # launch the forward pass's Triton kernels with PDL where the GPU has it
+GEMV_PRELOAD = True  # the decode matmul loads its first weight tile before waiting
+GEMV_EARLY_TRIGGER = True  # ... and lets its successor launch at its start
 
 
 @functools.cache
