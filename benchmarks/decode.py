@@ -220,6 +220,81 @@ def profile_steps(model_dir: str, prompt_len: int, steps: int = 40, **engine_kw:
     torch.cuda.empty_cache()
 
 
+def timeline(model_dir: str, prompt_len: int, steps: int = 20) -> dict:
+    """Device timeline of batch-1 async + decode_matmul=auto steps (torch profiler trace):
+    per step, the device time inside the captured target graph, in kernels and copies outside
+    it (by name), and idle; where a step's time over the graph goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = batch1_engine(
+        model_dir, prompt_len, steps, async_scheduling=True, decode_matmul="auto"
+    )
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "timeline.json")
+    tp.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    graph_corr = {
+        e["args"]["correlation"]
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "GraphLaunch" in e.get("name", "")
+    }
+    dev = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: e["ts"],
+    )
+    in_graph = sum(e["dur"] for e in dev if e["args"].get("correlation") in graph_corr)
+    # Effective time of each graph kernel: its end minus the previous graph kernel's end (the
+    # chain is serial; under PDL a kernel's own duration includes its wait for the previous).
+    chain: dict[str, list[float]] = {}
+    prev_end = None
+    for e in dev:
+        if e["args"].get("correlation") not in graph_corr:
+            prev_end = None
+            continue
+        end_ts = e["ts"] + e["dur"]
+        if prev_end is not None:
+            key = f"{e['name'][:40]} grid={e['args'].get('grid')}"
+            chain.setdefault(key, []).append(end_ts - prev_end)
+        prev_end = end_ts
+    outside: dict[str, list[float]] = {}
+    for e in dev:
+        if e["args"].get("correlation") not in graph_corr:
+            outside.setdefault(e["name"][:70], []).append(e["dur"])
+    # Busy = union of device intervals (kernels may overlap under PDL).
+    busy, end = 0.0, -1.0
+    for e in dev:
+        s0, s1 = e["ts"], e["ts"] + e["dur"]
+        if s1 > end:
+            busy += s1 - max(s0, end)
+            end = s1
+    span = dev[-1]["ts"] + dev[-1]["dur"] - dev[0]["ts"]
+    n = steps
+    out_rows = sorted(((sum(v) / n, len(v) / n, k) for k, v in outside.items()), reverse=True)
+    print(f"\n== device timeline, batch 1, async + auto, {n} steps (us a step)")
+    print(f"span {span / n:.0f}  busy {busy / n:.0f}  idle {(span - busy) / n:.0f}")
+    print(f"in the target graph (kernel time, summed) {in_graph / n:.0f}; by kernel, end to end:")
+    chain_rows = sorted(((sum(v) / n, len(v) / n, k) for k, v in chain.items()), reverse=True)
+    for us, calls, name in chain_rows[:16]:
+        print(f"{us:>9.1f} us {calls:>5.1f}x {us / calls:>7.2f} us each  {name}")
+    print(f"outside it {sum(r[0] for r in out_rows):.0f}:")
+    for us, calls, name in out_rows[:25]:
+        print(f"{us:>9.1f} us {calls:>5.1f}x  {name}")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {
+        "span_us": span / n,
+        "busy_us": busy / n,
+        "graph_kernel_us": in_graph / n,
+        "graph_chain": [{"us": r[0], "calls": r[1], "name": r[2]} for r in chain_rows],
+        "outside": [{"us": r[0], "calls": r[1], "name": r[2]} for r in out_rows],
+    }
+
+
 def kernel_profile(model_dir: str, prompt_len: int, steps: int = 10) -> list[dict]:
     """Device time per kernel of a batch-1 decode step (eager engine: the kernels a graph
     replays, without the launch gaps), with the bandwidth GEMMs reach on their weights: where
@@ -340,6 +415,11 @@ def main() -> None:
     ap.add_argument(
         "--kernels", action="store_true", help="device time per kernel of a batch-1 step"
     )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="device timeline of batch-1 async + auto steps (graph / outside / idle), then stop",
+    )
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = True
     model_dir = write_config(LLAMA3_8B)
@@ -350,6 +430,9 @@ def main() -> None:
             return
     if args.sweep:
         sweep(model_dir, args, args.sweep.split(";"))
+        return
+    if args.timeline:
+        timeline(model_dir, args.prompt_len)
         return
     kernels = kernel_profile(model_dir, args.prompt_len) if args.kernels else None
     bw_before = copy_bandwidth()

@@ -12,6 +12,8 @@
 #   bash benchmarks/gpu_session.sh pdl     # PDL / split GPU tests, batch-1 decode per PDL variant
 #   bash benchmarks/gpu_session.sh fuse    # fused norm + gemv GPU tests, decode per variant
 #   bash benchmarks/gpu_session.sh overlap # decode per gemv PDL overlap variant (no tests)
+#   bash benchmarks/gpu_session.sh check   # every GPU test of the engine, attention and ops
+#   bash benchmarks/gpu_session.sh decode  # decode.py: batch 1 and 16 with transformers
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -99,8 +101,16 @@ case "${1:-}" in
       ";gemv_preload=0,gemv_early=0;gemv_preload=0;gemv_early=0;" 2>&1 \
       | grep -v tokenizer | tee "$OUT/overlap_sweep.log" | tail -7
     ;;
+  check)
+    timeout 570 python -m pytest -q -m gpu tests/test_triton_attention.py tests/test_ops.py \
+      tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_check.log" | tail -12
+    ;;
+  decode)
+    python benchmarks/decode.py --batch-sizes 1,16 2>&1 | grep -v tokenizer \
+      | tee "$OUT/decode.log" | tail -22
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode" >&2
     exit 2
     ;;
 esac

@@ -5,21 +5,25 @@ and ramp up its memory pipeline: a few microseconds of idle HBM per kernel. With
 be scheduled while its predecessor still runs (once every program of the predecessor has called
 `gdc_launch_dependents`), so its launch and set-up overlap the predecessor's tail. Small kernels
 (norm, RoPE + KV write, attention) trigger at their start; the decode matmul triggers after its
-weight stream, so its successor does not take SM slots from its own later waves.
+weight stream, so its successor does not take SM slots from its own later waves, and loads its
+first weight tile before waiting (weights never depend on the previous kernel).
 
-Measured (batch-1 decode, Llama-3-8B shape, H100, benchmarks/RESULTS.md): 6.16 -> 6.00 ms a step.
-Tried and dropped: the matmul prefetching its weight rows into L2 (TMA bulk prefetch, weights
-never depend on the previous kernel) before waiting: 6.37 ms, and 6.32 ms with the matmul also
-triggering at its start; slower than no prefetch, not investigated further.
+Measured (batch-1 decode, Llama-3-8B shape, H100; benchmarks/RESULTS.md, session 5): PDL took a
+step from 6.16 to 6.00 ms; the first-tile preload then the captured graph from 5.34 to 5.32 ms.
+Tried and dropped: the matmul triggering its successor at its start (graph 5.38 ms; 5.56 with
+the preload), and the matmul prefetching all its weight rows into L2 (TMA bulk prefetch) before
+waiting (6.37 ms a step; 6.32 with the early trigger); not investigated further.
 
 The rule every kernel launched with `launch_kwargs` keeps: `start` comes before any memory
-access, in every program, including programs that then exit early. `gdc_wait` returns when the
-whole predecessor grid has finished and its writes are visible, so a PDL kernel never reads data its predecessor is still writing, never
-overwrites data its predecessor still reads, and finishes only after its predecessor did:
-ordering stays transitive along the stream and results are bitwise those of plain launches.
-Launches from torch or cuBLAS in between simply never trigger early.
+access other than weight loads, in every program, including programs that then exit early.
+`gdc_wait` returns when the whole predecessor grid has finished and its writes are visible, so a
+PDL kernel never reads data its predecessor is still writing, never overwrites data its
+predecessor still reads, and finishes only after its predecessor did: ordering stays transitive
+along the stream and results are bitwise those of plain launches. Launches from torch or cuBLAS
+in between simply never trigger early.
 
-`ENABLED` is a switch for benchmarks and tests (`benchmarks/decode.py --sweep "pdl=0;pdl=1"`).
+`ENABLED`, `GEMV_PRELOAD` and `GEMV_EARLY_TRIGGER` are switches for benchmarks and tests
+(`benchmarks/decode.py --sweep "pdl=0;pdl=1"`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ except ImportError:  # CPU-only installs
 
 ENABLED = True  # launch the forward pass's Triton kernels with PDL where the GPU has it
 GEMV_PRELOAD = True  # the decode matmul loads its first weight tile before waiting
-GEMV_EARLY_TRIGGER = True  # ... and lets its successor launch at its start
+GEMV_EARLY_TRIGGER = False  # the decode matmul lets its successor launch at its start
 
 
 @functools.cache
