@@ -291,7 +291,6 @@ def _paged_attention_kernel(
     ws_acc_ptr,
     ws_m_ptr,
     ws_l_ptr,
-    counter_ptr,
     num_heads,
     PDL: tl.constexpr,
 ):
@@ -340,8 +339,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     if SPLITS > 1:
-        # Split-KV (flash-decoding): this program takes its share of the key tiles; the last
-        # split to finish merges the partial softmax states (below).
+        # Split-KV (flash-decoding): this program takes its share of the key tiles; partial
+        # softmax states are merged by _combine_splits_kernel.
         per = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), SPLITS) * BLOCK_N
         kv_begin = kv_begin + split * per
         kv_end = tl.minimum(kv_end, kv_begin + per)
@@ -374,25 +373,6 @@ def _paged_attention_kernel(
         tl.store(ws_m_ptr + ws, m_i, mask=row_valid)
         tl.store(ws_l_ptr + ws, l_i, mask=row_valid)
         tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
-        # Every split of this (q-block, KV head) counts itself in; the last one to arrive merges
-        # (no second kernel). The barrier orders all threads' partial stores before the
-        # counter's release; the acquire makes the other splits' partials visible, read from L2
-        # (.cg: this SM's L1 never held them). The merging program resets the counter, so the
-        # buffer stays zero between launches and graph replays. Which program merges varies;
-        # what it computes does not (splits in a fixed order).
-        tl.debug_barrier()
-        counter = counter_ptr + q_block * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            tl.store(counter, 0)
-            out = _merge_splits(
-                ws_acc_ptr, ws_m_ptr, ws_l_ptr, ws - split, row_valid, BLOCK_M, HEAD_DIM, SPLITS
-            )
-            tl.store(
-                out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                out.to(out_ptr.dtype.element_ty),
-                mask=row_valid[:, None],
-            )
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -404,41 +384,36 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits(
+def _combine_splits_kernel(
+    out_ptr,
     ws_acc_ptr,
     ws_m_ptr,
     ws_l_ptr,
-    row0,
-    row_valid,
-    BLOCK_M: tl.constexpr,
+    num_heads,
+    stride_ot,
+    stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """[BLOCK_M, HEAD_DIM] attention output of rows whose SPLITS partial states (m, l, acc)
-    start at index row0: rescaled to the rows' global max (log2 domain, as the main loop) and
-    normalized once. Empty splits have m = -inf and weigh nothing."""
+    """out[t, h] from the SPLITS partial (m, l, acc) of row (t, h): rescale each to the global
+    max (log2 domain, as the main kernel) and normalize once. Empty splits have m = -inf."""
+    pdl.start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = (t * num_heads + h) * SPLITS
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, HEAD_DIM)
-    idx = row0[:, None] + sp[None, :]
-    ok = row_valid[:, None]
-    m = tl.load(ws_m_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    lse = tl.load(ws_l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=1)
+    m = tl.load(ws_m_ptr + row + sp)
+    lse = tl.load(ws_l_ptr + row + sp)
+    m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_safe[:, None])
-    denom = tl.sum(lse * w, axis=1)
+    w = tl.math.exp2(m - m_safe)
+    denom = tl.sum(lse * w, axis=0)
     denom = tl.where(denom == 0.0, 1.0, denom)
-    out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc = tl.load(
-            ws_acc_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
-            mask=ok,
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        w_s = tl.sum(tl.where(sp[None, :] == s, w, 0.0), axis=1)
-        out += acc * w_s[:, None]
-    return out / denom[:, None]
+    acc = tl.load(ws_acc_ptr + (row + sp)[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -479,13 +454,10 @@ def paged_attention(
     sliding_window: int | None,
     num_splits: int | None = None,
     split_len: int | None = None,
-    # [>= q-blocks x KV heads] int32, zero: split arrival counters (left zero); None: fresh
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`num_splits`: key splits per program (None: `split_count`'s choice; tests force it).
     `split_len`: the key count that choice assumes (the engine passes max_model_len; None: the
-    batch's max_seq_len). `counters`: the backend's persistent buffer (a graph replays with the
-    same one; without it each call zero-fills a new one)."""
+    batch's max_seq_len)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if num_heads % num_kv_heads != 0:
@@ -518,10 +490,8 @@ def paged_attention(
         ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
         ws_m = torch.empty(num_tokens, num_heads, num_splits, device=q.device)
         ws_l = torch.empty_like(ws_m)
-        if counters is None or counters.numel() < q_blocks * num_kv_heads:
-            counters = torch.zeros(q_blocks * num_kv_heads, dtype=torch.int32, device=q.device)
     else:
-        ws_acc = ws_m = ws_l = counters = out  # unused
+        ws_acc = ws_m = ws_l = out  # unused
     _paged_attention_kernel[grid](
         out,
         q,
@@ -556,12 +526,24 @@ def paged_attention(
         ws_acc_ptr=ws_acc,
         ws_m_ptr=ws_m,
         ws_l_ptr=ws_l,
-        counter_ptr=counters,
         num_heads=num_heads,
         num_warps=cfg.num_warps,
         num_stages=2,
         **pdl.launch_kwargs(q.device),
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            out,
+            ws_acc,
+            ws_m,
+            ws_l,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS=num_splits,
+            **pdl.launch_kwargs(q.device),
+        )
     return out
 
 
@@ -596,8 +578,6 @@ def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> in
 # Splits pay off from short contexts on (batch-1 decode at max_model_len 400, H100: 5.64 vs
 # 5.76 ms a graph with 4 splits instead of 1; benchmarks/RESULTS.md).
 MIN_KEYS_PER_SPLIT = 64
-# Split launches have at most half an SM's worth of programs per (q-block, KV head) group.
-MAX_SPLIT_GROUPS = 1024
 
 
 @functools.cache
@@ -610,18 +590,9 @@ class TritonAttentionBackend(AttentionBackend):
     supports_inplace_advance = True
     fuses_rope = True
 
-    def __init__(
-        self, max_model_len: int | None = None, device: torch.device | None = None
-    ) -> None:
+    def __init__(self, max_model_len: int | None = None) -> None:
         # Split-KV counts follow max_model_len, the bound every captured graph is built for.
         self.max_model_len = max_model_len
-        # Split arrival counters, allocated here, outside any graph capture (the engine passes
-        # its device), and kept zero by the kernel.
-        self.counters = None if device is None else self._new_counters(device)
-
-    @staticmethod
-    def _new_counters(device: torch.device) -> torch.Tensor:
-        return torch.zeros(MAX_SPLIT_GROUPS, dtype=torch.int32, device=device)
 
     def build(
         self, common: CommonAttentionMetadata, sliding_window: int | None
@@ -652,21 +623,11 @@ class TritonAttentionBackend(AttentionBackend):
                 f"forward got {sliding_window}: pass ForwardContext.meta(sliding_window)."
             )
         c = meta.common
-        if self.counters is None or self.counters.device != q.device:
-            self.counters = self._new_counters(q.device)
         if rope is not None:
             rope_and_cache_(rope[0], q, k, v, rope[1], rope[2], kv_cache, c.slot_mapping)
         else:
             reshape_and_cache(k, v, kv_cache, c.slot_mapping)
-        return paged_attention(
-            q,
-            kv_cache,
-            c,
-            scale,
-            sliding_window,
-            split_len=self.max_model_len,
-            counters=self.counters,
-        )
+        return paged_attention(q, kv_cache, c, scale, sliding_window, split_len=self.max_model_len)
 
     def advance_decode_(self, meta: TritonAttentionMetadata, block_size: int) -> None:
         """One decode token per request: advance positions, seq_lens and slots in place.
