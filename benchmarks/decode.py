@@ -408,7 +408,7 @@ def main() -> None:
     ap.add_argument("--profile-only", action="store_true", help="--profile, then stop")
     ap.add_argument(
         "--sweep",
-        default="",
+        default=None,
         help="semicolon list of variants, each a comma list of knob=value (knobs: "
         f"{', '.join(SWEEP_KNOBS)}): time batch-1 async + auto decode under each, then stop",
     )
@@ -428,7 +428,7 @@ def main() -> None:
         profile_steps(model_dir, args.prompt_len, async_scheduling=True)
         if args.profile_only:
             return
-    if args.sweep:
+    if args.sweep is not None:  # "" is one variant: the defaults
         sweep(model_dir, args, args.sweep.split(";"))
         return
     if args.timeline:
