@@ -63,22 +63,12 @@ def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool, overlap: bool) -> No
     start (pdl.GEMV_PRELOAD / GEMV_EARLY_TRIGGER)."""
     from specserve.ops.gemv import _gemv_kernel
 
-    ptx = compile_sm90(
-        _gemv_kernel,
-        dict(
-            HAS_BIAS=True,
-            SILU_MUL=silu_mul,
-            NORM=norm,
-            HAS_RES=norm,
-            BLOCK_M=1,
-            BLOCK_N=4,
-            BLOCK_K=512,
-            PDL=True,
-            EARLY_TRIGGER=overlap,
-            PRELOAD=overlap,
-        ),
-        num_stages=4,
-    )
+    def constexprs(pdl: bool, **over: object) -> dict:
+        base = dict(HAS_BIAS=True, SILU_MUL=silu_mul, NORM=norm, HAS_RES=norm, BLOCK_M=1)
+        base.update(BLOCK_N=4, BLOCK_K=512, PDL=pdl, EARLY_TRIGGER=pdl and overlap)
+        return {**base, "PRELOAD": pdl and overlap, **over}
+
+    ptx = compile_sm90(_gemv_kernel, constexprs(True), num_stages=4)
     _pdl_ptx(ptx)
     # Where the first global load sits relative to the wait: before it only with the preload.
     first_load = ptx.index("ld.global")
@@ -86,21 +76,7 @@ def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool, overlap: bool) -> No
     trigger, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
     assert (trigger < wait) == overlap
     # Without PDL none of it is emitted: the kernel is the plain one.
-    plain = compile_sm90(
-        _gemv_kernel,
-        dict(
-            HAS_BIAS=False,
-            SILU_MUL=silu_mul,
-            NORM=norm,
-            HAS_RES=False,
-            BLOCK_M=1,
-            BLOCK_N=4,
-            BLOCK_K=512,
-            PDL=False,
-            EARLY_TRIGGER=False,
-            PRELOAD=False,
-        ),
-    )
+    plain = compile_sm90(_gemv_kernel, constexprs(False, HAS_BIAS=False, HAS_RES=False))
     assert "griddepcontrol" not in plain
 
 

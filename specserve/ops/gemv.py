@@ -81,11 +81,7 @@ def gemv_norm_ref(
     h = x + residual if residual is not None else x
     hf = h.float()
     normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-    y = normed @ w.float().t()
-    y = y + b.float() if b is not None else y
-    if silu_mul:
-        gate, up = y.chunk(2, dim=-1)
-        y = torch.nn.functional.silu(gate) * up
+    y = (gemv_silu_mul_ref if silu_mul else gemv_ref)(normed, w, b)  # fp32 in, fp32 out
     return y.to(x.dtype), h
 
 
