@@ -329,6 +329,7 @@ SWEEP_KNOBS = {
     "fuse_norm": ("specserve.ops.gemv", "FUSE_NORM", lambda v: bool(int(v))),
     "gemv_preload": ("specserve.ops.pdl", "GEMV_PRELOAD", lambda v: bool(int(v))),
     "gemv_early": ("specserve.ops.pdl", "GEMV_EARLY_TRIGGER", lambda v: bool(int(v))),
+    "early_meta": ("specserve.ops.pdl", "EARLY_METADATA", lambda v: bool(int(v))),
 }
 
 

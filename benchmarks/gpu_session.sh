@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_session.sh overlap # decode per gemv PDL overlap variant (no tests)
 #   bash benchmarks/gpu_session.sh check   # every GPU test of the engine, attention and ops
 #   bash benchmarks/gpu_session.sh decode  # decode.py: batch 1 and 16 with transformers
+#   bash benchmarks/gpu_session.sh next    # pdl.EARLY_METADATA: GPU tests, then decode on / off
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -112,8 +113,15 @@ case "${1:-}" in
     python benchmarks/decode.py --batch-sizes 1,16 2>&1 | grep -v tokenizer \
       | tee "$OUT/decode.log" | tail -22
     ;;
+  next)
+    timeout 240 python -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_attention.py \
+      -k "pdl or equals_eager or split_kv_gpu" -p no:cacheprovider --durations=8 2>&1 \
+      | tee "$OUT/gpu_tests_next.log" | tail -14
+    python benchmarks/decode.py --sweep ";early_meta=1;;early_meta=1" 2>&1 \
+      | grep -v tokenizer | tee "$OUT/next_sweep.log" | tail -6
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next" >&2
     exit 2
     ;;
 esac

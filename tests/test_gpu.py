@@ -284,12 +284,13 @@ def test_pdl_bit_equal_to_plain_launches(drafters, prompts, method: str | None) 
         spec = {"method": method, "model": drafters[method], "num_speculative_tokens": 3}
     kw = {"dtype": "bfloat16", "max_model_len": 4096, "decode_matmul": "triton"}
     runs = []
-    for enabled in (False, True):
-        pdl.ENABLED = enabled
+    # PDL off, on, on with the metadata loads before the wait (pdl.EARLY_METADATA).
+    for enabled, early_meta in ((False, False), (True, False), (True, True)):
+        pdl.ENABLED, pdl.EARLY_METADATA = enabled, early_meta
         try:
             llm = cuda_llm(drafters["target"], speculative_config=spec, **kw)
             outs = llm.generate(batch, [GREEDY, sp] * 3)
         finally:
-            pdl.ENABLED = True
+            pdl.ENABLED, pdl.EARLY_METADATA = True, False
         runs.append([o.outputs[0].token_ids for o in outs])
-    assert runs[1] == runs[0]
+    assert runs[1] == runs[0] and runs[2] == runs[0]

@@ -91,13 +91,14 @@ def test_norm_rope_activation_compile_with_pdl() -> None:
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_attention_kernels_compile_with_pdl(splits: int) -> None:
+@pytest.mark.parametrize("early_meta", [False, True])
+def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool) -> None:
+    """early_meta (pdl.EARLY_METADATA): metadata loads before the wait, q and KV after it."""
     from specserve.attention import triton_paged as tp
 
     cache = dict(BLOCK_SIZE=16, HEAD_DIM=128, PDL=True)
     _pdl_ptx(compile_sm90(tp._reshape_and_cache_kernel, dict(cache, BLOCK_H=8)))
-    rope = dict(cache, HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8)
-    _pdl_ptx(compile_sm90(tp._rope_and_cache_kernel, rope))
+    rope = dict(cache, HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8, EARLY_META=early_meta)
     attn = dict(
         GROUP=4,
         HEAD_DIM=128,
@@ -109,8 +110,12 @@ def test_attention_kernels_compile_with_pdl(splits: int) -> None:
         DOT_PRECISION="tf32",
         SPLITS=splits,
         PDL=True,
+        EARLY_META=early_meta,
     )
-    _pdl_ptx(compile_sm90(tp._paged_attention_kernel, attn))
+    for kernel, consts in ((tp._rope_and_cache_kernel, rope), (tp._paged_attention_kernel, attn)):
+        ptx = compile_sm90(kernel, consts)
+        _pdl_ptx(ptx)
+        assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == early_meta
     if splits > 1:
         combine = dict(HEAD_DIM=128, SPLITS=splits, PDL=True)
         _pdl_ptx(compile_sm90(tp._combine_splits_kernel, combine))

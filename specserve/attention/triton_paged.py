@@ -152,20 +152,24 @@ def _rope_and_cache_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_META: tl.constexpr,
 ):
     """One token: rotate q in place, write rotated k and v to the cache. The arithmetic and
     roundings of the RoPE kernel followed by _reshape_and_cache_kernel (fp32, rounded to k's
-    dtype, then to the cache's), so the cache holds the same bits."""
-    pdl.start(PDL)
+    dtype, then to the cache's), so the cache holds the same bits. EARLY_META: position, slot
+    and cos/sin loads before the wait for the previous kernel (as in the attention kernel)."""
+    pdl.trigger(PDL)
+    pdl.wait(PDL and not EARLY_META)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     dm = d < HALF
     c = tl.load(cos_ptr + pos * stride_cos + d, mask=dm, other=0.0)[None, :]
     s = tl.load(sin_ptr + pos * stride_cos + d, mask=dm, other=0.0)[None, :]
+    slot = tl.load(slot_mapping_ptr + t)
+    pdl.wait(PDL and EARLY_META)
     # q of padding tokens too: whoever reads their outputs expects the unfused behaviour.
     _rope_rows(q_ptr + t * stride_qt, stride_qh, num_q_heads, c, s, d, dm, HALF, BLOCK_HQ)
-    slot = tl.load(slot_mapping_ptr + t)
     if slot >= 0:  # padding tokens write nothing
         h = tl.arange(0, BLOCK_HK)
         hm = (h < num_kv_heads)[:, None]
@@ -237,6 +241,7 @@ def rope_and_cache_(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=4,
+        EARLY_META=pdl.on(q.device) and pdl.EARLY_METADATA,
         **pdl.launch_kwargs(q.device),
     )
 
@@ -293,8 +298,12 @@ def _paged_attention_kernel(
     ws_l_ptr,
     num_heads,
     PDL: tl.constexpr,
+    EARLY_META: tl.constexpr,
 ):
-    pdl.start(PDL)
+    # EARLY_META (pdl.EARLY_METADATA): the metadata loads below go before the wait for the
+    # previous kernel (pdl.py says why that is safe); q and the KV cache stay after it.
+    pdl.trigger(PDL)
+    pdl.wait(PDL and not EARLY_META)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -302,8 +311,6 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     q_off = (q_block - (q_start // BLOCK_Q + req)) * BLOCK_Q
-    if q_off >= q_len:
-        return
 
     rows = tl.arange(0, BLOCK_M)
     tok_in_req = q_off + rows // GROUP
@@ -326,6 +333,9 @@ def _paged_attention_kernel(
     else:
         win_start = tl.zeros([BLOCK_M], dtype=tl.int32)
         kv_begin = 0
+    pdl.wait(PDL and EARLY_META)
+    if q_off >= q_len:  # a q-block past its request's queries (all rows invalid above)
+        return
 
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -529,6 +539,7 @@ def paged_attention(
         num_heads=num_heads,
         num_warps=cfg.num_warps,
         num_stages=2,
+        EARLY_META=pdl.on(q.device) and pdl.EARLY_METADATA,
         **pdl.launch_kwargs(q.device),
     )
     if num_splits > 1:

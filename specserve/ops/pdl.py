@@ -22,8 +22,16 @@ predecessor still reads, and finishes only after its predecessor did: ordering s
 along the stream and results are bitwise those of plain launches. Launches from torch or cuBLAS
 in between simply never trigger early.
 
-`ENABLED`, `GEMV_PRELOAD` and `GEMV_EARLY_TRIGGER` are switches for benchmarks and tests
-(`benchmarks/decode.py --sweep "pdl=0;pdl=1"`).
+EARLY_METADATA relaxes the rule for attention metadata. It is written before the forward pass
+(input preparation, in-place metadata advance between draft steps): by kernels that are not PDL
+launches, separated from the attention kernel by at least one kernel whose successor cannot
+launch before it has waited (a decode gemv triggers after its wait; cuBLAS never triggers early;
+a first PDL kernel after a plain launch starts after that launch completed). So when the
+attention or RoPE kernel starts, the metadata's writers have finished and their writes are
+visible; only q and the KV cache, written by the kernels right before, need the wait.
+
+`ENABLED`, `GEMV_PRELOAD`, `GEMV_EARLY_TRIGGER` and `EARLY_METADATA` are switches for
+benchmarks and tests (`benchmarks/decode.py --sweep "pdl=0;pdl=1"`).
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ except ImportError:  # CPU-only installs
 ENABLED = True  # launch the forward pass's Triton kernels with PDL where the GPU has it
 GEMV_PRELOAD = True  # the decode matmul loads its first weight tile before waiting
 GEMV_EARLY_TRIGGER = False  # the decode matmul lets its successor launch at its start
+# Experiment, off until measured: attention and RoPE + KV write load their metadata (positions,
+# seq_lens, query_start_loc, slots, cos/sin) before waiting for the previous kernel.
+EARLY_METADATA = False
 
 
 @functools.cache
@@ -59,6 +70,18 @@ def launch_kwargs(device: torch.device) -> dict[str, bool]:
 
 
 if triton is not None:
+
+    @triton.jit
+    def trigger(PDL: tl.constexpr):
+        """Let the next kernel launch (once every program of this one has called it)."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
+    def wait(WAIT: tl.constexpr):
+        """Wait for the previous kernel to finish, its writes visible (WAIT: under PDL)."""
+        if WAIT:
+            tl.extra.cuda.gdc_wait()
 
     @triton.jit
     def start(PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = True):
