@@ -120,6 +120,29 @@ def test_gemv(request, device: str, m: int, n: int, k: int, bias: bool) -> None:
 
 
 @pytest.mark.parametrize("device", modes)
+def test_argmax(device: str) -> None:
+    """ops.argmax (two-launch Triton reduction on CUDA, the kernels themselves here on CPU)
+    equals torch.argmax: ragged vocabularies, ties across chunks (the first index wins), rows
+    of -inf, a row whose max sits in the last partial chunk."""
+    pytest.importorskip("triton")
+    from specserve.ops.triton_kernels import argmax_triton
+
+    g = torch.Generator().manual_seed(0)
+    for vocab, block in ((100, 32), (1000, 128), (20000, 8192)):
+        for dtype in _dtypes(device):
+            x = torch.randn(5, vocab, generator=g).to(dtype=dtype, device=device)
+            x[1, 3] = x[1, vocab - 2] = x[1].max() + 1  # a tie across chunks: 3 wins
+            x[2] = float("-inf")
+            x[3, vocab - 1] = 100.0  # in the last, partial chunk
+            x[4, 7] = x[4, 8] = x[4].max() + 1  # a tie inside one chunk
+            got = argmax_triton(x, block=block)
+            assert got.dtype == torch.int64
+            assert torch.equal(got.cpu(), x.float().argmax(-1).cpu()), (vocab, dtype)
+    big = torch.randn(2, 20000, generator=g).to(device)
+    assert torch.equal(fused.argmax(big).cpu(), big.argmax(-1).cpu())
+
+
+@pytest.mark.parametrize("device", modes)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("silu_mul", [False, True])

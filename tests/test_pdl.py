@@ -32,17 +32,23 @@ TYPES = {
     "scale": "fp32",
     "eps": "fp32",
     "res_ptr": "*bf16",
+    "val_ptr": "*fp32",
+    "idx_ptr": "*i32",
 }
 
 
-def compile_sm90(kernel, constexprs: dict, num_warps: int = 4, num_stages: int = 2) -> str:
-    """PTX of `kernel` compiled for sm_90 with PDL launch, given all its constexprs."""
+def compile_sm90(
+    kernel, constexprs: dict, num_warps: int = 4, num_stages: int = 2, types: dict | None = None
+) -> str:
+    """PTX of `kernel` compiled for sm_90 with PDL launch, given all its constexprs (and
+    argument types where TYPES and the defaults do not fit)."""
     sig = {}
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
         else:
-            sig[name] = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+            default = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+            sig[name] = (types or {}).get(name, default)
     src = ASTSource(kernel, sig, constexprs=constexprs)
     opts = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True}
     compiled = triton.compile(src, target=SM90, options=opts)
@@ -88,6 +94,9 @@ def test_norm_rope_activation_compile_with_pdl() -> None:
     rope = dict(HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8, PDL=True)
     _pdl_ptx(compile_sm90(k._rope_kernel, rope))
     _pdl_ptx(compile_sm90(k._silu_and_mul_kernel, dict(BLOCK=1024, PDL=True)))
+    _pdl_ptx(compile_sm90(k._argmax_chunks_kernel, dict(BLOCK=8192, PDL=True), num_warps=8))
+    merge = dict(BLOCK_C=16, PDL=True)
+    _pdl_ptx(compile_sm90(k._argmax_merge_kernel, merge, types={"out_ptr": "*i64"}))
 
 
 @pytest.mark.parametrize("splits", [1, 4])

@@ -86,3 +86,17 @@ def silu_and_mul(
 
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
+
+
+def argmax(
+    # [rows, V] float
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """[rows] int64 index of each row's max, the first one on ties (as torch.argmax). On CUDA
+    over a large vocabulary: a two-launch Triton reduction over 8192-wide chunks (torch's
+    single-row reduction took 28 us of a batch-1 decode step on an H100)."""
+    if _use_triton(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] >= 16384:
+        from specserve.ops.triton_kernels import argmax_triton
+
+        return argmax_triton(x)
+    return x.argmax(dim=-1)

@@ -193,3 +193,55 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         **pdl.launch_kwargs(x.device),
     )
     return out
+
+
+@triton.jit
+def _argmax_chunks_kernel(
+    x_ptr, val_ptr, idx_ptr, stride_x, V, CHUNKS, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    """Row r, chunk c: the max of x[r, c*BLOCK : (c+1)*BLOCK] and its first index (NaN counts
+    as +inf: a NaN row still yields a valid index)."""
+    pdl.start(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + r * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    m = tl.max(x, axis=0)
+    first = tl.min(tl.where(x == m, cols, V), axis=0)
+    tl.store(val_ptr + r * CHUNKS + c, m)
+    tl.store(idx_ptr + r * CHUNKS + c, first)
+
+
+@triton.jit
+def _argmax_merge_kernel(
+    val_ptr, idx_ptr, out_ptr, CHUNKS, BLOCK_C: tl.constexpr, PDL: tl.constexpr
+):
+    """Row r: the chunk holding the row's max first (chunks are in column order), its index."""
+    pdl.start(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    ok = c < CHUNKS
+    v = tl.load(val_ptr + r * CHUNKS + c, mask=ok, other=float("-inf"))
+    i = tl.load(idx_ptr + r * CHUNKS + c, mask=ok, other=2147483647)
+    m = tl.max(v, axis=0)
+    tl.store(out_ptr + r, tl.min(tl.where(v == m, i, 2147483647), axis=0).to(tl.int64))
+
+
+def argmax_triton(x: torch.Tensor, block: int = 8192) -> torch.Tensor:
+    """[rows] int64 = x.argmax(-1) for x [rows, V] (V < 2**31), in two launches."""
+    rows, V = x.shape
+    chunks = triton.cdiv(V, block)
+    vals = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
+    idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    if rows == 0:
+        return out
+    kw = pdl.launch_kwargs(x.device)
+    _argmax_chunks_kernel[(rows, chunks)](
+        x, vals, idx, x.stride(0), V, chunks, BLOCK=block, num_warps=8, **kw
+    )
+    _argmax_merge_kernel[(rows,)](
+        vals, idx, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), **kw
+    )
+    return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from specserve import ops
 from specserve.sample.gumbel import SALT_SAMPLE, gumbel
 
 # Temperatures below this are greedy (matches SamplingParams.greedy).
@@ -173,7 +174,7 @@ def sample(
     salt: int = SALT_SAMPLE,
 ) -> Tensor:
     """[N] int64 tokens: argmax of raw logits for greedy rows, a seeded sample otherwise."""
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = ops.argmax(logits)
     if st.all_greedy:
         return greedy_tokens
     sampled = gumbel_argmax(process_logits(logits, st), st, positions, salt)
