@@ -128,3 +128,13 @@ def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool) -> No
     if splits > 1:
         combine = dict(HEAD_DIM=128, SPLITS=splits, PDL=True)
         _pdl_ptx(compile_sm90(tp._combine_splits_kernel, combine))
+
+
+def test_place_on_device_compiles() -> None:
+    """Not a PDL kernel (it runs before the forward pass), compiled the same way: its loop has
+    bounds loaded from memory, which the interpreter needs a workaround for."""
+    from specserve.ops.spec_kernels_triton import _place_on_device_kernel
+
+    i64 = {n: "*i64" for n in _place_on_device_kernel.arg_names if n.endswith("_ptr")}
+    ptx = compile_sm90(_place_on_device_kernel, dict(BLOCK=256), types=i64)
+    assert "griddepcontrol" not in ptx

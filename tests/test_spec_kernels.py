@@ -17,7 +17,7 @@ from specserve.ops import spec_kernels as sk
 from specserve.sample.rejection import rejection_sample_kernel, rejection_sample_ref
 from specserve.sample.sampler import SamplingTensors
 
-from .test_triton_attention import _no_interpreter, needs_cuda
+from .test_triton_attention import _no_interpreter, interpreter, needs_cuda  # noqa: F401
 
 # The interpreter variant of every check (CPU tensors) and the CUDA one.
 DEVICES = [
@@ -41,6 +41,7 @@ def _kernels(device: str) -> object:
         prepare_draft_prefill_inputs = staticmethod(skt.prepare_draft_prefill_inputs_triton)
         prepare_draft_decode_inputs = staticmethod(skt.prepare_draft_decode_inputs_triton)
         advance_decode_metadata_ = staticmethod(skt.advance_decode_metadata_triton_)
+        place_on_device_ = staticmethod(skt.place_on_device_triton_)
 
     return Direct
 
@@ -133,6 +134,33 @@ def test_write_verified_tokens(device: str) -> None:
     ops.write_verified_tokens_(token_ids, *args)
     # The scratch (last) column takes masked-off writes in the reference only.
     _assert_equal(token_ids[:, :-1], ref[:, :-1], "token_ids")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_place_on_device(request, device: str) -> None:
+    """Async scheduling's device-side start correction, in place: rows flagged shift their
+    positions (all of their tokens, one request spanning several kernel blocks), seq_lens and
+    out_pos0 by num_computed - (out_pos0 - 1); other rows stay."""
+    ops = _kernels(device)
+    if device == "cpu":
+        request.getfixturevalue("interpreter")  # the kernel's token loop has tensor bounds
+    g = torch.Generator().manual_seed(5)
+    s = _step(g, 400, device)
+    B = s["idx_mapping"].shape[0]
+    on = torch.tensor([1, 0, 1, 1, 0, 1], device=device)
+    num_computed = torch.randint(0, 300, (NUM_ROWS,), generator=g).to(device)
+    seq_lens = s["out_pos0"] + 1
+    a = [s["positions"].clone(), seq_lens.clone(), s["out_pos0"].clone()]
+    b = [t.clone() for t in a]
+    meta = (num_computed, s["idx_mapping"], on, s["query_start_loc"])
+    ops.place_on_device_(*meta, *a)
+    sk.place_on_device_ref_(*meta, *b)
+    for name, x, y in zip(("positions", "seq_lens", "out_pos0"), a, b):
+        _assert_equal(x, y, name)
+    assert B == 6 and not torch.equal(a[0], s["positions"])  # something moved
+    # Unflagged rows are untouched; flagged ones start where num_computed says.
+    assert torch.equal(a[2][1], s["out_pos0"][1])
+    assert torch.equal(a[2][0] - 1, num_computed[s["idx_mapping"][0]])
 
 
 # ---- draft prefill / decode inputs ------------------------------------------------------------

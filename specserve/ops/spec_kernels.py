@@ -99,6 +99,49 @@ def write_verified_tokens_(
     impl(token_ids, idx_mapping, out_pos0, out_tokens, num_accepted, samples)
 
 
+# ---- async scheduling: starts the host could not know ------------------------------------------
+def place_on_device_ref_(
+    # [rows] int64 tokens each persistent row has computed (written by the previous step)
+    num_computed: Tensor,
+    # [B] int64
+    idx_mapping: Tensor,
+    # [B] int64, 1 where the host's start is an upper bound
+    start_on_device: Tensor,
+    # [B + 1] int64
+    query_start_loc: Tensor,
+    # [T] int64, shifted in place
+    positions: Tensor,
+    # [B] int64 each, shifted in place
+    seq_lens: Tensor,
+    out_pos0: Tensor,
+) -> None:
+    true_start = num_computed[idx_mapping]
+    delta = torch.where(start_on_device > 0, true_start - (out_pos0 - 1), 0)
+    lens = query_start_loc[1:] - query_start_loc[:-1]
+    positions += torch.repeat_interleave(delta, lens, output_size=positions.shape[0])
+    seq_lens += delta
+    out_pos0 += delta
+
+
+def place_on_device_(
+    num_computed: Tensor,
+    idx_mapping: Tensor,
+    start_on_device: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    seq_lens: Tensor,
+    out_pos0: Tensor,
+) -> None:
+    """Rows scheduled behind a step whose accept counts the host has not read: their host start
+    is an upper bound; shift positions, seq_lens and out_pos0 by the true start (the previous
+    step's num_computed) minus it. Such rows decode (out_pos0 = start + 1). One launch on CUDA
+    (the torch code took eight)."""
+    impl = place_on_device_ref_
+    if _use_triton(positions):
+        from specserve.ops.spec_kernels_triton import place_on_device_triton_ as impl
+    impl(num_computed, idx_mapping, start_on_device, query_start_loc, positions, seq_lens, out_pos0)
+
+
 # ---- draft prefill inputs ---------------------------------------------------------------------
 def prepare_draft_prefill_inputs_ref(
     # [rows, width] int64

@@ -33,6 +33,59 @@ def _copy_row(src_ptr, dst_ptr, n, BLOCK_COLS: tl.constexpr, NUM_COL_BLOCKS: tl.
         tl.store(dst_ptr + cols, tl.load(src_ptr + cols, mask=m), mask=m)
 
 
+# ---- async scheduling -------------------------------------------------------------------------
+@triton.jit
+def _place_on_device_kernel(
+    num_computed_ptr,
+    idx_mapping_ptr,
+    start_on_device_ptr,
+    query_start_loc_ptr,
+    positions_ptr,
+    seq_lens_ptr,
+    out_pos0_ptr,
+    BLOCK: tl.constexpr,
+):
+    # One program per request: its shift, then its own tokens' positions (no other program
+    # reads what it writes).
+    b = tl.program_id(0)
+    if tl.load(start_on_device_ptr + b) > 0:
+        row = tl.load(idx_mapping_ptr + b)
+        o = tl.load(out_pos0_ptr + b)
+        delta = tl.load(num_computed_ptr + row) - (o - 1)
+        tl.store(out_pos0_ptr + b, o + delta)
+        tl.store(seq_lens_ptr + b, tl.load(seq_lens_ptr + b) + delta)
+        t0 = tl.load(query_start_loc_ptr + b)
+        t1 = tl.load(query_start_loc_ptr + b + 1)
+        for start in range(t0, t1, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            m = t < t1
+            tl.store(positions_ptr + t, tl.load(positions_ptr + t, mask=m) + delta, mask=m)
+
+
+def place_on_device_triton_(
+    num_computed: Tensor,
+    idx_mapping: Tensor,
+    start_on_device: Tensor,
+    query_start_loc: Tensor,
+    positions: Tensor,
+    seq_lens: Tensor,
+    out_pos0: Tensor,
+) -> None:
+    B = idx_mapping.shape[0]
+    if B == 0:
+        return
+    _place_on_device_kernel[(B,)](
+        num_computed,
+        idx_mapping,
+        start_on_device,
+        query_start_loc,
+        positions,
+        seq_lens,
+        out_pos0,
+        BLOCK=_BLOCK,
+    )
+
+
 # ---- target step inputs -----------------------------------------------------------------------
 @triton.jit
 def _prepare_target_inputs_kernel(

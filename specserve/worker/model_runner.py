@@ -24,7 +24,11 @@ from specserve.attention.backend import (
 from specserve.config import EngineConfig
 from specserve.engine.request import Request
 from specserve.engine.scheduler import SchedulerOutput
-from specserve.ops.spec_kernels import prepare_target_inputs, write_verified_tokens_
+from specserve.ops.spec_kernels import (
+    place_on_device_,
+    prepare_target_inputs,
+    write_verified_tokens_,
+)
 from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import SamplingTensors, compute_logprobs, sample
 from specserve.spec_decode.drafting import TargetStep
@@ -246,14 +250,17 @@ class ModelRunner:
         return self._start_copy(inp, logits, out_tokens, num_acc, reqs_logprobs)
 
     def _place_on_device(self, inp: StepInputs) -> None:
-        """Rows scheduled behind a step whose accept counts the host has not read: their host
-        start is an upper bound; shift positions, seq_lens and out_pos0 by the true start (the
-        previous step's `num_computed`) minus it. Such rows decode (out_pos0 = start + 1)."""
-        true_start = self.states.num_computed[inp.idx_mapping]
-        delta = torch.where(inp.start_on_device > 0, true_start - (inp.out_pos0 - 1), 0)
-        inp.positions += delta[inp.token_req]
-        inp.seq_lens += delta
-        inp.out_pos0 += delta
+        """Rows scheduled behind a step whose accept counts the host has not read: correct
+        their host-side start on the device (`place_on_device_`)."""
+        place_on_device_(
+            self.states.num_computed,
+            inp.idx_mapping,
+            inp.start_on_device,
+            inp.query_start_loc,
+            inp.positions,
+            inp.seq_lens,
+            inp.out_pos0,
+        )
 
     def _run_target(
         self, input_ids: torch.Tensor, inp: StepInputs, common: CommonAttentionMetadata
