@@ -330,6 +330,7 @@ SWEEP_KNOBS = {
     "gemv_preload": ("specserve.ops.pdl", "GEMV_PRELOAD", lambda v: bool(int(v))),
     "gemv_early": ("specserve.ops.pdl", "GEMV_EARLY_TRIGGER", lambda v: bool(int(v))),
     "early_meta": ("specserve.ops.pdl", "EARLY_METADATA", lambda v: bool(int(v))),
+    "fuse_kv": ("specserve.attention.triton_paged", "FUSE_ROPE_KV", lambda v: bool(int(v))),
 }
 
 

@@ -294,3 +294,27 @@ def test_pdl_bit_equal_to_plain_launches(drafters, prompts, method: str | None) 
             pdl.ENABLED, pdl.EARLY_METADATA = True, False
         runs.append([o.outputs[0].token_ids for o in outs])
     assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa"])
+def test_fused_kv_write_in_the_engine_cuda(
+    ckpt_dir, drafters, prompts, monkeypatch, name: str
+) -> None:
+    """triton_paged.FUSE_ROPE_KV (an experiment, off by default): decode and verification
+    batches do RoPE + KV write inside the attention kernel. Greedy tokens still equal
+    transformers', and EAGLE-3's (verification batches of 4 tokens) equal plain decoding's."""
+    from specserve.attention import triton_paged
+
+    monkeypatch.setattr(triton_paged, "FUSE_ROPE_KV", True)
+    arch, over = ARCHS[name]
+    path = ckpt_dir(name, arch, **over)
+    outs = cuda_llm(path).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(path, p, GREEDY.max_tokens)
+    if name == "llama_gqa":
+        spec = {"method": "eagle3", "model": drafters["eagle3"], "num_speculative_tokens": 3}
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        with_spec = cuda_llm(drafters["target"], speculative_config=spec).generate(batch, GREEDY)
+        plain = cuda_llm(drafters["target"]).generate(batch, GREEDY)
+        for a, b in zip(with_spec, plain):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids

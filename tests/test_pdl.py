@@ -101,8 +101,10 @@ def test_norm_rope_activation_compile_with_pdl() -> None:
 
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("early_meta", [False, True])
-def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool) -> None:
-    """early_meta (pdl.EARLY_METADATA): metadata loads before the wait, q and KV after it."""
+@pytest.mark.parametrize("fuse_kv", [False, True])
+def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool, fuse_kv: bool) -> None:
+    """early_meta (pdl.EARLY_METADATA): metadata loads before the wait, q and KV after it;
+    fuse_kv (triton_paged.FUSE_ROPE_KV): RoPE + KV write inside the attention kernel."""
     from specserve.attention import triton_paged as tp
 
     cache = dict(BLOCK_SIZE=16, HEAD_DIM=128, PDL=True)
@@ -120,6 +122,7 @@ def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool) -> No
         SPLITS=splits,
         PDL=True,
         EARLY_META=early_meta,
+        FUSE_KV=fuse_kv,
     )
     for kernel, consts in ((tp._rope_and_cache_kernel, rope), (tp._paged_attention_kernel, attn)):
         ptx = compile_sm90(kernel, consts)

@@ -514,3 +514,60 @@ def test_rope_and_cache_interpreter(
 @pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((28, 4), 64)])
 def test_rope_and_cache_gpu(dtype: torch.dtype, heads: tuple[int, int], head_dim: int) -> None:
     _check_rope_and_cache("cuda", dtype, heads, head_dim)
+
+
+# ---- RoPE + KV write inside the attention kernel (triton_paged.FUSE_ROPE_KV) -----------------
+def _check_fused_kv_write(
+    device: str, dtype: torch.dtype, heads: tuple[int, int], d: int, window: int | None, splits: int
+) -> None:
+    """paged_attention(new_kv=...) == rope_and_cache_ then paged_attention: the same cache (every
+    new key written once, by the program whose key range holds it; padded rows write nothing)
+    and the same outputs, for decode and 4-token verification requests."""
+    from specserve.attention.triton_paged import paged_attention, rope_and_cache_
+
+    hq, hk = heads
+    g = torch.Generator().manual_seed(11 + splits)
+    reqs = [(37, 1), (20, 4), (50, 1), (5, 4), (0, 1)]
+    pages = alloc_pages([c + q for c, q in reqs], g)
+    common = make_common(pages, reqs, 1, 4, device)
+    T = common.num_tokens
+    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype).to(device)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(T, hq, d), k.view(T, hk, d), v.view(T, hk, d)
+    cache = torch.randn(2, pages.num_blocks, BLOCK_SIZE, hk, d, generator=g).to(dtype).to(device)
+    cache[:, -1] = 0
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.outer(torch.arange(64, dtype=torch.float32), inv)
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(device) for f in (torch.cos, torch.sin))
+    scale = d**-0.5
+
+    two_q, two_cache = q.clone(), cache.clone()
+    rope_and_cache_(common.positions, two_q, k, v, cos, sin, two_cache, common.slot_mapping)
+    two = paged_attention(two_q, two_cache, common, scale, window, num_splits=splits)
+    one_cache = cache.clone()
+    one = paged_attention(
+        q, one_cache, common, scale, window, num_splits=splits, new_kv=(k, v, cos, sin)
+    )
+    real = real_tokens(common)
+    if device == "cpu":  # the interpreter computes both the same way, bit for bit
+        assert torch.equal(one_cache, two_cache)
+        assert torch.equal(one[real], two[real])
+    else:
+        torch.testing.assert_close(one_cache.float(), two_cache.float(), atol=1e-6, rtol=1e-2)
+        assert rel_err(one[real], two[real]) < tolerance(dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_fused_kv_write_interpreter(interpreter: None, window: int | None, splits: int) -> None:
+    _check_fused_kv_write("cpu", torch.float32, (4, 2), 16, window, splits)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_fused_kv_write_gpu(dtype: torch.dtype, window: int | None, splits: int) -> None:
+    _check_fused_kv_write("cuda", dtype, (32, 8), 128, window, splits)

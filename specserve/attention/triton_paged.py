@@ -297,8 +297,19 @@ def _paged_attention_kernel(
     ws_m_ptr,
     ws_l_ptr,
     num_heads,
+    k_new_ptr,
+    v_new_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_mapping_ptr,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_cos,
     PDL: tl.constexpr,
     EARLY_META: tl.constexpr,
+    FUSE_KV: tl.constexpr,
 ):
     # EARLY_META (pdl.EARLY_METADATA): the metadata loads below go before the wait for the
     # previous kernel (pdl.py says why that is safe); q and the KV cache stay after it.
@@ -337,11 +348,13 @@ def _paged_attention_kernel(
     if q_off >= q_len:  # a q-block past its request's queries (all rows invalid above)
         return
 
-    q = tl.load(
-        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_valid[:, None],
-        other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)
+    q_row = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
+    if FUSE_KV:  # q arrives unrotated: RoPE here, rounded as the RoPE kernel rounds
+        q = _rope_tile(q_row, row_valid, pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
+        q = q.to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_row + d[None, :], mask=row_valid[:, None], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
     # exp2 on log2-scaled scores: one multiply per score instead of a multiply inside exp.
     qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -354,6 +367,29 @@ def _paged_attention_kernel(
         per = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), SPLITS) * BLOCK_N
         kv_begin = kv_begin + split * per
         kv_end = tl.minimum(kv_end, kv_begin + per)
+    if FUSE_KV:
+        # This step's keys and values (rotated k) go to the cache here, each by the program
+        # whose key range holds its position: all of a request's new tokens sit in one q-block
+        # (the launcher fuses only when max_query_len <= BLOCK_Q), so no other program reads
+        # them; the barrier makes them visible to this program's threads.
+        tq = q_off + tl.arange(0, BLOCK_Q)
+        t_tok = (q_start + tq).to(tl.int64)
+        t_ok = tq < q_len
+        t_pos = tl.load(positions_ptr + t_tok, mask=t_ok, other=-1).to(tl.int32)
+        t_slot = tl.load(slot_mapping_ptr + t_tok, mask=t_ok, other=-1)
+        mine = t_ok & (t_slot >= 0) & (t_pos >= kv_begin) & (t_pos < kv_end)
+        k_row = k_new_ptr + t_tok[:, None] * stride_knt + kv_head * stride_knh
+        k_rot = _rope_tile(k_row, mine, t_pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
+        v_new = tl.load(
+            v_new_ptr + t_tok[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :],
+            mask=mine[:, None],
+        )
+        dst = (t_slot // BLOCK_SIZE) * stride_cb + (t_slot % BLOCK_SIZE) * stride_cs
+        dst = dst[:, None] + kv_head * stride_ch + d[None, :]
+        k_rot = k_rot.to(k_new_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + dst, k_rot, mask=mine[:, None])
+        tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=mine[:, None])
+        tl.debug_barrier()
     for start in range(kv_begin, kv_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
@@ -391,6 +427,23 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None],
         )
+
+
+@triton.jit
+def _rope_tile(row_ptr, row_ok, pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM: tl.constexpr):
+    """[rows, HEAD_DIM] fp32 rotate-half RoPE of the vectors at row_ptr [rows, 1] (positions
+    pos [rows]): x1 * c - x2 * s, x2 * c + x1 * s, as the RoPE kernels compute it; each half's
+    partner is a second load of the same row (cos/sin rows are cat(c, c), cat(s, s))."""
+    d = tl.arange(0, HEAD_DIM)
+    partner = (d + HEAD_DIM // 2) % HEAD_DIM
+    ok = row_ok[:, None]
+    x = tl.load(row_ptr + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptr + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    trig = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
+    c = tl.load(cos_ptr + trig, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + trig, mask=ok, other=0.0)
+    first_half = (d < HEAD_DIM // 2)[None, :]
+    return tl.where(first_half, x * c - xp * s, x * c + xp * s)
 
 
 @triton.jit
@@ -464,10 +517,14 @@ def paged_attention(
     sliding_window: int | None,
     num_splits: int | None = None,
     split_len: int | None = None,
+    # (k, v [num_tokens, num_kv_heads, head_dim], cos, sin): q and k unrotated, this step's
+    # keys not yet in the cache; only where `fuses_kv_write` says so
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`num_splits`: key splits per program (None: `split_count`'s choice; tests force it).
     `split_len`: the key count that choice assumes (the engine passes max_model_len; None: the
-    batch's max_seq_len)."""
+    batch's max_seq_len). `new_kv`: RoPE and the KV write inside this kernel (the RoPE + KV
+    write kernel's work; positions and slots from `common`)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if num_heads % num_kv_heads != 0:
@@ -502,6 +559,16 @@ def paged_attention(
         ws_l = torch.empty_like(ws_m)
     else:
         ws_acc = ws_m = ws_l = out  # unused
+    if new_kv is not None:
+        if common.max_query_len > block_q:
+            raise ValueError("new_kv needs max_query_len <= BLOCK_Q (see fuses_kv_write)")
+        k_new, v_new, cos, sin = new_kv
+        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+        fused = (k_new, v_new, cos, sin, common.slot_mapping)
+        fused_strides = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
+        fused_strides += (cos.stride(0),)
+    else:
+        fused, fused_strides = (q, q, q, q, q), (0, 0, 0, 0, 0)  # unused
     _paged_attention_kernel[grid](
         out,
         q,
@@ -537,9 +604,20 @@ def paged_attention(
         ws_m_ptr=ws_m,
         ws_l_ptr=ws_l,
         num_heads=num_heads,
+        k_new_ptr=fused[0],
+        v_new_ptr=fused[1],
+        cos_ptr=fused[2],
+        sin_ptr=fused[3],
+        slot_mapping_ptr=fused[4],
+        stride_knt=fused_strides[0],
+        stride_knh=fused_strides[1],
+        stride_vnt=fused_strides[2],
+        stride_vnh=fused_strides[3],
+        stride_cos=fused_strides[4],
         num_warps=cfg.num_warps,
         num_stages=2,
         EARLY_META=pdl.on(q.device) and pdl.EARLY_METADATA,
+        FUSE_KV=new_kv is not None,
         **pdl.launch_kwargs(q.device),
     )
     if num_splits > 1:
@@ -556,6 +634,23 @@ def paged_attention(
             **pdl.launch_kwargs(q.device),
         )
     return out
+
+
+def fuses_kv_write(
+    num_heads: int, num_kv_heads: int, max_query_len: int, head_dim: int, dtype: torch.dtype
+) -> bool:
+    """Whether `paged_attention` may take this step's RoPE + KV write (`new_kv`): when
+    FUSE_ROPE_KV is on and every request's new tokens fit one small q-block (decode and
+    verification batches), so each new key is written and read by one program only."""
+    group = num_heads // num_kv_heads
+    block_m = _launch_config(group, max_query_len, head_dim, dtype).block_m
+    # At most 32 rows: the unrotated q, its partner and cos / sin tiles all live in registers.
+    return FUSE_ROPE_KV and max_query_len <= block_m // group and block_m <= 32
+
+
+# Experiment, off until measured: RoPE + KV write inside the attention kernel for decode and
+# verification batches (one launch a layer less). benchmarks/decode.py --sweep "fuse_kv=1".
+FUSE_ROPE_KV = False
 
 
 def split_count(
@@ -634,11 +729,19 @@ class TritonAttentionBackend(AttentionBackend):
                 f"forward got {sliding_window}: pass ForwardContext.meta(sliding_window)."
             )
         c = meta.common
-        if rope is not None:
+        new_kv = None
+        # The fused kernel rotates by the metadata's positions: only when RoPE's are those.
+        same_pos = rope is not None and rope[0].data_ptr() == c.positions.data_ptr()
+        if same_pos and rope[0].shape == c.positions.shape and k.stride(-1) == 1:
+            if fuses_kv_write(q.shape[1], k.shape[1], c.max_query_len, q.shape[2], kv_cache.dtype):
+                new_kv = (k, v, rope[1], rope[2])
+        if new_kv is None and rope is not None:
             rope_and_cache_(rope[0], q, k, v, rope[1], rope[2], kv_cache, c.slot_mapping)
-        else:
+        elif new_kv is None:
             reshape_and_cache(k, v, kv_cache, c.slot_mapping)
-        return paged_attention(q, kv_cache, c, scale, sliding_window, split_len=self.max_model_len)
+        return paged_attention(
+            q, kv_cache, c, scale, sliding_window, split_len=self.max_model_len, new_kv=new_kv
+        )
 
     def advance_decode_(self, meta: TritonAttentionMetadata, block_size: int) -> None:
         """One decode token per request: advance positions, seq_lens and slots in place.
