@@ -14,7 +14,7 @@
 #   bash benchmarks/gpu_session.sh overlap # decode per gemv PDL overlap variant (no tests)
 #   bash benchmarks/gpu_session.sh check   # every GPU test of the engine, attention and ops
 #   bash benchmarks/gpu_session.sh decode  # decode.py: batch 1 and 16 with transformers
-#   bash benchmarks/gpu_session.sh next    # experiments (pdl.EARLY_METADATA, FUSE_ROPE_KV):
+#   bash benchmarks/gpu_session.sh next    # experiments (EARLY_METADATA, FUSE_ROPE_KV, MERGE_...):
 #                                          # their GPU tests, then decode with each
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -117,10 +117,12 @@ case "${1:-}" in
   next)
     # The experiments that are off by default: their GPU tests, then decode with each.
     timeout 300 python -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_attention.py \
-      tests/test_ops.py -k "pdl or equals_eager or split_kv_gpu or fused_kv or argmax" \
-      -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests_next.log" | tail -14
-    python benchmarks/decode.py --sweep ";early_meta=1;fuse_kv=1;early_meta=1,fuse_kv=1;" \
-      2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | tail -7
+      tests/test_ops.py tests/test_spec_kernels.py -k "pdl or equals_eager or split or \
+      experiments or fused_kv or argmax or place_on_device" -p no:cacheprovider \
+      --durations=8 2>&1 | tee "$OUT/gpu_tests_next.log" | tail -14
+    python benchmarks/decode.py --sweep \
+      ";early_meta=1;fuse_kv=1;merge=1;early_meta=1,fuse_kv=1,merge=1;" 2>&1 \
+      | grep -v tokenizer | tee "$OUT/next_sweep.log" | tail -8
     ;;
   *)
     echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next" >&2

@@ -296,22 +296,29 @@ def test_pdl_bit_equal_to_plain_launches(drafters, prompts, method: str | None) 
     assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
+@pytest.mark.parametrize("knob", ["FUSE_ROPE_KV", "MERGE_SPLITS_IN_KERNEL"])
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa"])
-def test_fused_kv_write_in_the_engine_cuda(
-    ckpt_dir, drafters, prompts, monkeypatch, name: str
+def test_attention_experiments_in_the_engine_cuda(
+    ckpt_dir, drafters, prompts, monkeypatch, knob: str, name: str
 ) -> None:
-    """triton_paged.FUSE_ROPE_KV (an experiment, off by default): decode and verification
-    batches do RoPE + KV write inside the attention kernel. Greedy tokens still equal
-    transformers', and EAGLE-3's (verification batches of 4 tokens) equal plain decoding's."""
+    """The attention experiments that are off by default, each on: RoPE + KV write inside the
+    attention kernel (decode and verification batches), split merge by the last split (batch-1
+    decode splits the keys at max_model_len 256; its counters must stay zero across graph
+    replays). Greedy tokens still equal transformers' (one request at a time, then a batch),
+    and with RoPE fused EAGLE-3's (4-token verification batches) equal plain decoding's."""
     from specserve.attention import triton_paged
 
-    monkeypatch.setattr(triton_paged, "FUSE_ROPE_KV", True)
+    monkeypatch.setattr(triton_paged, knob, True)
     arch, over = ARCHS[name]
     path = ckpt_dir(name, arch, **over)
-    outs = cuda_llm(path).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    llm = cuda_llm(path)
+    for p in prompts[:2]:
+        out = llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids
+        assert out == hf_greedy(path, p, GREEDY.max_tokens)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(path, p, GREEDY.max_tokens)
-    if name == "llama_gqa":
+    if name == "llama_gqa" and knob == "FUSE_ROPE_KV":
         spec = {"method": "eagle3", "model": drafters["eagle3"], "num_speculative_tokens": 3}
         batch = [{"prompt_token_ids": p} for p in prompts]
         with_spec = cuda_llm(drafters["target"], speculative_config=spec).generate(batch, GREEDY)

@@ -129,5 +129,5 @@ def get_backend(
             raise ValueError("attention_backend=triton needs a CUDA device.")
         from specserve.attention.triton_paged import TritonAttentionBackend
 
-        return TritonAttentionBackend(max_model_len)
+        return TritonAttentionBackend(max_model_len, device)
     raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton).")

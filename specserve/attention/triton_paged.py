@@ -296,6 +296,7 @@ def _paged_attention_kernel(
     ws_acc_ptr,
     ws_m_ptr,
     ws_l_ptr,
+    counter_ptr,
     num_heads,
     k_new_ptr,
     v_new_ptr,
@@ -310,6 +311,7 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
     EARLY_META: tl.constexpr,
     FUSE_KV: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
     # EARLY_META (pdl.EARLY_METADATA): the metadata loads below go before the wait for the
     # previous kernel (pdl.py says why that is safe); q and the KV cache stay after it.
@@ -419,6 +421,25 @@ def _paged_attention_kernel(
         tl.store(ws_m_ptr + ws, m_i, mask=row_valid)
         tl.store(ws_l_ptr + ws, l_i, mask=row_valid)
         tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
+        if MERGE:
+            # Every split of this (q-block, KV head) counts itself in; the last to arrive
+            # merges (no second kernel). The barrier orders all threads' partial stores before
+            # the counter's release; the acquire makes the other splits' partials visible, read
+            # from L2 (.cg). The merging program resets the counter: the buffer stays zero
+            # between launches and graph replays. Which program merges varies, what it computes
+            # does not (splits in a fixed order).
+            tl.debug_barrier()
+            counter = counter_ptr + q_block * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                tl.store(counter, 0)
+                out = _merge_splits(
+                    ws_acc_ptr, ws_m_ptr, ws_l_ptr, ws - split, row_valid, BLOCK_M, HEAD_DIM, SPLITS
+                )
+                tl.store(
+                    out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                    out.to(out_ptr.dtype.element_ty),
+                    mask=row_valid[:, None],
+                )
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -427,6 +448,42 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None],
         )
+
+
+@triton.jit
+def _merge_splits(
+    ws_acc_ptr,
+    ws_m_ptr,
+    ws_l_ptr,
+    row0,
+    row_valid,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """[BLOCK_M, HEAD_DIM] output of rows whose SPLITS partial states (m, l, acc) start at
+    index row0, merged as _combine_splits_kernel merges them (a sequential sum over splits)."""
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    idx = row0[:, None] + sp[None, :]
+    ok = row_valid[:, None]
+    m = tl.load(ws_m_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(ws_l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, axis=1)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_safe[:, None])
+    denom = tl.sum(lse * w, axis=1)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc = tl.load(
+            ws_acc_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
+            mask=ok,
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        out += acc * tl.sum(tl.where(sp[None, :] == s, w, 0.0), axis=1)[:, None]
+    return out / denom[:, None]
 
 
 @triton.jit
@@ -520,6 +577,9 @@ def paged_attention(
     # (k, v [num_tokens, num_kv_heads, head_dim], cos, sin): q and k unrotated, this step's
     # keys not yet in the cache; only where `fuses_kv_write` says so
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    # [>= q-blocks x KV heads] int32, zero, left zero: split arrival counters for
+    # MERGE_SPLITS_IN_KERNEL (the backend's persistent buffer; None: a fresh one per call)
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`num_splits`: key splits per program (None: `split_count`'s choice; tests force it).
     `split_len`: the key count that choice assumes (the engine passes max_model_len; None: the
@@ -557,8 +617,11 @@ def paged_attention(
         ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
         ws_m = torch.empty(num_tokens, num_heads, num_splits, device=q.device)
         ws_l = torch.empty_like(ws_m)
+        if counters is None or counters.numel() < q_blocks * num_kv_heads:
+            counters = torch.zeros(q_blocks * num_kv_heads, dtype=torch.int32, device=q.device)
     else:
-        ws_acc = ws_m = ws_l = out  # unused
+        ws_acc = ws_m = ws_l = counters = out  # unused
+    merge = num_splits > 1 and MERGE_SPLITS_IN_KERNEL
     if new_kv is not None:
         if common.max_query_len > block_q:
             raise ValueError("new_kv needs max_query_len <= BLOCK_Q (see fuses_kv_write)")
@@ -603,6 +666,7 @@ def paged_attention(
         ws_acc_ptr=ws_acc,
         ws_m_ptr=ws_m,
         ws_l_ptr=ws_l,
+        counter_ptr=counters,
         num_heads=num_heads,
         k_new_ptr=fused[0],
         v_new_ptr=fused[1],
@@ -618,9 +682,10 @@ def paged_attention(
         num_stages=2,
         EARLY_META=pdl.on(q.device) and pdl.EARLY_METADATA,
         FUSE_KV=new_kv is not None,
+        MERGE=merge,
         **pdl.launch_kwargs(q.device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out,
             ws_acc,
@@ -648,9 +713,15 @@ def fuses_kv_write(
     return FUSE_ROPE_KV and max_query_len <= block_m // group and block_m <= 32
 
 
-# Experiment, off until measured: RoPE + KV write inside the attention kernel for decode and
-# verification batches (one launch a layer less). benchmarks/decode.py --sweep "fuse_kv=1".
+# Experiments, off until measured (benchmarks/decode.py --sweep "fuse_kv=1;merge=1"): RoPE + KV
+# write inside the attention kernel for decode and verification batches, and split-KV partials
+# merged by the last split to finish instead of _combine_splits_kernel (one launch a layer less
+# each). The merge was on in session 5's last decode.py run, whose graph was slower than the
+# run before it (benchmarks/RESULTS.md): not yet separated from the other change of that run.
 FUSE_ROPE_KV = False
+MERGE_SPLITS_IN_KERNEL = False
+# Split launches leave SMs idle: far fewer (q-block, KV head) groups than this.
+MAX_SPLIT_GROUPS = 1024
 
 
 def split_count(
@@ -696,9 +767,18 @@ class TritonAttentionBackend(AttentionBackend):
     supports_inplace_advance = True
     fuses_rope = True
 
-    def __init__(self, max_model_len: int | None = None) -> None:
+    def __init__(
+        self, max_model_len: int | None = None, device: torch.device | None = None
+    ) -> None:
         # Split-KV counts follow max_model_len, the bound every captured graph is built for.
         self.max_model_len = max_model_len
+        # Split arrival counters (MERGE_SPLITS_IN_KERNEL), allocated here, outside any graph
+        # capture (the engine passes its device), and kept zero by the kernel.
+        self.counters = None if device is None else self._new_counters(device)
+
+    @staticmethod
+    def _new_counters(device: torch.device) -> torch.Tensor:
+        return torch.zeros(MAX_SPLIT_GROUPS, dtype=torch.int32, device=device)
 
     def build(
         self, common: CommonAttentionMetadata, sliding_window: int | None
@@ -729,6 +809,8 @@ class TritonAttentionBackend(AttentionBackend):
                 f"forward got {sliding_window}: pass ForwardContext.meta(sliding_window)."
             )
         c = meta.common
+        if self.counters is None or self.counters.device != q.device:
+            self.counters = self._new_counters(q.device)
         new_kv = None
         # The fused kernel rotates by the metadata's positions: only when RoPE's are those.
         same_pos = rope is not None and rope[0].data_ptr() == c.positions.data_ptr()
@@ -740,7 +822,14 @@ class TritonAttentionBackend(AttentionBackend):
         elif new_kv is None:
             reshape_and_cache(k, v, kv_cache, c.slot_mapping)
         return paged_attention(
-            q, kv_cache, c, scale, sliding_window, split_len=self.max_model_len, new_kv=new_kv
+            q,
+            kv_cache,
+            c,
+            scale,
+            sliding_window,
+            split_len=self.max_model_len,
+            new_kv=new_kv,
+            counters=self.counters,
         )
 
     def advance_decode_(self, meta: TritonAttentionMetadata, block_size: int) -> None:
