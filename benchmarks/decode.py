@@ -336,7 +336,15 @@ SWEEP_KNOBS = {
         "MERGE_SPLITS_IN_KERNEL",
         lambda v: bool(int(v)),
     ),
+    # decode_matmul="auto"'s launch configs, as indexes into gemv.CONFIGS ("1/4": the default)
+    "candidates": ("specserve.ops.gemv_plan", "CANDIDATES", lambda v: _gemv_configs(v)),
 }
+
+
+def _gemv_configs(indexes: str) -> tuple:
+    from specserve.ops.gemv import CONFIGS
+
+    return tuple(CONFIGS[int(i)] for i in indexes.split("/"))
 
 
 def sweep(model_dir: str, args: argparse.Namespace, variants: list[str]) -> None:

@@ -14,7 +14,8 @@
 #   bash benchmarks/gpu_session.sh overlap # decode per gemv PDL overlap variant (no tests)
 #   bash benchmarks/gpu_session.sh check   # every GPU test of the engine, attention and ops
 #   bash benchmarks/gpu_session.sh decode  # decode.py: batch 1 and 16 with transformers
-#   bash benchmarks/gpu_session.sh next    # experiments (EARLY_METADATA, FUSE_ROPE_KV, MERGE_...):
+#   bash benchmarks/gpu_session.sh next-tests  # experiments (EARLY_METADATA, FUSE_ROPE_KV,
+#   bash benchmarks/gpu_session.sh next-sweep  # MERGE_SPLITS_IN_KERNEL, gemv candidates):
 #                                          # their GPU tests, then decode with each
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -114,18 +115,20 @@ case "${1:-}" in
     python benchmarks/decode.py --batch-sizes 1,16 2>&1 | grep -v tokenizer \
       | tee "$OUT/decode.log" | tail -22
     ;;
-  next)
-    # The experiments that are off by default: their GPU tests, then decode with each.
-    timeout 300 python -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_attention.py \
+  next-tests)
+    # The experiments that are off by default (and this session's unmeasured changes): tests.
+    timeout 400 python -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_attention.py \
       tests/test_ops.py tests/test_spec_kernels.py -k "pdl or equals_eager or split or \
-      experiments or fused_kv or argmax or place_on_device" -p no:cacheprovider \
+      experiments or fused_kv or argmax or place_on_device or async" -p no:cacheprovider \
       --durations=8 2>&1 | tee "$OUT/gpu_tests_next.log" | tail -14
-    python benchmarks/decode.py --sweep \
-      ";early_meta=1;fuse_kv=1;merge=1;early_meta=1,fuse_kv=1,merge=1;" 2>&1 \
-      | grep -v tokenizer | tee "$OUT/next_sweep.log" | tail -8
+    ;;
+  next-sweep)
+    # ... then batch-1 decode with each (the first and last variants: the defaults).
+    python benchmarks/decode.py --sweep ";early_meta=1;fuse_kv=1;merge=1;candidates=0/1/4;\
+early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | tail -9
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep" >&2
     exit 2
     ;;
 esac
