@@ -135,7 +135,7 @@ def place_on_device_(
     """Rows scheduled behind a step whose accept counts the host has not read: their host start
     is an upper bound; shift positions, seq_lens and out_pos0 by the true start (the previous
     step's num_computed) minus it. Such rows decode (out_pos0 = start + 1). One launch on CUDA
-    (the torch code took eight)."""
+    (the torch code took nine)."""
     impl = place_on_device_ref_
     if _use_triton(positions):
         from specserve.ops.spec_kernels_triton import place_on_device_triton_ as impl
