@@ -212,6 +212,7 @@ def rope_and_cache_(
     v = v if v.stride(-1) == 1 else v.contiguous()
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     half = head_dim // 2
+    kw = pdl.launch_kwargs(q.device)
     _rope_and_cache_kernel[(num_tokens,)](
         positions,
         q,
@@ -241,8 +242,8 @@ def rope_and_cache_(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=4,
-        EARLY_META=pdl.on(q.device) and pdl.EARLY_METADATA,
-        **pdl.launch_kwargs(q.device),
+        EARLY_META=kw["PDL"] and pdl.EARLY_METADATA,
+        **kw,
     )
 
 
@@ -632,6 +633,7 @@ def paged_attention(
         fused_strides += (cos.stride(0),)
     else:
         fused, fused_strides = (q, q, q, q, q), (0, 0, 0, 0, 0)  # unused
+    kw = pdl.launch_kwargs(q.device)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -680,10 +682,10 @@ def paged_attention(
         stride_cos=fused_strides[4],
         num_warps=cfg.num_warps,
         num_stages=2,
-        EARLY_META=pdl.on(q.device) and pdl.EARLY_METADATA,
+        EARLY_META=kw["PDL"] and pdl.EARLY_METADATA,
         FUSE_KV=new_kv is not None,
         MERGE=merge,
-        **pdl.launch_kwargs(q.device),
+        **kw,
     )
     if num_splits > 1 and not merge:
         _combine_splits_kernel[(num_tokens, num_heads)](
@@ -696,7 +698,7 @@ def paged_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             SPLITS=num_splits,
-            **pdl.launch_kwargs(q.device),
+            **kw,
         )
     return out
 

@@ -191,7 +191,8 @@ if triton is not None:
         k = tl.arange(0, BLOCK_K)
         if PRELOAD:
             w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
-        pdl.start(PDL, LAUNCH_DEPENDENTS=EARLY_TRIGGER)
+        pdl.trigger(PDL and EARLY_TRIGGER)
+        pdl.wait(PDL)
         if not PRELOAD:
             w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -209,8 +210,7 @@ if triton is not None:
                 acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
                 stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
             )  # fmt: skip
-        if PDL and not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl.trigger(PDL and not EARLY_TRIGGER)
         if NORM:
             rstd = tl.rsqrt(sum_sq / K + eps)[:, None]
             acc = acc * rstd
@@ -300,6 +300,7 @@ def _launch(
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     res, res_out, norm_w, eps = norm if norm is not None else (None, x, w, 0.0)
     block_n, block_k, num_warps, num_stages = config
+    kw = pdl.launch_kwargs(x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x,
         w,
@@ -325,9 +326,9 @@ def _launch(
         num_warps=num_warps,
         num_stages=num_stages,
         # Both only mean something under PDL (they are the overlap it buys).
-        EARLY_TRIGGER=pdl.on(x.device) and pdl.GEMV_EARLY_TRIGGER,
-        PRELOAD=pdl.on(x.device) and pdl.GEMV_PRELOAD,
-        **pdl.launch_kwargs(x.device),
+        EARLY_TRIGGER=kw["PDL"] and pdl.GEMV_EARLY_TRIGGER,
+        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
+        **kw,
     )
     return y
 

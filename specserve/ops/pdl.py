@@ -84,10 +84,8 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
 
     @triton.jit
-    def start(PDL: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = True):
-        """First statement of a PDL kernel: let the next kernel launch (unless the kernel
-        does that itself, later), then wait for the previous one (no-ops without PDL)."""
-        if PDL:
-            if LAUNCH_DEPENDENTS:
-                tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
+    def start(PDL: tl.constexpr):
+        """First statement of a PDL kernel: let the next kernel launch, then wait for the
+        previous one (no-ops without PDL)."""
+        trigger(PDL)
+        wait(PDL)
