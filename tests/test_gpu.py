@@ -284,16 +284,18 @@ def test_pdl_bit_equal_to_plain_launches(drafters, prompts, method: str | None) 
         spec = {"method": method, "model": drafters[method], "num_speculative_tokens": 3}
     kw = {"dtype": "bfloat16", "max_model_len": 4096, "decode_matmul": "triton"}
     runs = []
-    # PDL off, on, on with the metadata loads before the wait (pdl.EARLY_METADATA).
-    for enabled, early_meta in ((False, False), (True, False), (True, True)):
-        pdl.ENABLED, pdl.EARLY_METADATA = enabled, early_meta
+    saved = pdl.ENABLED, pdl.EARLY_METADATA, pdl.GEMV_L2_PREFETCH_PROGRAMS
+    # PDL off; on; on with the metadata loads before the wait (pdl.EARLY_METADATA); on with
+    # o_proj's weights prefetched to L2 during attention (pdl.GEMV_L2_PREFETCH_PROGRAMS).
+    for knobs in ((False, False, 0), (True, False, 0), (True, True, 0), (True, True, 1 << 20)):
+        pdl.ENABLED, pdl.EARLY_METADATA, pdl.GEMV_L2_PREFETCH_PROGRAMS = knobs
         try:
             llm = cuda_llm(drafters["target"], speculative_config=spec, **kw)
             outs = llm.generate(batch, [GREEDY, sp] * 3)
         finally:
-            pdl.ENABLED, pdl.EARLY_METADATA = True, False
+            pdl.ENABLED, pdl.EARLY_METADATA, pdl.GEMV_L2_PREFETCH_PROGRAMS = saved
         runs.append([o.outputs[0].token_ids for o in outs])
-    assert runs[1] == runs[0] and runs[2] == runs[0]
+    assert all(r == runs[0] for r in runs[1:])
 
 
 @pytest.mark.parametrize("knob", ["FUSE_ROPE_KV", "MERGE_SPLITS_IN_KERNEL"])
@@ -301,14 +303,15 @@ def test_pdl_bit_equal_to_plain_launches(drafters, prompts, method: str | None) 
 def test_attention_experiments_in_the_engine_cuda(
     ckpt_dir, drafters, prompts, monkeypatch, knob: str, name: str
 ) -> None:
-    """The attention experiments that are off by default, each on: RoPE + KV write inside the
-    attention kernel (decode and verification batches), split merge by the last split (batch-1
-    decode splits the keys at max_model_len 256; its counters must stay zero across graph
-    replays). Greedy tokens still equal transformers' (one request at a time, then a batch),
-    and with RoPE fused EAGLE-3's (4-token verification batches) equal plain decoding's."""
+    """Each attention switch away from its default: RoPE + KV write outside the attention
+    kernel (on by default: decode and verification batches fuse it), split merge by the last
+    split (off by default; batch-1 decode splits the keys at max_model_len 256; its counters
+    must stay zero across graph replays). Greedy tokens still equal transformers' (one request
+    at a time, then a batch), and with RoPE fused EAGLE-3's (4-token verification batches)
+    equal plain decoding's."""
     from specserve.attention import triton_paged
 
-    monkeypatch.setattr(triton_paged, knob, True)
+    monkeypatch.setattr(triton_paged, knob, not getattr(triton_paged, knob))
     arch, over = ARCHS[name]
     path = ckpt_dir(name, arch, **over)
     llm = cuda_llm(path)
@@ -318,7 +321,7 @@ def test_attention_experiments_in_the_engine_cuda(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(path, p, GREEDY.max_tokens)
-    if name == "llama_gqa" and knob == "FUSE_ROPE_KV":
+    if name == "llama_gqa" and knob == "MERGE_SPLITS_IN_KERNEL":  # RoPE fused, the default
         spec = {"method": "eagle3", "model": drafters["eagle3"], "num_speculative_tokens": 3}
         batch = [{"prompt_token_ids": p} for p in prompts]
         with_spec = cuda_llm(drafters["target"], speculative_config=spec).generate(batch, GREEDY)

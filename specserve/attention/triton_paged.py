@@ -715,12 +715,11 @@ def fuses_kv_write(
     return FUSE_ROPE_KV and max_query_len <= block_m // group and block_m <= 32
 
 
-# Experiments, off until measured (benchmarks/decode.py --sweep "fuse_kv=1;merge=1"): RoPE + KV
-# write inside the attention kernel for decode and verification batches, and split-KV partials
-# merged by the last split to finish instead of _combine_splits_kernel (one launch a layer less
-# each). The merge was on in session 5's last decode.py run, whose graph was slower than the
-# run before it (benchmarks/RESULTS.md): not yet separated from the other change of that run.
-FUSE_ROPE_KV = False
+# RoPE + KV write inside the attention kernel for decode and verification batches (one launch a
+# layer less): batch-1 decode 5.817 -> 5.726 ms a step on the H100 (benchmarks/RESULTS.md,
+# session 6 call 1). Experiment, off: split-KV partials merged by the last split to finish
+# instead of _combine_splits_kernel; slower in both measurements (5.913 vs 5.817 ms there).
+FUSE_ROPE_KV = True
 MERGE_SPLITS_IN_KERNEL = False
 # Split launches leave SMs idle: far fewer (q-block, KV head) groups than this.
 MAX_SPLIT_GROUPS = 1024

@@ -170,6 +170,8 @@ if triton is not None:
         PDL: tl.constexpr,
         EARLY_TRIGGER: tl.constexpr,
         PRELOAD: tl.constexpr,
+        PREFETCH_PROGRAMS: tl.constexpr,
+        THREADS: tl.constexpr,
     ):
         # Each program owns BLOCK_N output columns and walks K in BLOCK_K tiles.
         # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
@@ -189,6 +191,12 @@ if triton is not None:
         w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
         up_row = w_row + N * stride_wn
         k = tl.arange(0, BLOCK_K)
+        if PREFETCH_PROGRAMS > 0:  # PDL only: this program's whole weight slice, toward L2
+            if pid < PREFETCH_PROGRAMS:
+                pdl.prefetch_rows_l2(
+                    w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn, N - pid * BLOCK_N,
+                    stride_wn, K, BLOCK_N, THREADS,
+                )  # fmt: skip
         if PRELOAD:
             w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
         pdl.trigger(PDL and EARLY_TRIGGER)
@@ -250,12 +258,15 @@ def gemv(
     b: torch.Tensor | None = None,
     config: tuple[int, int, int, int] = DEFAULT_CONFIG,
     silu_mul: bool = False,
+    after_attention: bool = False,
 ) -> torch.Tensor:
     """y = x @ w.T (+ b) for decode-sized M, with the Triton kernel (semantics: `gemv_ref`);
     `silu_mul`: [M, N/2] = silu(gate) * up of that product (semantics: `gemv_silu_mul_ref`).
-    A fixed launch config, not autotuning: graph capture and the interpreter both need one."""
+    A fixed launch config, not autotuning: graph capture and the interpreter both need one.
+    `after_attention`: the previous kernel is attention (light on HBM): under PDL, prefetch
+    weights to L2 while it runs (pdl.GEMV_L2_PREFETCH_PROGRAMS)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return _launch(x, w, b, config, silu_mul, None)
+    return _launch(x, w, b, config, silu_mul, None, after_attention)
 
 
 def gemv_norm(
@@ -290,6 +301,7 @@ def _launch(
     silu_mul: bool,
     # (residual or None, residual out, norm weight, eps), or None: no norm
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,
+    after_attention: bool = False,
 ) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
@@ -301,6 +313,12 @@ def _launch(
     res, res_out, norm_w, eps = norm if norm is not None else (None, x, w, 0.0)
     block_n, block_k, num_warps, num_stages = config
     kw = pdl.launch_kwargs(x.device)
+    threads = 32 * num_warps
+    pieces = threads // block_n
+    # Bulk prefetches need 16-byte pieces at 16-byte aligned addresses.
+    aligned = (K // pieces * w.element_size()) % 16 == 0 and K % pieces == 0
+    aligned = aligned and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+    prefetch = kw["PDL"] and after_attention and aligned and not silu_mul and norm is None
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x,
         w,
@@ -328,6 +346,8 @@ def _launch(
         # Both only mean something under PDL (they are the overlap it buys).
         EARLY_TRIGGER=kw["PDL"] and pdl.GEMV_EARLY_TRIGGER,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
+        PREFETCH_PROGRAMS=pdl.GEMV_L2_PREFETCH_PROGRAMS if prefetch else 0,
+        THREADS=threads,
         **kw,
     )
     return y

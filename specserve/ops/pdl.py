@@ -49,9 +49,14 @@ except ImportError:  # CPU-only installs
 ENABLED = True  # launch the forward pass's Triton kernels with PDL where the GPU has it
 GEMV_PRELOAD = True  # the decode matmul loads its first weight tile before waiting
 GEMV_EARLY_TRIGGER = False  # the decode matmul lets its successor launch at its start
-# Experiment, off until measured: attention and RoPE + KV write load their metadata (positions,
-# seq_lens, query_start_loc, slots, cos/sin) before waiting for the previous kernel.
-EARLY_METADATA = False
+# Attention and RoPE + KV write load their metadata (positions, seq_lens, query_start_loc,
+# slots, cos/sin) before waiting for the previous kernel: batch-1 decode 5.817 -> 5.773 ms a
+# step on the H100 (benchmarks/RESULTS.md, session 6 call 1).
+EARLY_METADATA = True
+# Experiment, off (0) until measured: the decode matmul after attention (o_proj) asks L2 for the
+# weight rows of its first this-many programs before waiting, while the attention kernels, which
+# barely use HBM, still run (`prefetch_rows_l2`).
+GEMV_L2_PREFETCH_PROGRAMS = 0
 
 
 @functools.cache
@@ -82,6 +87,29 @@ if triton is not None:
         """Wait for the previous kernel to finish, its writes visible (WAIT: under PDL)."""
         if WAIT:
             tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def prefetch_rows_l2(row0, rows_left, stride, cols, ROWS: tl.constexpr, THREADS: tl.constexpr):
+        """Ask L2 for ROWS rows of `cols` elements from `row0` (`stride` elements apart; rows past
+        `rows_left` repeat the last one), in THREADS equal pieces, one bulk prefetch
+        (cp.async.bulk.prefetch.L2, sm_90) per thread. The launcher checks that each piece is
+        a multiple of 16 bytes at a 16-byte aligned address."""
+        PIECES: tl.constexpr = THREADS // ROWS
+        i = tl.arange(0, THREADS)
+        row = tl.minimum(i % ROWS, rows_left - 1)
+        piece = cols // PIECES
+        ptrs = row0 + row.to(tl.int64) * stride + (i // ROWS) * piece
+        nbytes = tl.full([THREADS], 0, tl.int32) + piece * (
+            row0.dtype.element_ty.primitive_bitwidth // 8
+        )
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+            "=r,l,r",
+            [ptrs, nbytes],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
 
     @triton.jit
     def start(PDL: tl.constexpr):
