@@ -116,24 +116,49 @@ def test_prepare_target_inputs(device: str, block_size: int) -> None:
         sk.prepare_target_inputs_ref(*args),
     ):
         _assert_equal(a, b, name)
+    # Into given buffers (a CUDA graph's inputs: views of larger tensors).
+    T, B = s["positions"].shape[0], s["idx_mapping"].shape[0]
+    i64 = {"dtype": torch.int64, "device": device}
+    views = (torch.zeros(T + 5, **i64)[:T], torch.zeros(T + 5, **i64)[:T])
+    views += (torch.zeros(B + 2, bt.shape[1], dtype=torch.int32, device=device)[:B],)
+    got = ops.prepare_target_inputs(*args, views)
+    for a, b, v in zip(got, sk.prepare_target_inputs_ref(*args), views):
+        _assert_equal(v, b, "out=")
+        assert a.data_ptr() == v.data_ptr()
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_write_verified_tokens(device: str) -> None:
+@pytest.mark.parametrize("drafted", [True, False])
+def test_write_verified_tokens(device: str, drafted: bool) -> None:
+    """Tokens written, and num_computed = seq_lens - num_draft + accepted for the step's rows
+    (untouched elsewhere); not drafted: no accept counts passed, one token a row."""
     ops = _kernels(device)
     g = torch.Generator().manual_seed(3)
     token_ids, _ = _state(g, 400, 16, device)
     s = _step(g, 400, device)
     B = s["idx_mapping"].shape[0]
-    out = torch.randint(0, 1000, (B, K + 1), generator=g).to(device)
-    j = torch.arange(K + 1, device=device)
-    out = torch.where(j[None, :] <= s["num_acc"][:, None], out, -1)
-    args = (s["idx_mapping"], s["out_pos0"], out, s["num_acc"], s["samples"])
+    num_acc = s["num_acc"] if drafted else None
+    k1 = K + 1 if drafted else 1
+    out = torch.randint(0, 1000, (B, k1), generator=g).to(device)
+    if drafted:
+        j = torch.arange(K + 1, device=device)
+        out = torch.where(j[None, :] <= s["num_acc"][:, None], out, -1)
+    seq_lens = s["out_pos0"] + s["num_draft"]
+    computed = torch.full((NUM_ROWS,), -7, dtype=torch.int64, device=device)
+    ref_computed = computed.clone()
+    args = (s["idx_mapping"], s["out_pos0"], out, num_acc, s["samples"])
     ref = token_ids.clone()
-    sk.write_verified_tokens_ref_(ref, *args)
-    ops.write_verified_tokens_(token_ids, *args)
+    sk.write_verified_tokens_ref_(ref, *args, ref_computed, seq_lens, s["num_draft"])
+    ops.write_verified_tokens_(token_ids, *args, computed, seq_lens, s["num_draft"])
     # The scratch (last) column takes masked-off writes in the reference only.
     _assert_equal(token_ids[:, :-1], ref[:, :-1], "token_ids")
+    _assert_equal(computed, ref_computed, "num_computed")
+    acc = s["num_acc"] if drafted else 0
+    expect = seq_lens - s["num_draft"] + acc
+    assert torch.equal(computed[s["idx_mapping"]], expect)
+    untouched = torch.ones(NUM_ROWS, dtype=torch.bool, device=device)
+    untouched[s["idx_mapping"]] = False
+    assert bool((computed[untouched] == -7).all())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -250,6 +275,15 @@ def test_dispatch_on_cpu_is_the_reference() -> None:
     args = (token_ids, bt, s["idx_mapping"], s["token_req"], s["positions"], 16)
     for a, b in zip(sk.prepare_target_inputs(*args), sk.prepare_target_inputs_ref(*args)):
         _assert_equal(a, b, "prepare_target_inputs")
+    # Into given buffers (a CUDA graph's inputs), larger than the step.
+    T, B = s["positions"].shape[0], s["idx_mapping"].shape[0]
+    bufs = (torch.zeros(T + 5, dtype=torch.int64), torch.zeros(T + 5, dtype=torch.int64))
+    bufs += (torch.zeros(B + 2, bt.shape[1], dtype=torch.int32),)
+    views = (bufs[0][:T], bufs[1][:T], bufs[2][:B])
+    got = sk.prepare_target_inputs(*args, out=views)
+    for a, b, v in zip(got, sk.prepare_target_inputs_ref(*args), views):
+        _assert_equal(v, b, "prepare_target_inputs out=")
+        assert a.data_ptr() == v.data_ptr()
     ref = token_ids.clone()
     B = s["idx_mapping"].shape[0]
     out = torch.randint(0, 1000, (B, K + 1), generator=g)

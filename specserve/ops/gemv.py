@@ -172,6 +172,7 @@ if triton is not None:
         PRELOAD: tl.constexpr,
         PREFETCH_PROGRAMS: tl.constexpr,
         THREADS: tl.constexpr,
+        TRIGGER_LEAD: tl.constexpr,
     ):
         # Each program owns BLOCK_N output columns and walks K in BLOCK_K tiles.
         # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
@@ -211,14 +212,20 @@ if triton is not None:
             acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
             stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
         )  # fmt: skip
+        # TRIGGER_LEAD: trigger that many K tiles before the end, not after the last one, so
+        # the successor's launch latency hides behind this grid's last tiles.
+        trigger_k = tl.maximum(BLOCK_K, (tl.cdiv(K, BLOCK_K) - TRIGGER_LEAD) * BLOCK_K)
         for k0 in range(BLOCK_K, K, BLOCK_K):
+            if TRIGGER_LEAD > 0:
+                if k0 == trigger_k:
+                    pdl.trigger(PDL and not EARLY_TRIGGER)
             k = k0 + tl.arange(0, BLOCK_K)
             w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
             acc, acc_up, sum_sq = _gemv_tile(
                 acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
                 stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
             )  # fmt: skip
-        pdl.trigger(PDL and not EARLY_TRIGGER)
+        pdl.trigger(PDL and not EARLY_TRIGGER)  # (again with TRIGGER_LEAD: no effect)
         if NORM:
             rstd = tl.rsqrt(sum_sq / K + eps)[:, None]
             acc = acc * rstd
@@ -348,6 +355,7 @@ def _launch(
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
         PREFETCH_PROGRAMS=pdl.GEMV_L2_PREFETCH_PROGRAMS if prefetch else 0,
         THREADS=threads,
+        TRIGGER_LEAD=pdl.GEMV_TRIGGER_LEAD if kw["PDL"] else 0,
         **kw,
     )
     return y

@@ -57,6 +57,9 @@ EARLY_METADATA = True
 # weight rows of its first this-many programs before waiting, while the attention kernels, which
 # barely use HBM, still run (`prefetch_rows_l2`).
 GEMV_L2_PREFETCH_PROGRAMS = 0
+# Experiment, off (0) until measured: the decode matmul triggers its successor this many K tiles
+# before its last one (0: after its weight stream).
+GEMV_TRIGGER_LEAD = 0
 
 
 @functools.cache

@@ -36,12 +36,18 @@ def prepare_target_inputs_ref(
     # [T] int64
     positions: Tensor,
     block_size: int,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     rows = idx_mapping[token_req]
     input_ids = token_ids[rows, positions]
     blk = block_table[rows, positions // block_size].long()
     slot = blk * block_size + positions % block_size
-    return input_ids, slot, block_table[idx_mapping]
+    res = (input_ids, slot, block_table[idx_mapping])
+    if out is None:
+        return res
+    for o, r in zip(out, res):
+        o.copy_(r)
+    return out
 
 
 def prepare_target_inputs(
@@ -51,13 +57,15 @@ def prepare_target_inputs(
     token_req: Tensor,
     positions: Tensor,
     block_size: int,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gather a target step's inputs from the persistent state ->
-    (input_ids [T] int64, slot_mapping [T] int64, block_table [B, max_blocks] int32)."""
+    (input_ids [T] int64, slot_mapping [T] int64, block_table [B, max_blocks] int32), written
+    into `out` when given (a CUDA graph's input buffers: no copies before the replay)."""
     impl = prepare_target_inputs_ref
     if _use_triton(positions):
         from specserve.ops.spec_kernels_triton import prepare_target_inputs_triton as impl
-    return impl(token_ids, block_table, idx_mapping, token_req, positions, block_size)
+    return impl(token_ids, block_table, idx_mapping, token_req, positions, block_size, out)
 
 
 def write_verified_tokens_ref_(
@@ -69,17 +77,25 @@ def write_verified_tokens_ref_(
     out_pos0: Tensor,
     # [B, K + 1] int64 verified tokens (-1 after the last valid one)
     out_tokens: Tensor,
-    # [B] int64
-    num_accepted: Tensor,
+    # [B] int64, or None: nothing was drafted (0 accepted everywhere)
+    num_accepted: Tensor | None,
     # [B] int64, 0 for rows that produce no token (mid-prompt chunks)
     samples: Tensor,
+    # [rows] int64 or None: also set num_computed[idx_mapping] = seq_lens - num_draft + accepted
+    num_computed: Tensor | None = None,
+    # [B] int64 each (with num_computed)
+    seq_lens: Tensor | None = None,
+    num_draft: Tensor | None = None,
 ) -> None:
     k1 = out_tokens.shape[1]
     j = torch.arange(k1, device=out_tokens.device)
     pos = out_pos0[:, None] + j
-    valid = (j[None, :] <= num_accepted[:, None]) & (samples[:, None] > 0)
+    acc = num_accepted if num_accepted is not None else torch.zeros_like(out_pos0)
+    valid = (j[None, :] <= acc[:, None]) & (samples[:, None] > 0)
     pos = torch.where(valid, pos, token_ids.shape[1] - 1)
     token_ids[idx_mapping[:, None], pos] = out_tokens
+    if num_computed is not None:
+        num_computed[idx_mapping] = seq_lens - num_draft + acc
 
 
 def write_verified_tokens_(
@@ -87,16 +103,22 @@ def write_verified_tokens_(
     idx_mapping: Tensor,
     out_pos0: Tensor,
     out_tokens: Tensor,
-    num_accepted: Tensor,
+    num_accepted: Tensor | None,
     samples: Tensor,
+    num_computed: Tensor | None = None,
+    seq_lens: Tensor | None = None,
+    num_draft: Tensor | None = None,
 ) -> None:
     """Store verified tokens in the token buffer (drafts already there are overwritten with
-    identical values). The reference sends masked-off slots to the scratch (last) column, the
-    kernel skips them: the scratch column's content is undefined either way."""
+    identical values); with `num_computed`, also record what the step leaves computed (async
+    scheduling places the next step from it). The reference sends masked-off slots to the
+    scratch (last) column, the kernel skips them: the scratch column's content is undefined
+    either way."""
     impl = write_verified_tokens_ref_
     if _use_triton(out_tokens):
         from specserve.ops.spec_kernels_triton import write_verified_tokens_triton_ as impl
-    impl(token_ids, idx_mapping, out_pos0, out_tokens, num_accepted, samples)
+    impl(token_ids, idx_mapping, out_pos0, out_tokens, num_accepted, samples, num_computed,
+         seq_lens, num_draft)  # fmt: skip
 
 
 # ---- async scheduling: starts the host could not know ------------------------------------------

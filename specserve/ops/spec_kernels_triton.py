@@ -141,13 +141,17 @@ def prepare_target_inputs_triton(
     token_req: Tensor,
     positions: Tensor,
     block_size: int,
+    out: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     T, B = positions.shape[0], idx_mapping.shape[0]
     max_blocks = block_table.shape[1]
     dev = positions.device
-    input_ids = torch.empty(T, dtype=token_ids.dtype, device=dev)
-    slot = torch.empty(T, dtype=torch.int64, device=dev)
-    bt = torch.empty(B, max_blocks, dtype=block_table.dtype, device=dev)
+    if out is not None:
+        input_ids, slot, bt = out
+    else:
+        input_ids = torch.empty(T, dtype=token_ids.dtype, device=dev)
+        slot = torch.empty(T, dtype=torch.int64, device=dev)
+        bt = torch.empty(B, max_blocks, dtype=block_table.dtype, device=dev)
     if T + B == 0:
         return input_ids, slot, bt
     cols, n_cols = _col_blocks(max_blocks)
@@ -181,14 +185,22 @@ def _write_verified_tokens_kernel(
     out_tokens_ptr,
     num_acc_ptr,
     samples_ptr,
+    num_computed_ptr,
+    seq_lens_ptr,
+    num_draft_ptr,
     token_stride,
     out_stride,
     num_slots,
     BLOCK_K: tl.constexpr,
+    HAS_ACC: tl.constexpr,
+    HAS_COMPUTED: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.load(idx_mapping_ptr + b).to(tl.int64)
-    n = tl.load(num_acc_ptr + b)
+    n = tl.load(num_acc_ptr + b) if HAS_ACC else 0
+    if HAS_COMPUTED:
+        done = tl.load(seq_lens_ptr + b) - tl.load(num_draft_ptr + b) + n
+        tl.store(num_computed_ptr + row, done)
     produces = tl.load(samples_ptr + b) > 0
     pos0 = tl.load(out_pos0_ptr + b).to(tl.int64)
     j = tl.arange(0, BLOCK_K)
@@ -203,8 +215,11 @@ def write_verified_tokens_triton_(
     idx_mapping: Tensor,
     out_pos0: Tensor,
     out_tokens: Tensor,
-    num_accepted: Tensor,
+    num_accepted: Tensor | None,
     samples: Tensor,
+    num_computed: Tensor | None = None,
+    seq_lens: Tensor | None = None,
+    num_draft: Tensor | None = None,
 ) -> None:
     B, k1 = out_tokens.shape
     if B == 0:
@@ -214,12 +229,17 @@ def write_verified_tokens_triton_(
         idx_mapping,
         out_pos0,
         out_tokens,
-        num_accepted,
+        num_accepted if num_accepted is not None else samples,
         samples,
+        num_computed if num_computed is not None else samples,
+        seq_lens if num_computed is not None else samples,
+        num_draft if num_computed is not None else samples,
         token_ids.stride(0),
         out_tokens.stride(0),
         k1,
         BLOCK_K=triton.next_power_of_2(k1),
+        HAS_ACC=num_accepted is not None,
+        HAS_COMPUTED=num_computed is not None,
     )
 
 

@@ -3,7 +3,8 @@
 Captured at batch sizes 1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, up to
 max_num_seqs, for query length 1 (plain decode) and 1 + K (verification) for every K the engine
 may verify (`graph_query_lens`: all of 0..K under dynamic speculation). Each graph owns fixed
-input buffers; a step copies its inputs into them in place and replays. Metadata building is
+input buffers; a step's input preparation writes into them (ids, slots, block-table rows)
+or copies into them (positions, seq_lens) and replays. Metadata building is
 captured too (it only reads the buffers), so the backend's derived state is rebuilt per replay.
 Padded rows are inert: slot -1 (KV goes to the null block), outputs ignored.
 """
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
+from specserve.attention.backend import CommonAttentionMetadata
 
 if TYPE_CHECKING:
     from specserve.spec_decode.config import SpeculativeConfig
@@ -79,7 +80,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        # (query_len, padded batch) of the graph the last maybe_run replayed, else None.
+        # (query_len, padded batch) of the graph the current step replayed, else None.
         self.last_replayed: tuple[int, int] | None = None
         self._capture_all()
 
@@ -148,16 +149,25 @@ class CudaGraphRunner:
                 self.outputs[(q, b)] = out
         torch.cuda.synchronize()
 
-    def maybe_run(
-        self, input_ids: torch.Tensor, inp: StepInputs, common: CommonAttentionMetadata
-    ) -> tuple[torch.Tensor, list[torch.Tensor], ForwardContext | None] | None:
-        """Replay a graph when the batch is a uniform decode batch that fits; else None."""
-        B, T = inp.num_reqs, inp.num_tokens
-        q = inp.max_query_len
-        self.last_replayed = None
+    def padded_batch(self, inp: StepInputs) -> int | None:
+        """The batch size of the graph a step replays (a uniform decode batch that fits), padded
+        up to a captured size; None: the step runs eagerly."""
+        B, T, q = inp.num_reqs, inp.num_tokens, inp.max_query_len
         if q not in self.query_lens or T != B * q or B > self.sizes[-1]:
             return None
-        bg = next(s for s in self.sizes if s >= B)
+        return next(s for s in self.sizes if s >= B)
+
+    def input_buffers(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where `prepare_target_inputs` writes a replayed step's input ids [T], slot mapping
+        [T] and block-table rows [B, max_blocks]: the graph reads them in place."""
+        B, T = inp.num_reqs, inp.num_tokens
+        return self.input_ids[:T], self.slot_mapping[:T], self.block_table[:B]
+
+    def replay(self, inp: StepInputs, bg: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Replay the graph of `padded_batch(inp)` == bg, its `input_buffers` already written;
+        -> (hidden [T, H], aux hidden states)."""
+        B, T = inp.num_reqs, inp.num_tokens
+        q = inp.max_query_len
         # NOTE: a uniform batch's query_start_loc and token_req are constants of q (set only
         # when q changes); padded rows (positions 0.., slot -1, null blocks) are refilled only
         # when there are any. Host time here is GPU idle time at batch 1.
@@ -168,13 +178,9 @@ class CudaGraphRunner:
             self.slot_mapping[T:tg] = -1
             self.seq_lens[B:bg] = q
             self.block_table[B:bg] = self.runner.null_block
-        self.input_ids[:T] = input_ids
-        self.positions[:T] = common.positions
-        self.slot_mapping[:T] = common.slot_mapping
-        self.seq_lens[:B] = common.seq_lens
-        self.block_table[:B] = common.block_table
+        self.positions[:T] = inp.positions
+        self.seq_lens[:B] = inp.seq_lens  # int64 -> int32 within the copy
         self.graphs[(q, bg)].replay()
         self.last_replayed = (q, bg)
         hidden, aux = self.outputs[(q, bg)]
-        # No target metadata is built here: only an eager drafter needs it (model_runner).
-        return hidden[:T], [a[:T] for a in aux], None
+        return hidden[:T], [a[:T] for a in aux]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specserve import ops
 from specserve.attention.backend import (
     CommonAttentionMetadata,
     ForwardContext,
@@ -30,7 +31,7 @@ from specserve.ops.spec_kernels import (
     write_verified_tokens_,
 )
 from specserve.sample.rejection import rejection_sample
-from specserve.sample.sampler import SamplingTensors, compute_logprobs, sample
+from specserve.sample.sampler import compute_logprobs, sample
 from specserve.spec_decode.drafting import TargetStep
 from specserve.worker.input_batch import StepInputs, prepare_inputs
 from specserve.worker.request_states import RequestStates
@@ -47,6 +48,8 @@ class PendingStep:
     num_reqs: int
     k1: int
     n_top: int
+    # whether `host` holds accept counts after the tokens (else none were drafted: zeros)
+    has_acc: bool
 
 
 @dataclass
@@ -194,24 +197,45 @@ class ModelRunner:
         tok = self.states.token_ids
         if inp.host_drafts.shape[1] > 0:
             tok[inp.host_drafts[0], inp.host_drafts[1]] = inp.host_drafts[2]
-        # One launch on CUDA: input ids, slot mapping and block-table rows.
+        graphs = self.cudagraphs
+        bg = graphs.padded_batch(inp) if graphs is not None else None
+        if graphs is not None:
+            graphs.last_replayed = None
+        # One launch on CUDA: input ids, slot mapping and block-table rows (into the graph's
+        # input buffers when it replays).
         input_ids, slot_mapping, block_table = prepare_target_inputs(
-            tok, self.states.block_table, st_rows, inp.token_req, inp.positions, self.block_size
-        )
-        common = self.common_metadata(inp, slot_mapping, block_table)
-        hidden, aux, ctx = self._run_target(input_ids, inp, common)
+            tok, self.states.block_table, st_rows, inp.token_req, inp.positions, self.block_size,
+            graphs.input_buffers(inp) if bg is not None else None,
+        )  # fmt: skip
+        common = ctx = None  # attention metadata: built when something runs eagerly
+        if bg is not None:
+            hidden, aux = graphs.replay(inp, bg)
+        else:
+            common = self.common_metadata(inp, slot_mapping, block_table)
+            ctx = self.forward_context(common)
+            hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
 
         B, k1 = inp.num_reqs, k + 1
+        drafted = k > 0 and bool(inp.num_draft_np.any())
+        # A uniform batch with K drafts everywhere (plain decode: K = 0) has its verified slots
+        # in token order: no gather.
+        verified = hidden
+        if inp.num_tokens != B * k1 or (inp.num_draft_np != k).any():
+            verified = hidden[inp.logits_indices.flatten()]
         # In the model dtype: sampling and logprobs convert what they need (argmax needs no
         # fp32 copy of a 128k-vocabulary row: one kernel less per decode step).
-        logits = self.model.compute_logits(hidden[inp.logits_indices.flatten()])
-        logits = logits.view(B, k1, -1)
-        st = self._sampling_tensors(sched, inp.idx_mapping)
-        if k == 0 or not inp.num_draft_np.any():
-            out_tokens = sample(logits[:, 0], st, inp.out_pos0).view(B, 1)
+        logits = self.model.compute_logits(verified).view(B, k1, -1)
+        rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64, B)
+        # Without a speculator only sampling reads the sampling parameters, and greedy
+        # sampling reads none: no gathers then.
+        greedy_only = self.speculator is None and self.states.all_greedy(rows)
+        st = None if greedy_only else self.states.sampling_tensors(rows, inp.idx_mapping)
+        num_acc = None  # nothing drafted: 0 accepted everywhere
+        if not drafted:
+            lg = logits[:, 0]
+            out_tokens = (ops.argmax(lg) if st is None else sample(lg, st, inp.out_pos0)).view(B, 1)
             if k:
                 out_tokens = torch.cat([out_tokens, out_tokens.new_full((B, k), -1)], 1)
-            num_acc = torch.zeros(B, dtype=torch.int64, device=self.device)
         else:
             spec = self.config.spec
             draft_pos = inp.out_pos0[:, None] + torch.arange(k, device=self.device)
@@ -227,19 +251,25 @@ class ModelRunner:
                 method=spec.rejection_sample_method,
                 synthetic_acceptance_rate=spec.synthetic_acceptance_rate,
             )
-        self._write_tokens(inp, out_tokens, num_acc)
-        if self.config.async_scheduling:
-            # What this step leaves computed, for a step launched before its results are read.
-            self.states.num_computed[inp.idx_mapping] = inp.seq_lens - inp.num_draft + num_acc
+        # With async scheduling the same launch records what this step leaves computed, for a
+        # step launched before its results are read.
+        computed = self.states.num_computed if self.config.async_scheduling else None
+        write_verified_tokens_(
+            tok, inp.idx_mapping, inp.out_pos0, out_tokens, num_acc, inp.samples, computed,
+            inp.seq_lens, inp.num_draft,
+        )  # fmt: skip
         if self.speculator is not None:
             if self.draft_events is not None:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
-            replayed = self.cudagraphs.last_replayed if self.cudagraphs is not None else None
+            if num_acc is None:
+                num_acc = torch.zeros(B, dtype=torch.int64, device=self.device)
+            replayed = graphs.last_replayed if graphs is not None else None
             if self.draft_graphs is not None and replayed and self.draft_graphs.can_run(st):
                 self.draft_graphs.run(inp, num_acc, st, *replayed, num_drafts=num_drafts)
             else:
                 if ctx is None:  # the target replayed a graph: eager drafting needs metadata
+                    common = self.common_metadata(inp, slot_mapping, block_table)
                     ctx = self.forward_context(common)
                 kw = {"num_drafts": num_drafts} if num_drafts is not None else {}
                 t = TargetStep(inp, common, ctx, hidden, aux, num_acc, st)
@@ -262,60 +292,40 @@ class ModelRunner:
             inp.out_pos0,
         )
 
-    def _run_target(
-        self, input_ids: torch.Tensor, inp: StepInputs, common: CommonAttentionMetadata
-    ) -> tuple[torch.Tensor, list[torch.Tensor], ForwardContext]:
-        if self.cudagraphs is not None:
-            out = self.cudagraphs.maybe_run(input_ids, inp, common)
-            if out is not None:
-                return out
-        ctx = self.forward_context(common)
-        hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
-        return hidden, aux, ctx
-
-    def _sampling_tensors(
-        self, sched: SchedulerOutput, idx_mapping: torch.Tensor
-    ) -> SamplingTensors:
-        rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64)
-        return self.states.sampling_tensors(rows, idx_mapping)
-
-    def _write_tokens(
-        self, inp: StepInputs, out_tokens: torch.Tensor, num_acc: torch.Tensor
-    ) -> None:
-        """Store verified tokens in the persistent buffer (drafts already there are overwritten
-        with identical values); masked-off slots never reach a real column (one launch on CUDA)."""
-        write_verified_tokens_(
-            self.states.token_ids, inp.idx_mapping, inp.out_pos0, out_tokens, num_acc, inp.samples
-        )
-
     def _start_copy(
         self,
         inp: StepInputs,
         logits: torch.Tensor,
         out_tokens: torch.Tensor,
-        num_acc: torch.Tensor,
+        # [B] int64, or None: nothing was drafted
+        num_acc: torch.Tensor | None,
         reqs_logprobs: list[int],
     ) -> PendingStep:
         B, k1 = out_tokens.shape
         n_top = max(reqs_logprobs) if reqs_logprobs else -1
+        has_acc = num_acc is not None
         if n_top >= 0:
+            num_acc = num_acc if has_acc else out_tokens.new_zeros(B)
             # Tokens, accept counts and logprobs share one float64 buffer (exact for ids).
             lp, _, top_ids, top_lp = compute_logprobs(
                 logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
             )
             parts = [out_tokens.flatten(), num_acc, lp, top_ids.flatten(), top_lp.flatten()]
             flat = torch.cat([p.double() for p in parts])
-        else:  # ids only: one int64 concatenation, no conversions
+            has_acc = True
+        elif has_acc:  # ids only: one int64 concatenation, no conversions
             flat = torch.cat([out_tokens.flatten(), num_acc.to(out_tokens.dtype)])
+        else:  # the tokens alone (the host knows nothing was accepted)
+            flat = out_tokens.flatten()
         if flat.device.type != "cuda":
-            return PendingStep(flat.cpu(), None, B, k1, n_top)
+            return PendingStep(flat.cpu(), None, B, k1, n_top, has_acc)
         # NOTE: the single device-to-host copy of the step; everything above stayed on device.
         # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile.
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return PendingStep(host, event, B, k1, n_top)
+        return PendingStep(host, event, B, k1, n_top, has_acc)
 
     def finish(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's results and unpack them."""
@@ -324,7 +334,9 @@ class ModelRunner:
         host = pending.host.numpy()
         B, k1, n_top = pending.num_reqs, pending.k1, pending.n_top
         tokens = host[: B * k1].astype(np.int64).reshape(B, k1)
-        num_accepted = host[B * k1 : B * k1 + B].astype(np.int64)
+        num_accepted = np.zeros(B, np.int64)
+        if pending.has_acc:
+            num_accepted = host[B * k1 : B * k1 + B].astype(np.int64)
         logprobs = None
         if n_top >= 0:
             n = max(n_top, 1)

@@ -32,10 +32,10 @@ class RequestStates:
         # [rows] tokens whose KV is computed, as of the last launched step (async scheduling
         # reads it to place a step launched before the host knows the accept counts).
         self.num_computed = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
-        # Host mirror of the block table, uploaded in one copy when it changes.
+        # Host mirror of the block table; rows that changed are uploaded before the next step.
         self.block_table_cpu = np.full((self.num_rows, max_blocks_per_req), null_block, np.int32)
         self.block_table = torch.from_numpy(self.block_table_cpu.copy()).to(device)
-        self._block_table_dirty = False
+        self._dirty_rows: set[int] = set()
         self._num_blocks_in_row = np.zeros(self.num_rows, np.int64)
         self.null_block = null_block
         self.free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -55,7 +55,7 @@ class RequestStates:
         row = self.free_rows.pop()
         req.row = row
         toks = torch.tensor(req.all_token_ids, dtype=torch.int64)
-        self.token_ids[row, : len(toks)].copy_(toks, non_blocking=True)
+        self.token_ids[row, : len(toks)].copy_(self._pinned(toks), non_blocking=True)
         sp = req.sampling_params
         self.temperature[row] = 0.0 if sp.greedy else sp.temperature
         self.top_k[row] = sp.top_k
@@ -63,8 +63,10 @@ class RequestStates:
         self.min_p[row] = sp.min_p
         self.seed[row] = req.seed
         fp = [self.temperature[row], self.top_p[row], self.min_p[row]]
-        self.float_params[row] = torch.tensor(fp, dtype=torch.float32)
-        self.int_params[row] = torch.tensor([sp.top_k, req.seed], dtype=torch.int64)
+        fp = self._pinned(torch.tensor(fp, dtype=torch.float32))
+        self.float_params[row].copy_(fp, non_blocking=True)
+        ip = self._pinned(torch.tensor([sp.top_k, req.seed], dtype=torch.int64))
+        self.int_params[row].copy_(ip, non_blocking=True)
         self._num_blocks_in_row[row] = 0
         self.block_table_cpu[row] = self.null_block
         self.sync_blocks(req)
@@ -74,7 +76,7 @@ class RequestStates:
             return
         self.block_table_cpu[req.row] = self.null_block
         self._num_blocks_in_row[req.row] = 0
-        self._block_table_dirty = True
+        self._dirty_rows.add(req.row)
         self.free_rows.append(req.row)
         req.row = -1
 
@@ -84,12 +86,30 @@ class RequestStates:
             self.block_table_cpu[req.row, :n_new] = req.block_ids
             self.block_table_cpu[req.row, n_new:] = self.null_block
             self._num_blocks_in_row[req.row] = n_new
-            self._block_table_dirty = True
+            self._dirty_rows.add(req.row)
 
     def upload_block_table(self) -> None:
-        if self._block_table_dirty:
-            self.block_table.copy_(torch.from_numpy(self.block_table_cpu), non_blocking=False)
-            self._block_table_dirty = False
+        """Copy the rows that changed since the last upload to the device table."""
+        if not self._dirty_rows:
+            return
+        rows = np.fromiter(sorted(self._dirty_rows), np.int64, len(self._dirty_rows))
+        self._dirty_rows.clear()
+        src = self._pinned(torch.from_numpy(self.block_table_cpu[rows]))
+        idx = self._pinned(torch.from_numpy(rows))
+        self.block_table.index_copy_(
+            0, idx.to(self.device, non_blocking=True), src.to(self.device, non_blocking=True)
+        )
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` in pinned memory on CUDA. NOTE: a copy from pageable memory makes the host wait
+        until the stream has run everything queued so far (the GPU then idles while the host
+        launches the rest of the step: ~1 ms every 16 batch-1 decode steps on the H200);
+        from pinned memory it is queued like a kernel. The caching host allocator keeps the
+        buffer until the copy has run."""
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def all_greedy(self, rows: np.ndarray) -> bool:
+        return bool((self.temperature[rows] == 0).all())
 
     def sampling_tensors(
         self,
@@ -105,7 +125,7 @@ class RequestStates:
             top_p=fp[:, 1],
             min_p=fp[:, 2],
             seeds=ip[:, 1],
-            all_greedy=bool((self.temperature[rows] == 0).all()),
+            all_greedy=self.all_greedy(rows),
             any_top_k=bool((self.top_k[rows] > 0).any()),
             any_top_p=bool((self.top_p[rows] < 1).any()),
             any_min_p=bool((self.min_p[rows] > 0).any()),
