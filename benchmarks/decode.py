@@ -331,8 +331,6 @@ SWEEP_KNOBS = {
     "gemv_early": ("specserve.ops.pdl", "GEMV_EARLY_TRIGGER", lambda v: bool(int(v))),
     "early_meta": ("specserve.ops.pdl", "EARLY_METADATA", lambda v: bool(int(v))),
     "fuse_kv": ("specserve.attention.triton_paged", "FUSE_ROPE_KV", lambda v: bool(int(v))),
-    "prefetch": ("specserve.ops.pdl", "GEMV_L2_PREFETCH_PROGRAMS", int),
-    "lead": ("specserve.ops.pdl", "GEMV_TRIGGER_LEAD", int),
     "merge": (
         "specserve.attention.triton_paged",
         "MERGE_SPLITS_IN_KERNEL",

@@ -284,16 +284,15 @@ def test_pdl_bit_equal_to_plain_launches(drafters, prompts, method: str | None) 
         spec = {"method": method, "model": drafters[method], "num_speculative_tokens": 3}
     kw = {"dtype": "bfloat16", "max_model_len": 4096, "decode_matmul": "triton"}
     runs = []
-    saved = pdl.ENABLED, pdl.EARLY_METADATA, pdl.GEMV_L2_PREFETCH_PROGRAMS
-    # PDL off; on; on with the metadata loads before the wait (pdl.EARLY_METADATA); on with
-    # o_proj's weights prefetched to L2 during attention (pdl.GEMV_L2_PREFETCH_PROGRAMS).
-    for knobs in ((False, False, 0), (True, False, 0), (True, True, 0), (True, True, 1 << 20)):
-        pdl.ENABLED, pdl.EARLY_METADATA, pdl.GEMV_L2_PREFETCH_PROGRAMS = knobs
+    saved = pdl.ENABLED, pdl.EARLY_METADATA
+    # PDL off; on; on with the metadata loads before the wait (pdl.EARLY_METADATA).
+    for knobs in ((False, False), (True, False), (True, True)):
+        pdl.ENABLED, pdl.EARLY_METADATA = knobs
         try:
             llm = cuda_llm(drafters["target"], speculative_config=spec, **kw)
             outs = llm.generate(batch, [GREEDY, sp] * 3)
         finally:
-            pdl.ENABLED, pdl.EARLY_METADATA, pdl.GEMV_L2_PREFETCH_PROGRAMS = saved
+            pdl.ENABLED, pdl.EARLY_METADATA = saved
         runs.append([o.outputs[0].token_ids for o in outs])
     assert all(r == runs[0] for r in runs[1:])
 

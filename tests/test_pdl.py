@@ -73,7 +73,6 @@ def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool, overlap: bool) -> No
     def constexprs(pdl: bool, **over: object) -> dict:
         base = dict(HAS_BIAS=True, SILU_MUL=silu_mul, NORM=norm, HAS_RES=norm, BLOCK_M=1)
         base.update(BLOCK_N=4, BLOCK_K=512, PDL=pdl, EARLY_TRIGGER=pdl and overlap)
-        base.update(PREFETCH_PROGRAMS=0, THREADS=128, TRIGGER_LEAD=0)
         return {**base, "PRELOAD": pdl and overlap, **over}
 
     ptx = compile_sm90(_gemv_kernel, constexprs(True), num_stages=4)
@@ -86,36 +85,6 @@ def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool, overlap: bool) -> No
     # Without PDL none of it is emitted: the kernel is the plain one.
     plain = compile_sm90(_gemv_kernel, constexprs(False, HAS_BIAS=False, HAS_RES=False))
     assert "griddepcontrol" not in plain
-
-
-def test_gemv_l2_prefetch_compiles_before_the_wait() -> None:
-    """o_proj's gemv under pdl.GEMV_L2_PREFETCH_PROGRAMS: bulk L2 prefetches of its weight
-    slice, issued before griddepcontrol.wait (so during the attention kernel)."""
-    from specserve.ops.gemv import _gemv_kernel
-
-    cx = dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RES=False, BLOCK_M=1, BLOCK_N=8)
-    cx.update(BLOCK_K=512, PDL=True, EARLY_TRIGGER=False, PRELOAD=True, THREADS=128)
-    cx.update(TRIGGER_LEAD=0)
-    ptx = compile_sm90(_gemv_kernel, {**cx, "PREFETCH_PROGRAMS": 264}, num_stages=4)
-    _pdl_ptx(ptx)
-    assert ptx.index("cp.async.bulk.prefetch.L2.global") < ptx.index("griddepcontrol.wait")
-    off = compile_sm90(_gemv_kernel, {**cx, "PREFETCH_PROGRAMS": 0}, num_stages=4)
-    assert "cp.async.bulk.prefetch" not in off
-
-
-@pytest.mark.parametrize("lead", [1, 2])
-def test_gemv_trigger_lead_compiles(lead: int) -> None:
-    """pdl.GEMV_TRIGGER_LEAD: a second trigger inside the K loop, the loads unchanged."""
-    from specserve.ops.gemv import _gemv_kernel
-
-    cx = dict(HAS_BIAS=False, SILU_MUL=False, NORM=True, HAS_RES=True, BLOCK_M=1, BLOCK_N=8)
-    cx.update(BLOCK_K=512, PDL=True, EARLY_TRIGGER=False, PRELOAD=True, THREADS=128)
-    cx.update(PREFETCH_PROGRAMS=0)
-    ptx = compile_sm90(_gemv_kernel, {**cx, "TRIGGER_LEAD": lead}, num_stages=4)
-    base = compile_sm90(_gemv_kernel, {**cx, "TRIGGER_LEAD": 0}, num_stages=4)
-    _pdl_ptx(ptx)
-    assert ptx.count("griddepcontrol.launch_dependents") == 2
-    assert ptx.count("ld.global") == base.count("ld.global") > 0
 
 
 def test_norm_rope_activation_compile_with_pdl() -> None:

@@ -152,11 +152,7 @@ class Attention(nn.Module):
         else:
             q, k = ops.rope_(positions, q, k, self.rope.cos, self.rope.sin)
             out = ctx.backend.forward(q, k, v, *args, self.sliding_window)
-        out = out.reshape(-1, self.q_size)
-        cfg = self.o_proj.config(out) if isinstance(self.o_proj, DecodeLinear) else None
-        if cfg is not None:  # the Triton gemv, told its predecessor is attention
-            return gemv(out, self.o_proj.weight, self.o_proj.bias, cfg, after_attention=True)
-        return self.o_proj(out)
+        return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):

@@ -170,9 +170,6 @@ if triton is not None:
         PDL: tl.constexpr,
         EARLY_TRIGGER: tl.constexpr,
         PRELOAD: tl.constexpr,
-        PREFETCH_PROGRAMS: tl.constexpr,
-        THREADS: tl.constexpr,
-        TRIGGER_LEAD: tl.constexpr,
     ):
         # Each program owns BLOCK_N output columns and walks K in BLOCK_K tiles.
         # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
@@ -192,12 +189,6 @@ if triton is not None:
         w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
         up_row = w_row + N * stride_wn
         k = tl.arange(0, BLOCK_K)
-        if PREFETCH_PROGRAMS > 0:  # PDL only: this program's whole weight slice, toward L2
-            if pid < PREFETCH_PROGRAMS:
-                pdl.prefetch_rows_l2(
-                    w_ptr + (pid * BLOCK_N).to(tl.int64) * stride_wn, N - pid * BLOCK_N,
-                    stride_wn, K, BLOCK_N, THREADS,
-                )  # fmt: skip
         if PRELOAD:
             w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
         pdl.trigger(PDL and EARLY_TRIGGER)
@@ -212,20 +203,14 @@ if triton is not None:
             acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
             stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
         )  # fmt: skip
-        # TRIGGER_LEAD: trigger that many K tiles before the end, not after the last one, so
-        # the successor's launch latency hides behind this grid's last tiles.
-        trigger_k = tl.maximum(BLOCK_K, (tl.cdiv(K, BLOCK_K) - TRIGGER_LEAD) * BLOCK_K)
         for k0 in range(BLOCK_K, K, BLOCK_K):
-            if TRIGGER_LEAD > 0:
-                if k0 == trigger_k:
-                    pdl.trigger(PDL and not EARLY_TRIGGER)
             k = k0 + tl.arange(0, BLOCK_K)
             w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
             acc, acc_up, sum_sq = _gemv_tile(
                 acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
                 stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
             )  # fmt: skip
-        pdl.trigger(PDL and not EARLY_TRIGGER)  # (again with TRIGGER_LEAD: no effect)
+        pdl.trigger(PDL and not EARLY_TRIGGER)
         if NORM:
             rstd = tl.rsqrt(sum_sq / K + eps)[:, None]
             acc = acc * rstd
@@ -265,15 +250,12 @@ def gemv(
     b: torch.Tensor | None = None,
     config: tuple[int, int, int, int] = DEFAULT_CONFIG,
     silu_mul: bool = False,
-    after_attention: bool = False,
 ) -> torch.Tensor:
     """y = x @ w.T (+ b) for decode-sized M, with the Triton kernel (semantics: `gemv_ref`);
     `silu_mul`: [M, N/2] = silu(gate) * up of that product (semantics: `gemv_silu_mul_ref`).
-    A fixed launch config, not autotuning: graph capture and the interpreter both need one.
-    `after_attention`: the previous kernel is attention (light on HBM): under PDL, prefetch
-    weights to L2 while it runs (pdl.GEMV_L2_PREFETCH_PROGRAMS)."""
+    A fixed launch config, not autotuning: graph capture and the interpreter both need one."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return _launch(x, w, b, config, silu_mul, None, after_attention)
+    return _launch(x, w, b, config, silu_mul, None)
 
 
 def gemv_norm(
@@ -308,7 +290,6 @@ def _launch(
     silu_mul: bool,
     # (residual or None, residual out, norm weight, eps), or None: no norm
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,
-    after_attention: bool = False,
 ) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
@@ -320,12 +301,6 @@ def _launch(
     res, res_out, norm_w, eps = norm if norm is not None else (None, x, w, 0.0)
     block_n, block_k, num_warps, num_stages = config
     kw = pdl.launch_kwargs(x.device)
-    threads = 32 * num_warps
-    pieces = threads // block_n
-    # Bulk prefetches need 16-byte pieces at 16-byte aligned addresses.
-    aligned = (K // pieces * w.element_size()) % 16 == 0 and K % pieces == 0
-    aligned = aligned and (w.stride(0) * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-    prefetch = kw["PDL"] and after_attention and aligned and not silu_mul and norm is None
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x,
         w,
@@ -353,9 +328,6 @@ def _launch(
         # Both only mean something under PDL (they are the overlap it buys).
         EARLY_TRIGGER=kw["PDL"] and pdl.GEMV_EARLY_TRIGGER,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
-        PREFETCH_PROGRAMS=pdl.GEMV_L2_PREFETCH_PROGRAMS if prefetch else 0,
-        THREADS=threads,
-        TRIGGER_LEAD=pdl.GEMV_TRIGGER_LEAD if kw["PDL"] else 0,
         **kw,
     )
     return y

@@ -12,7 +12,9 @@ Measured (batch-1 decode, Llama-3-8B shape, H100; benchmarks/RESULTS.md, session
 step from 6.16 to 6.00 ms; the first-tile preload then the captured graph from 5.34 to 5.32 ms.
 Tried and dropped: the matmul triggering its successor at its start (graph 5.38 ms; 5.56 with
 the preload), and the matmul prefetching all its weight rows into L2 (TMA bulk prefetch) before
-waiting (6.37 ms a step; 6.32 with the early trigger); not investigated further.
+waiting (6.37 ms a step; 6.32 with the early trigger). Session 6 (H100, RESULTS.md): only
+o_proj's gemv prefetching its weight slice to L2 while attention runs (graph 5.247 vs 5.221
+ms), and the matmul triggering 1 or 2 K tiles before its last (graph 5.234 / 5.372 ms).
 
 The rule every kernel launched with `launch_kwargs` keeps: `start` comes before any memory
 access other than weight loads, in every program, including programs that then exit early.
@@ -53,13 +55,6 @@ GEMV_EARLY_TRIGGER = False  # the decode matmul lets its successor launch at its
 # slots, cos/sin) before waiting for the previous kernel: batch-1 decode 5.817 -> 5.773 ms a
 # step on the H100 (benchmarks/RESULTS.md, session 6 call 1).
 EARLY_METADATA = True
-# Experiment, off (0) until measured: the decode matmul after attention (o_proj) asks L2 for the
-# weight rows of its first this-many programs before waiting, while the attention kernels, which
-# barely use HBM, still run (`prefetch_rows_l2`).
-GEMV_L2_PREFETCH_PROGRAMS = 0
-# Experiment, off (0) until measured: the decode matmul triggers its successor this many K tiles
-# before its last one (0: after its weight stream).
-GEMV_TRIGGER_LEAD = 0
 
 
 @functools.cache
@@ -90,29 +85,6 @@ if triton is not None:
         """Wait for the previous kernel to finish, its writes visible (WAIT: under PDL)."""
         if WAIT:
             tl.extra.cuda.gdc_wait()
-
-    @triton.jit
-    def prefetch_rows_l2(row0, rows_left, stride, cols, ROWS: tl.constexpr, THREADS: tl.constexpr):
-        """Ask L2 for ROWS rows of `cols` elements from `row0` (`stride` elements apart; rows past
-        `rows_left` repeat the last one), in THREADS equal pieces, one bulk prefetch
-        (cp.async.bulk.prefetch.L2, sm_90) per thread. The launcher checks that each piece is
-        a multiple of 16 bytes at a 16-byte aligned address."""
-        PIECES: tl.constexpr = THREADS // ROWS
-        i = tl.arange(0, THREADS)
-        row = tl.minimum(i % ROWS, rows_left - 1)
-        piece = cols // PIECES
-        ptrs = row0 + row.to(tl.int64) * stride + (i // ROWS) * piece
-        nbytes = tl.full([THREADS], 0, tl.int32) + piece * (
-            row0.dtype.element_ty.primitive_bitwidth // 8
-        )
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-            "=r,l,r",
-            [ptrs, nbytes],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
 
     @triton.jit
     def start(PDL: tl.constexpr):
