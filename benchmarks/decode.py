@@ -336,7 +336,7 @@ SWEEP_KNOBS = {
         "MERGE_SPLITS_IN_KERNEL",
         lambda v: bool(int(v)),
     ),
-    # decode_matmul="auto"'s launch configs, as indexes into gemv.CONFIGS ("1/4": the default)
+    # decode_matmul="auto"'s launch configs, as indexes into gemv.CONFIGS ("1/2/4": the default)
     "candidates": ("specserve.ops.gemv_plan", "CANDIDATES", lambda v: _gemv_configs(v)),
 }
 

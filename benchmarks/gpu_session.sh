@@ -17,6 +17,9 @@
 #   bash benchmarks/gpu_session.sh next-tests  # experiments (EARLY_METADATA, FUSE_ROPE_KV,
 #   bash benchmarks/gpu_session.sh next-sweep  # MERGE_SPLITS_IN_KERNEL, gemv candidates):
 #                                          # their GPU tests, then decode with each
+#   bash benchmarks/gpu_session.sh final-kernels  # decode.py, then the kernel GPU tests
+#   bash benchmarks/gpu_session.sh final-engine   # every engine GPU test (test_gpu.py)
+# (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
 # The build's PID is kept in a file: `pgrep -f build_family` also matches the calling shell.
@@ -127,8 +130,19 @@ case "${1:-}" in
     python benchmarks/decode.py --sweep ";early_meta=1;fuse_kv=1;merge=1;candidates=0/1/4;\
 early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | tail -9
     ;;
+  final-kernels)
+    python benchmarks/decode.py --batch-sizes 1,16 2>&1 | grep -v tokenizer \
+      | tee "$OUT/decode.log" | tail -22
+    timeout 300 python -m pytest -q -m gpu tests/test_ops.py tests/test_spec_kernels.py \
+      tests/test_triton_attention.py -p no:cacheprovider --durations=5 2>&1 \
+      | tee "$OUT/gpu_tests_kernels.log" | tail -12
+    ;;
+  final-engine)
+    timeout 560 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+      --durations=10 2>&1 | tee "$OUT/gpu_tests_engine.log" | tail -25
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine" >&2
     exit 2
     ;;
 esac

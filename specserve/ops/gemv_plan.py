@@ -18,9 +18,11 @@ from torch import nn
 
 from specserve.ops.gemv import BUCKETS, Config, DecodeLinear, gemv, use_decode_gemv_
 
-# Launch configs tried (the two that won some Llama-3-8B shape at M = 1 in benchmarks/gemv.py;
-# each is one Triton compile per row bucket, paid at start-up).
-CANDIDATES: tuple[Config, ...] = ((8, 512, 4, 4), (16, 512, 4, 3))
+# Launch configs tried (each is one Triton compile per row bucket, paid at start-up): the two
+# that won some Llama-3-8B shape at M = 1 in benchmarks/gemv.py, and (8, 1024, 4, 3), twice the
+# weight bytes in flight per K step: with it batch-1 decode went from 5.616 to 5.470 ms a step
+# on the H100 (graph 5.225 -> 5.087; benchmarks/RESULTS.md, session 6 call 4).
+CANDIDATES: tuple[Config, ...] = ((8, 512, 4, 4), (8, 1024, 4, 3), (16, 512, 4, 3))
 # Rows the Triton kernel is tried for; larger buckets stay cuBLAS (it lost by 2x or more there).
 TUNED_BUCKETS = (1, 2)
 assert set(TUNED_BUCKETS) <= set(BUCKETS)
