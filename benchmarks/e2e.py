@@ -82,6 +82,7 @@ def run_specserve(
 ) -> dict:
     from specserve import LLM, SamplingParams
 
+    llm_kw.setdefault("async_scheduling", False)  # the `_async` rows turn it on (CUDA default)
     llm = LLM(
         target,
         max_model_len=1024,

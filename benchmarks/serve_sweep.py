@@ -78,8 +78,8 @@ def main() -> None:
                "--port", str(args.port), "--max-num-seqs", "64", "--max-model-len", "1024"]  # fmt: skip
         if spec:
             cmd += ["--speculative-config", json.dumps(spec)]
-        if args.async_scheduling:
-            cmd += ["--async-scheduling"]
+        # Explicit either way: the server's default is async on CUDA.
+        cmd += ["--async-scheduling" if args.async_scheduling else "--no-async-scheduling"]
         server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_healthy(url, server)

@@ -49,9 +49,10 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes
     num_gpu_blocks_override: int | None = None
     enforce_eager: bool = False
-    # Schedule and launch step N+1 while step N runs (plain decode batches; steps that verify
-    # drafts run synchronously): the host's per-step work no longer leaves the GPU idle.
-    async_scheduling: bool = False
+    # Schedule and launch step N+1 while step N runs: the host's per-step work no longer leaves
+    # the GPU idle. None: on for CUDA (as in vLLM), off on CPU, where the host is the device
+    # and there is nothing to overlap.
+    async_scheduling: bool | None = None
     # Drafting loop on CUDA: auto (one graph for the whole loop where the attention backend
     # updates metadata in place, else one step graph replayed per step) | fused | per_step | eager
     draft_graph_mode: str = "auto"
@@ -59,8 +60,9 @@ class EngineConfig:
     load_format: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
     # Matmuls of decode batches (<= 8 rows) on CUDA: cublas (F.linear) | triton (ops/gemv.py)
-    # | auto (per weight shape and row count, whichever was faster when timed at start-up)
-    decode_matmul: str = "cublas"
+    # | auto (per bf16/fp16 weight shape and row count 1-2, whichever was faster when timed at
+    # start-up, once per process). CPU and float32 weights always use F.linear.
+    decode_matmul: str = "auto"
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     served_model_name: str | None = None
     disable_log_stats: bool = True
@@ -106,6 +108,8 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.async_scheduling is None:
+            self.async_scheduling = self.torch_device.type == "cuda"
 
     @property
     def torch_device(self) -> torch.device:

@@ -207,3 +207,17 @@ def test_preemption_while_a_step_is_in_flight(ckpt_dir, drafters, monkeypatch, s
     assert _run(llm, prompts, params) == ref
     assert stats["overlapped"] > 5 and llm.engine.stats.num_preemptions > 0
     assert llm.engine.kv.usage() == 0.0
+
+
+def test_async_default_follows_the_device(tmp_path) -> None:
+    """async_scheduling=None (the default) is on for CUDA, as in vLLM, and off on CPU, where
+    the host runs the kernels itself and there is nothing to overlap; an explicit value wins."""
+    from specserve.config import EngineConfig
+
+    d = str(tmp_path)
+    assert EngineConfig(model=d, device="cpu").async_scheduling is False
+    assert EngineConfig(model=d, device="cuda").async_scheduling is True
+    assert EngineConfig(model=d, device="cuda:0").async_scheduling is True
+    assert EngineConfig(model=d, device="cuda", async_scheduling=False).async_scheduling is False
+    assert EngineConfig(model=d, device="cpu", async_scheduling=True).async_scheduling is True
+    assert EngineConfig(model=d).decode_matmul == "auto"

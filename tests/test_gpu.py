@@ -82,17 +82,29 @@ def test_greedy_matches_transformers_cuda(ckpt_dir, prompts, name: str, mode: st
         ("bfloat16", 256, "cublas"),
         ("bfloat16", 4096, "cublas"),
         ("bfloat16", 4096, "triton"),
+        ("bfloat16", 4096, None),
     ],
 )
-def test_cudagraph_equals_eager(ckpt_dir, prompts, dtype: str, max_len: int, matmul: str) -> None:
+def test_cudagraph_equals_eager(
+    ckpt_dir, prompts, dtype: str, max_len: int, matmul: str | None
+) -> None:
     """Bit-equal tokens; max_model_len 4096 makes small batches split the keys (split_count
     must choose the same count for a padded graph batch and the eager one); decode_matmul
-    "triton": the Triton gemv with the norms fused in (norm_linear) for decode batches."""
+    "triton": the Triton gemv with the norms fused in (norm_linear) for decode batches; None:
+    the CUDA defaults, async scheduling and decode_matmul "auto" (the eager engine reuses the
+    plan the graph engine timed)."""
     path = ckpt_dir("llama_gqa", "llama")
     sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    kw = {"dtype": dtype, "max_model_len": max_len, "decode_matmul": matmul}
-    graph = cuda_llm(path, **kw).generate(batch, [GREEDY, sp] * 3)
+    kw = {"dtype": dtype, "max_model_len": max_len}
+    if matmul is not None:
+        kw["decode_matmul"] = matmul
+    llm = cuda_llm(path, **kw)
+    if matmul is None:
+        assert llm.engine.config.async_scheduling is True
+        assert {p["rows"] for p in llm.engine.decode_matmul_plan} == {1, 2}
+    graph = llm.generate(batch, [GREEDY, sp] * 3)
+    del llm
     eager = cuda_llm(path, enforce_eager=True, **kw).generate(batch, [GREEDY, sp] * 3)
     for g, e in zip(graph, eager):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids

@@ -19,8 +19,9 @@ _HELP = {
     "model": "local Hugging Face model directory",
     "speculative_config": 'JSON, e.g. \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 3}\'',
     "dtype": "auto | float32 | float16 | bfloat16 (auto: bf16 on CUDA, fp32 on CPU)",
-    "decode_matmul": "cublas | triton | auto (CUDA decode matmuls; auto: the faster, timed at "
-    "start-up per weight shape)",
+    "decode_matmul": "cublas | triton | auto (CUDA decode matmuls; auto, the default: the "
+    "faster, timed at start-up per weight shape)",
+    "async_scheduling": "launch step N+1 while step N runs (default: on for CUDA, off on CPU)",
 }
 
 
