@@ -151,7 +151,7 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
     echo "engine rc $?"
     wait $!
     echo "kernels rc $?"
-    tail -3 "$OUT/gpu_tests_kernels.log" "$OUT/gpu_tests_engine.log"
+    tail -n 3 "$OUT/gpu_tests_kernels.log" "$OUT/gpu_tests_engine.log"
     ;;
   confirm)
     # Is batch-1 async + auto at >= 90% of the floor reproducible? Two full runs, each with
@@ -159,7 +159,7 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
     for i in 1 2; do
       mkdir -p "$OUT/run$i"
       OUT="$OUT/run$i" timeout 280 python benchmarks/decode.py --batch-sizes 1 2>&1 \
-        | grep -v tokenizer | tee "$OUT/run$i/decode.log" | tail -5
+        | grep -v tokenizer | tee "$OUT/run$i/decode.log" | grep -A4 "copy bandwidth"
     done
     ;;
   final-engine)
