@@ -46,7 +46,12 @@ PTD_HEAD = {**EAGLE3_HEAD, "parallel_draft": True, "ptd_token_id": 128255}
 
 
 def make_engine(
-    target: str, spec: dict | None, mode: str, max_seqs: int, async_scheduling: bool = False
+    target: str,
+    spec: dict | None,
+    mode: str,
+    max_seqs: int,
+    async_scheduling: bool = False,
+    decode_matmul: str = "auto",
 ) -> object:
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
@@ -62,6 +67,7 @@ def make_engine(
         speculative_config=spec,
         draft_graph_mode=mode,
         async_scheduling=async_scheduling,
+        decode_matmul=decode_matmul,
     )
     return LLMEngine(cfg)
 
@@ -120,6 +126,7 @@ def main() -> None:
     ap.add_argument(
         "--async-scheduling", action="store_true", help="launch step N+1 while step N runs"
     )
+    ap.add_argument("--decode-matmul", default="auto", help="cublas | triton | auto (default)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     target = write_config(LLAMA3_8B)
@@ -127,11 +134,14 @@ def main() -> None:
     results: dict = {
         "device": torch.cuda.get_device_name(),
         "async_scheduling": args.async_scheduling,
+        "decode_matmul": args.decode_matmul,
         "rows": [],
     }
 
     def run(label: str, k: int, mode: str, spec: dict | None) -> None:
-        engine = make_engine(target, spec, mode, max(batches), args.async_scheduling)
+        engine = make_engine(
+            target, spec, mode, max(batches), args.async_scheduling, args.decode_matmul
+        )
         for b in batches:
             r = measure(engine, b)
             results["rows"].append({"label": label, "k": k, "mode": mode, "batch": b, **r})
@@ -159,6 +169,7 @@ def main() -> None:
                 run(method, k, "auto" if mode == "graph" else mode, spec)
     if os.environ.get("OUT"):
         name = "spec_step_async.json" if args.async_scheduling else "spec_step.json"
+        name = name.replace(".json", f"_{args.decode_matmul}.json")
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(results, f, indent=1)
     plain = {r["batch"]: r["ms_per_step"] for r in results["rows"] if r["label"] == "plain"}
