@@ -6,9 +6,10 @@ weight byte is loaded exactly once, in long contiguous rows; the few activation 
 per tile from L2. No split-K: with BLOCK_N <= 32 even N = 4096 gives >= 128 programs, and a
 deterministic reduction order keeps results reproducible.
 
-Off by default (`decode_matmul="cublas"`). `decode_matmul="triton"` turns every nn.Linear of the
-models into a `DecodeLinear` that always takes it for decode batches; `"auto"` times both on the
-model's own weights at start-up and picks per weight shape and row count (ops/gemv_plan.py).
+`decode_matmul="auto"` (the default) times it against cuBLAS on the model's own bf16/fp16
+weights at start-up and picks per weight shape and row count (ops/gemv_plan.py); `"triton"`
+turns every nn.Linear of the models into a `DecodeLinear` that always takes it for decode
+batches; `"cublas"` never does.
 `benchmarks/gemv.py` compares them on the Llama-3-8B shapes, `benchmarks/decode.py` on a whole
 decode step.
 """
