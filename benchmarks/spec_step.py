@@ -168,8 +168,7 @@ def main() -> None:
                 }
                 run(method, k, "auto" if mode == "graph" else mode, spec)
     if os.environ.get("OUT"):
-        name = "spec_step_async.json" if args.async_scheduling else "spec_step.json"
-        name = name.replace(".json", f"_{args.decode_matmul}.json")
+        name = f"spec_step{'_async' * args.async_scheduling}_{args.decode_matmul}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(results, f, indent=1)
     plain = {r["batch"]: r["ms_per_step"] for r in results["rows"] if r["label"] == "plain"}

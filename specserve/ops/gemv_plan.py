@@ -29,8 +29,8 @@ assert set(TUNED_BUCKETS) <= set(BUCKETS)
 
 # Plans timed in this process, reused by later engines: start-up pays the timing once, and two
 # engines of one process (a graph and an eager one in a test, a benchmark's variants) run the
-# same kernels, so their outputs can be compared bit for bit. Key: device, weight shape, dtype,
-# bias, layer count, SiLU epilogue, rows, candidate set (benchmarks change CANDIDATES).
+# same kernels, so their outputs can be compared bit for bit. Key: device, weight group (shape,
+# dtype, bias, gate_up), layer count, SiLU epilogue, rows, candidate set (benchmarks change it).
 _PLANS: dict[tuple, tuple[Config | None, dict[str, float]]] = {}
 
 
@@ -98,13 +98,14 @@ def tune_decode_gemv_(models: list[nn.Module]) -> list[dict]:
                 key = (tuple(w.shape), w.dtype, lin.bias is not None, id(lin) in gate_up)
                 groups.setdefault(key, []).append(lin)
     report = []
-    for (shape, dtype, bias, is_gate_up), layers in groups.items():
+    for group, layers in groups.items():
+        shape, dtype, _, is_gate_up = group
         if dtype not in (torch.bfloat16, torch.float16):
             continue
+        dev = layers[0].weight.device
         for silu_mul in (False, True) if is_gate_up else (False,):
             for b in TUNED_BUCKETS:
-                dev = layers[0].weight.device
-                pkey = (dev, shape, dtype, bias, len(layers), silu_mul, b, CANDIDATES)
+                pkey = (dev, group, len(layers), silu_mul, b, CANDIDATES)
                 if pkey not in _PLANS:
                     _PLANS[pkey] = _fastest(layers, b, silu_mul)
                 cfg, times = _PLANS[pkey]
