@@ -222,3 +222,32 @@ def paged_kv(runner: Any, layer_index: int, block_ids: list[int], num_tokens: in
     read through the runner's paged cache `layer_index` and the request's blocks."""
     cache = runner.kv_caches[layer_index]
     return cache[:, torch.tensor(block_ids)].flatten(1, 2)[:, :num_tokens]
+
+
+def append_mtp_layers(src: str, path: str, num_layers: int = 1, seed: int = 0) -> str:
+    """Copy a target checkpoint (any architecture) and append `num_layers` MTP layers at
+    model.layers.{L + i} as GLM / DeepSeek checkpoints store them: enorm, hnorm, eh_proj,
+    shared_head.norm and a decoder layer shaped like the target's last one (for an MoE target:
+    router, correction bias, experts, shared experts), its weights the last layer's plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    shutil.copytree(src, path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    n, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    cfg["num_nextn_predict_layers"] = num_layers
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    w = load_file(os.path.join(path, "model.safetensors"))
+    last = f"model.layers.{n - 1}."
+    for i in range(num_layers):
+        p = f"model.layers.{n + i}."
+        for k, t in list(w.items()):
+            if k.startswith(last):
+                noise = torch.randn(t.shape, generator=g) * 0.05
+                w[p + k[len(last) :]] = (t + noise) if t.is_floating_point() else t.clone()
+        w[p + "enorm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+        w[p + "hnorm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+        w[p + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+        w[p + "shared_head.norm.weight"] = torch.ones(hidden)
+    save_file(w, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path

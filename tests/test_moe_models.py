@@ -140,3 +140,31 @@ def test_glm_correction_bias_loads(ckpt_dir) -> None:
     assert all(g.e_score_correction_bias.abs().sum() > 0 for g in gates)
     assert all(g.weight.dtype == torch.float32 for g in gates)
     assert model.model.layers[0].self_attn.rope.rotary_dim == 8  # partial_rotary_factor 0.5
+
+
+@pytest.fixture(scope="module")
+def glm_mtp(ckpt_dir, tmp_path_factory) -> dict:
+    from .spec_utils import append_mtp_layers
+
+    target = moe_ckpt(ckpt_dir, "glm4_moe")
+    path = append_mtp_layers(target, str(tmp_path_factory.mktemp("glm_mtp") / "ckpt"))
+    prompts = random_prompts(4, 4, 30, seed=11)
+    ref = LLM(path, max_model_len=128).generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return {"path": path, "prompts": prompts, "ref": [o.outputs[0].token_ids for o in ref]}
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_glm_mtp_greedy_equals_no_speculation(glm_mtp: dict, k: int) -> None:
+    """`method: mtp` with no drafter directory reads the GLM checkpoint's own MTP layer (an MoE
+    decoder layer); greedy output with speculation equals the output without."""
+    from specserve.models.moe import SparseMoE
+
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    for kw in ({}, {"num_gpu_blocks_override": 8, "max_num_batched_tokens": 32}):
+        llm = LLM(glm_mtp["path"], max_model_len=128, speculative_config=spec, **kw)
+        assert isinstance(llm.engine.speculator.model.layer.mlp, SparseMoE)
+        outs = llm.generate([{"prompt_token_ids": p} for p in glm_mtp["prompts"]], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == glm_mtp["ref"]
+        m = llm.get_metrics()
+        assert m["spec_decode_num_drafts_total"] > 0
+        assert m["kv_cache_usage_perc"] == 0.0

@@ -11,6 +11,7 @@ Every drafter exposes the same small surface used by the drafting loop:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from specserve.attention.backend import ForwardContext
 from specserve.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
-from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM
+from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM, make_rope
 
 
 class Drafter(nn.Module):
@@ -80,7 +81,7 @@ class Eagle1Drafter(Drafter):
     ) -> None:
         super().__init__()
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=fc_bias)
-        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
+        rope = make_rope(c, max_position)
         self.layers = nn.ModuleList(DecoderLayer(c, rope, None) for _ in range(c.num_hidden_layers))
         self.layers[0].input_layernorm = nn.Identity()
         # Shared with the target unless the checkpoint brings its own (see loading).
@@ -154,7 +155,7 @@ class Eagle3Drafter(Drafter):
         super().__init__()
         self._aux = aux_layers
         self.fc = nn.Linear(3 * target_hidden, c.hidden_size, bias=False)
-        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
+        rope = make_rope(c, max_position)
         self.midlayer = Eagle3Layer(c, rope)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, draft_vocab, bias=False)
@@ -185,15 +186,23 @@ class Eagle3Drafter(Drafter):
 
 class MTPDrafter(Drafter):
     """DeepSeek-style MTP: eh_proj([enorm(embed(x)); hnorm(h)]) -> decoder layer -> shared head.
-    One module reused for all K steps."""
+    One module reused for all K steps. `make_layer(rope)` builds the decoder layer: the target
+    architecture's own for MTP layers stored in the target checkpoint (an MoE layer for GLM),
+    a dense Llama layer by default."""
 
-    def __init__(self, c: ArchConfig, max_position: int, target: LlamaForCausalLM) -> None:
+    def __init__(
+        self,
+        c: ArchConfig,
+        max_position: int,
+        target: LlamaForCausalLM,
+        make_layer: Callable[[RotaryEmbedding], nn.Module] | None = None,
+    ) -> None:
         super().__init__()
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
-        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
-        self.layer = DecoderLayer(c, rope, None)
+        rope = make_rope(c, max_position)
+        self.layer = make_layer(rope) if make_layer else DecoderLayer(c, rope, None)
         self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.embed_tokens = target.model.embed_tokens
         self.head = target.lm_head

@@ -154,7 +154,13 @@ def _construct_mtp(
             "the target checkpoint has no MTP layers (num_nextn_predict_layers is 0); "
             "pass the MTP module directory as speculative_config.model",
         )
-    c = ArchConfig.from_dict({**cfg, "architectures": [tc.architecture]})
+    # MTP layers inside the target checkpoint are the target architecture's own layers (an MoE
+    # layer for GLM / DeepSeek); a separate MTP module directory brings a dense Llama layer.
+    c = (
+        tc
+        if spec.model is None
+        else ArchConfig.from_dict({**cfg, "architectures": [tc.architecture]})
+    )
     _check_fit(spec, c, tc, hidden=True)
     layer_ids = sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.")})
     # The MTP module is the first layer past the target's decoder layers (or the only one).
@@ -163,16 +169,27 @@ def _construct_mtp(
     )
     if not mtp_ids:
         raise ModelLoadError("no MTP layer weights (model.layers.<N>.eh_proj ...) found")
+    own_layers = spec.model is None
     if n_mtp > 1:
-        return _construct_multi_mtp(spec, c, target, max_position, names, mtp_ids, n_mtp)
-    return _mtp_module(c, max_position, target, names, f"model.layers.{mtp_ids[0]}.")
+        return _construct_multi_mtp(
+            spec, c, target, max_position, names, mtp_ids, n_mtp, own_layers
+        )
+    return _mtp_module(c, max_position, target, names, mtp_ids[0], own_layers)
 
 
 def _mtp_module(
-    c: ArchConfig, max_position: int, target: LlamaForCausalLM, names: set[str], prefix: str
+    c: ArchConfig,
+    max_position: int,
+    target: LlamaForCausalLM,
+    names: set[str],
+    layer_id: int,
+    own_layers: bool,
 ) -> tuple[MTPDrafter, Any, tuple[str, ...]]:
-    """One MTP module from the checkpoint tensors under `prefix` (model.layers.<N>.)."""
-    d = MTPDrafter(c, max_position, target)
+    """One MTP module from the checkpoint tensors under model.layers.<layer_id>.; with
+    `own_layers` its decoder layer is the target's layer <layer_id> by architecture."""
+    prefix = f"model.layers.{layer_id}."
+    make_layer = (lambda rope: target.make_layer(layer_id, rope, None)) if own_layers else None
+    d = MTPDrafter(c, max_position, target, make_layer)
     allow: tuple[str, ...] = ()
     if _own_or_shared(names, prefix + "embed_tokens.weight"):
         d.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
@@ -207,6 +224,7 @@ def _construct_multi_mtp(
     names: set[str],
     mtp_ids: list[int],
     n_mtp: int,
+    own_layers: bool,
 ) -> tuple[Drafter, Any, tuple[str, ...]]:
     """N > 1 MTP modules, chained (spec_decode/multi_layer_mtp.py): one draft per module, so
     K <= N; with K < N only the first K modules are loaded (the others get no KV layers)."""
@@ -222,7 +240,7 @@ def _construct_multi_mtp(
             f"num_nextn_predict_layers is {n_mtp} but the checkpoint holds {len(mtp_ids)} MTP "
             "layer(s) (model.layers.<N>.eh_proj ...)"
         )
-    parts = [_mtp_module(c, max_position, target, names, f"model.layers.{i}.") for i in mtp_ids[:k]]
+    parts = [_mtp_module(c, max_position, target, names, i, own_layers) for i in mtp_ids[:k]]
     drafter = MultiLayerMTPDrafter([m for m, _, _ in parts])
 
     def rename(n: str) -> str | None:
