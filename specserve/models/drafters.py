@@ -107,10 +107,15 @@ class Eagle1Drafter(Drafter):
 
 
 class Eagle3Layer(nn.Module):
-    """EAGLE-3's midlayer: attention over [input_norm(embed); hidden_norm(h)] (2x hidden)."""
+    """EAGLE-3's midlayer: attention over [input_norm(embed); hidden_norm(h)] (2x hidden).
+    `norm_before_residual` (speculators / vLLM): the residual branch carries hidden_norm(h)
+    instead of h."""
 
-    def __init__(self, c: ArchConfig, rope: RotaryEmbedding) -> None:
+    def __init__(
+        self, c: ArchConfig, rope: RotaryEmbedding, norm_before_residual: bool = False
+    ) -> None:
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(
@@ -135,8 +140,9 @@ class Eagle3Layer(nn.Module):
         hidden: torch.Tensor,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], -1)
         x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -151,12 +157,16 @@ class Eagle3Drafter(Drafter):
         draft_vocab: int,
         aux_layers: tuple[int, ...],
         target_hidden: int,
+        fc_bias: bool = False,
+        norm_before_residual: bool = False,
     ) -> None:
+        """fc maps the 3 target taps (3 x target_hidden) to the head's hidden size, which may
+        differ from the target's (the head then brings its own embed_tokens)."""
         super().__init__()
         self._aux = aux_layers
-        self.fc = nn.Linear(3 * target_hidden, c.hidden_size, bias=False)
+        self.fc = nn.Linear(3 * target_hidden, c.hidden_size, bias=fc_bias)
         rope = make_rope(c, max_position)
-        self.midlayer = Eagle3Layer(c, rope)
+        self.midlayer = Eagle3Layer(c, rope, norm_before_residual)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, draft_vocab, bias=False)
         self.embed_tokens = target.model.embed_tokens

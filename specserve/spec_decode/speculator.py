@@ -26,6 +26,8 @@ from specserve.models.loader import (
     read_config,
 )
 from specserve.models.registry import default_dtype, resolve_architecture
+from specserve.models.speculators_format import eagle3_config as speculators_eagle3_config
+from specserve.models.speculators_format import is_speculators_config
 from specserve.spec_decode.config import SpeculativeConfig
 
 # Methods whose drafter can propose all K tokens in one forward (spec_decode/parallel.py).
@@ -111,7 +113,20 @@ def _construct(
             return None if n.startswith("lm_head") else n
 
         return d, rename, allow
-    # eagle3
+    return _construct_eagle3(spec, cfg, c, tc, target, max_position, names)
+
+
+def _construct_eagle3(
+    spec: SpeculativeConfig,
+    cfg: dict[str, Any],
+    c: ArchConfig,
+    tc: ArchConfig,
+    target: LlamaForCausalLM,
+    max_position: int,
+    names: set[str],
+) -> tuple[Drafter, Any, tuple[str, ...]]:
+    """EAGLE-3 in the EAGLE / vLLM layout (`midlayer.*`) or the speculators one
+    (`layers.0.*`, config mapped by models/speculators_format.py)."""
     draft_vocab = cfg.get("draft_vocab_size") or c.vocab_size
     if draft_vocab > c.vocab_size:
         raise _fit_error(
@@ -128,15 +143,37 @@ def _construct(
     aux = eagle3_aux_layers(cfg, tc.num_hidden_layers)
     if any(not 0 <= i < tc.num_hidden_layers for i in aux):
         raise _fit_error("model", f"aux hidden-state layers {aux} are outside the target's layers")
-    d = Eagle3Drafter(c, max_position, target, draft_vocab, aux, target_hidden)
+    own_embed = _own_or_shared(names, "embed_tokens.weight")
+    if c.hidden_size != tc.hidden_size and not own_embed:
+        raise _fit_error(
+            "model",
+            f"EAGLE-3 head hidden size {c.hidden_size} differs from the target's "
+            f"{tc.hidden_size}, so it needs its own embed_tokens.weight, which it lacks",
+        )
+    d = Eagle3Drafter(
+        c,
+        max_position,
+        target,
+        draft_vocab,
+        aux,
+        target_hidden,
+        fc_bias=_own_or_shared(names, "fc.bias"),
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+    )
     allow = ("t2d",)
-    if _own_or_shared(names, "embed_tokens.weight"):
+    if own_embed:
         d.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
     else:
         allow += ("embed_tokens",)
     if "d2t" not in names:
         allow += ("d2t",)
-    return d, lambda n: n.removeprefix("model."), allow
+
+    def rename(n: str) -> str | None:
+        n = n.removeprefix("model.")
+        # speculators names the single decoder layer layers.0, EAGLE's code midlayer.
+        return "midlayer." + n.removeprefix("layers.0.") if n.startswith("layers.0.") else n
+
+    return d, rename, allow
 
 
 def _construct_mtp(
@@ -277,6 +314,12 @@ def build_speculator(
         return NgramSpeculator(spec)
     tc = target.config
     draft_dir, cfg = _drafter_config(spec, target_dir)
+    if is_speculators_config(cfg):
+        if spec.method != "eagle3":
+            raise _fit_error(
+                "method", f"{draft_dir} is a speculators-format EAGLE-3 head; use method eagle3"
+            )
+        cfg = speculators_eagle3_config(cfg, draft_dir)
     # A dummy-weight drafter (benchmarks) may be a bare config.json.
     dummy = load_format == "dummy" and not _has_weights(draft_dir)
     names = set() if dummy else {n for n, _, _ in _iter_names(draft_dir)}
