@@ -206,8 +206,10 @@ class MTPDrafter(Drafter):
         max_position: int,
         target: LlamaForCausalLM,
         make_layer: Callable[[RotaryEmbedding], nn.Module] | None = None,
+        mask_position0: bool = True,
     ) -> None:
         super().__init__()
+        self.mask_position0 = mask_position0
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
@@ -225,8 +227,10 @@ class MTPDrafter(Drafter):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.embed_tokens(input_ids)
-        # DeepSeek's MTP sees no token embedding at position 0 (there is no previous token).
-        e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
+        if self.mask_position0:
+            # vLLM's DeepSeek MTP sees no token embedding at position 0; GLM's (transformers,
+            # vLLM) does: the target class says which (`mtp_mask_position0`).
+            e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], -1))
         x, residual = self.layer(positions, x, None, ctx)
         out = x + residual

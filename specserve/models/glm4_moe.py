@@ -53,6 +53,9 @@ class Glm4MoeArchConfig(ArchConfig):
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     config: Glm4MoeArchConfig
+    # GLM's MTP layer embeds the token at position 0 like any other (transformers' MtpLayer);
+    # DeepSeek-style MTP in vLLM zeroes it.
+    mtp_mask_position0 = False
 
     @classmethod
     def from_config_dict(cls, cfg: dict[str, Any], max_position: int) -> Glm4MoeForCausalLM:

@@ -196,6 +196,10 @@ class LlamaForCausalLM(nn.Module):
     """The causal LM every family shares: embed -> layers -> norm -> lm_head. A family
     subclasses it with its own config parsing (`from_config_dict`) and `make_layer`."""
 
+    # MTP layers stored in this checkpoint zero the token embedding at position 0 (DeepSeek
+    # style, as vLLM); a family whose MTP layers do not (GLM) sets False.
+    mtp_mask_position0 = True
+
     def __init__(self, c: ArchConfig, max_position: int) -> None:
         super().__init__()
         self.config = c

@@ -226,7 +226,8 @@ def _mtp_module(
     `own_layers` its decoder layer is the target's layer <layer_id> by architecture."""
     prefix = f"model.layers.{layer_id}."
     make_layer = (lambda rope: target.make_layer(layer_id, rope, None)) if own_layers else None
-    d = MTPDrafter(c, max_position, target, make_layer)
+    mask0 = getattr(target, "mtp_mask_position0", True) if own_layers else True
+    d = MTPDrafter(c, max_position, target, make_layer, mask0)
     allow: tuple[str, ...] = ()
     if _own_or_shared(names, prefix + "embed_tokens.weight"):
         d.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
