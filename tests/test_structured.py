@@ -176,3 +176,97 @@ def test_bad_constraints_name_the_field(engines: dict[str, LLM]) -> None:
             ["x"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="([a-")),
             use_tqdm=False,
         )  # fmt: skip
+
+
+def test_masks_per_draft_position_and_commit(family: tuple[str, dict[str, Any]]) -> None:
+    """fill_masks = the masks a fresh matcher gives after each draft prefix; a draft the grammar
+    rejects ends the walk (later slots copy the last mask); commit rolls back rejected drafts
+    and accepts the emitted token; an accepted stop token ends the output."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from specserve.structured.grammar import StructuredOutputs
+    from specserve.structured.matcher import GrammarViolationError
+
+    target, _ = family
+    tok = AutoTokenizer.from_pretrained(target)
+    vocab = len(tok)
+    eos = tok.eos_token_id
+    so = StructuredOutputs(tok, vocab, {eos})
+    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    text = '{"color": "red", "n": 7, "tags": ["red", "blue"]}'
+    ids = [t for t in tok.encode(text) if t not in tok.all_special_ids]
+    assert len(ids) > 6
+
+    ref = xgr.GrammarMatcher(so.compile(params))
+    want = xgr.allocate_token_bitmask(len(ids) + 2, vocab)
+    for j, t in enumerate(ids):
+        ref.fill_next_token_bitmask(want, j)
+        assert ref.accept_token(t)
+    ref.fill_next_token_bitmask(want, len(ids))  # only the stop token is left
+    allowed_end = [t for t in range(vocab) if (want[len(ids), t // 32] >> (t % 32)) & 1]
+    assert allowed_end == [eos]
+
+    g = so.new_request(params)
+    bm = xgr.allocate_token_bitmask(8, vocab)
+    g.fill_masks(ids[:3], bm, 2)  # rows 2..5: slots 0..3
+    assert torch.equal(bm[2:6], want[:4]) and g.num_tentative == 3
+    assert (bm[:2] == -1).all() and (bm[6:] == -1).all()
+
+    def allowed(row: torch.Tensor, t: int) -> bool:
+        return bool((row[t // 32] >> (t % 32)) & 1)
+
+    # Verification accepted d1 and emitted ids[1] in place of d2: 2 tokens kept.
+    assert g.commit([ids[0], ids[1]], 1) == 2
+    g.fill_masks([], bm, 0)
+    assert torch.equal(bm[0], want[2])
+    # A draft the grammar rejects: the walk stops, later slots copy the last mask.
+    bad = next(t for t in range(vocab) if not allowed(want[3], t))
+    g.fill_masks([ids[2], bad, ids[3]], bm, 0)
+    assert g.num_tentative == 1
+    assert torch.equal(bm[:2], want[2:4]) and torch.equal(bm[2], want[3])
+    assert torch.equal(bm[3], want[3])
+    assert g.commit([ids[2], ids[3]], 1) == 2
+    g.fill_masks([bad], bm, 0)
+    with pytest.raises(GrammarViolationError):
+        g.commit([bad, ids[4]], 1)  # more accepted than the grammar allows: a bug, loud
+
+    # A drafted stop token: the output ends at it, whatever verification accepted after it.
+    g2 = so.new_request(params)
+    bm2 = xgr.allocate_token_bitmask(len(ids) + 3, vocab)
+    g2.fill_masks(ids + [eos, ids[0]], bm2, 0)
+    assert g2.num_tentative == len(ids) + 1 and g2.is_terminated
+    assert torch.equal(bm2[: len(ids) + 1], want[: len(ids) + 1])
+    assert torch.equal(bm2[len(ids) + 2], want[len(ids)])
+    assert g2.commit(ids + [eos, ids[0], ids[1]], len(ids) + 2) == len(ids) + 1
+    assert g2.is_terminated
+    # Host drafts (n-gram) cut at the first rejected token; the state is unchanged.
+    g3 = so.new_request(params)
+    assert g3.valid_prefix(ids[:2] + [bad]) == 2 and g3.num_tentative == 0
+    g3.fill_masks([], bm, 0)
+    assert torch.equal(bm[0], want[0])
+
+
+def test_grammar_bitmask_step_matches_xgrammar() -> None:
+    """apply_grammar_bitmask_ on the structured rows of [B, K+1, V] logits = xgrammar's own
+    apply_token_bitmask_inplace over the same rows; other rows untouched."""
+    import xgrammar as xgr
+
+    from specserve.structured.bitmask import GrammarStep, apply_grammar_bitmask_, bitmask_width
+
+    g = torch.Generator().manual_seed(0)
+    B, k1, V = 5, 4, 1000
+    logits = torch.randn(B, k1, V, generator=g)
+    rows = torch.tensor([1, 3])
+    bits = torch.randint(-(2**31), 2**31, (2, k1, bitmask_width(V)), generator=g)
+    mask = bits.to(torch.int32)
+    got = logits.clone()
+    apply_grammar_bitmask_(got, GrammarStep(rows, mask))
+    want = logits.clone().view(B * k1, V)
+    full = torch.full((B * k1, bitmask_width(V)), -1, dtype=torch.int32)
+    idx = [r * k1 + j for r in rows.tolist() for j in range(k1)]
+    full[idx] = mask.view(-1, mask.shape[-1])
+    xgr.apply_token_bitmask_inplace(want, full, indices=idx, vocab_size=V)
+    assert torch.equal(got.view(B * k1, V), want)
+    assert torch.equal(got[[0, 2, 4]], logits[[0, 2, 4]])
+    assert torch.isinf(got[1]).any() and not torch.isinf(got[0]).any()
