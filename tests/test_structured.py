@@ -240,6 +240,10 @@ def test_masks_per_draft_position_and_commit(family: tuple[str, dict[str, Any]])
     assert torch.equal(bm2[len(ids) + 2], want[len(ids)])
     assert g2.commit(ids + [eos, ids[0], ids[1]], len(ids) + 2) == len(ids) + 1
     assert g2.is_terminated
+    # Properties come in the order the schema declares them (not sorted).
+    g4 = so.new_request(StructuredOutputsParams(json={"properties": {"z": {}, "a": {}}}))
+    zfirst = [t for t in tok.encode('{"z": 1, "a": 2}') if t not in tok.all_special_ids]
+    assert g4.valid_prefix(zfirst) == len(zfirst)
     # Host drafts (n-gram) cut at the first rejected token; the state is unchanged.
     g3 = so.new_request(params)
     assert g3.valid_prefix(ids[:2] + [bad]) == 2 and g3.num_tentative == 0

@@ -65,11 +65,11 @@ class StructuredOutputsParams:
         return next(c for c in CONSTRAINTS if getattr(self, c) not in (None, False))
 
     def json_schema_text(self) -> str:
-        """The schema as canonical JSON text (the compile cache's key)."""
+        """The schema as JSON text (xgrammar's compile cache key). NOTE: keys keep their order:
+        properties are generated in the order the schema declares them."""
         if self.json_object:
             return '{"type": "object"}'
-        s = _json.loads(self.json) if isinstance(self.json, str) else self.json
-        return _json.dumps(s, sort_keys=True)
+        return self.json if isinstance(self.json, str) else _json.dumps(self.json)
 
 
 def choice_as_ebnf(choices: list[str]) -> str:
