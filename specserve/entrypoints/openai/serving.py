@@ -119,7 +119,9 @@ class OpenAIServing:
             raise _dead(e) from e
         except Exception as e:  # PromptTooLongError, bad token ids, chat template errors
             # NOTE: adding a request only validates and tokenizes, so any failure is the input's.
-            raise APIError(str(e), param="messages" if prefix == "chatcmpl" else "prompt") from e
+            # (A constraint xgrammar cannot compile names its own field.)
+            param = getattr(e, "param", None) or ("messages" if prefix == "chatcmpl" else "prompt")
+            raise APIError(str(e), param=param) from e
         if req.stream:
             return Stream(self._stream(group, choices, fmt, req.include_usage), group.abort)
         prompt_lens: dict[int, int] = {}
