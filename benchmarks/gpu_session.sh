@@ -23,7 +23,8 @@
 #   bash benchmarks/gpu_session.sh confirm        # decode.py (batch 1, with transformers) twice
 #   bash benchmarks/gpu_session.sh moe            # MoE GPU tests (models, fused-MoE kernels),
 #                                                 # benchmarks/moe.py --quick, then moe_decode.py
-#                                                 # in the time left (it skips what won't fit)
+#                                                 # --quick (batch 1) in the time left (it skips
+#                                                 # the configurations that would not fit)
 #   bash benchmarks/gpu_session.sh moe-decode     # moe_decode.py alone, every configuration
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
@@ -171,8 +172,8 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
       --durations=10 2>&1 | tee "$OUT/gpu_tests_engine.log" | tail -25
     ;;
   moe)
-    # 570 s in all: tests <= 200 s, the kernel benchmark <= 90 s, moe_decode.py the rest (its
-    # --budget-s skips configurations that would not finish; its JSON is saved after each).
+    # 570 s in all: tests <= 200 s, the kernel benchmark <= 90 s, moe_decode.py --quick the rest
+    # (--budget-s: no configuration starts past it; its JSON is saved after each one).
     tests=(tests/test_moe_gpu.py)
     [ -f tests/test_moe_ops.py ] && tests+=(tests/test_moe_ops.py)
     timeout 200 python -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider --durations=8 \
@@ -184,7 +185,7 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
     if [ "$left" -lt 150 ]; then
       echo "moe_decode.py not run: $left s left (run the moe-decode stage)"
     else
-      timeout "$left" python benchmarks/moe_decode.py --budget-s $((left - 90)) 2>&1 \
+      timeout "$left" python benchmarks/moe_decode.py --quick --budget-s $((left - 90)) 2>&1 \
         | grep --line-buffered -v tokenizer | tee "$OUT/moe_decode.log" | tail -30
     fi
     ;;

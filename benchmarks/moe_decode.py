@@ -31,6 +31,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -139,8 +140,8 @@ def log(msg: str) -> None:
 T0 = time.perf_counter()
 
 
-def tiny(cfg: dict, experts_key: str) -> dict:
-    out = {**cfg, **TINY, experts_key: 8}
+def tiny(cfg: dict, experts_key: str | None = None) -> dict:
+    out = {**cfg, **TINY, **({experts_key: 8} if experts_key else {})}
     if "draft_vocab_size" in cfg:
         out.update(num_hidden_layers=1, draft_vocab_size=128)
     return out
@@ -238,6 +239,8 @@ def guarded(label: str, fn: Callable[[], dict], deadline: float, min_s: float) -
         first = (str(e).splitlines() or [""])[0][:160]
         oom = "out of memory" in str(e).lower() or "no GPU memory left" in str(e)
         out = {"status": "OOM" if oom else f"error: {type(e).__name__}: {first}"}
+        if not oom:  # where it failed, for whoever reads the log
+            traceback.print_exc(limit=-8, file=sys.stdout)
     free_memory()
     out["seconds"] = time.perf_counter() - t
     log(f"{label}: {out['status']} ({out['seconds']:.0f} s)")
@@ -474,8 +477,7 @@ def main() -> None:
     smoke = args.cpu_smoke
     qwen = tiny(QWEN3_30B_A3B, "num_experts") if smoke else dict(QWEN3_30B_A3B)
     glm = tiny(GLM45_AIR, "n_routed_experts") if smoke else dict(GLM45_AIR)
-    head = tiny(QWEN3_MOE_EAGLE3, "num_experts") if smoke else dict(QWEN3_MOE_EAGLE3)
-    head.pop("num_experts", None)
+    head = tiny(QWEN3_MOE_EAGLE3) if smoke else dict(QWEN3_MOE_EAGLE3)
     notes = []
     if not smoke:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
