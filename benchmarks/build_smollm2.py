@@ -67,7 +67,7 @@ def build_smollm2(args: argparse.Namespace, pack: Callable[..., dict[str, Any]])
         max_tokens=16 if args.num_prompts else 384,
         sampled=3,
         device=args.device,
-        dtype="bfloat16",
+        dtype="bfloat16" if args.device.startswith("cuda") else "float32",
         max_num_seqs=256,
         max_model_len=640,
         max_num_batched_tokens=16384,
@@ -101,7 +101,8 @@ def build_smollm2(args: argparse.Namespace, pack: Callable[..., dict[str, Any]])
     from specserve import LLM, SamplingParams
 
     spec = {"method": "eagle3", "model": head_dir, "num_speculative_tokens": 3}
-    llm = LLM(target, device=args.device, dtype="bfloat16", speculative_config=spec)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"  # CPU smoke runs
+    llm = LLM(target, device=args.device, dtype=dtype, speculative_config=spec)
     sp = SamplingParams(temperature=0.0, max_tokens=128)
     llm.generate([{"prompt_token_ids": p} for p in eval_prompts], sp, use_tqdm=False)
     m = llm.get_metrics()
