@@ -38,26 +38,25 @@ def make_moe(
     """(x, w13, w2, topk_weights, topk_ids) with softmax top-k routing over random logits.
     routing "idle": only experts 1, 4 and 6 (mod E) can be chosen, the rest get no tokens;
     "same": every token picks the same top_k experts."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    w13 = torch.randn(E, 2 * inter, H, generator=g) / H**0.5
-    w2 = torch.randn(E, H, inter, generator=g) / inter**0.5
-    logits = torch.randn(T, E, generator=g)
+    g = torch.Generator(device).manual_seed(seed)  # on the device: the GPU shapes are large
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device)
+
+    x = randn(T, H)
+    w13 = randn(E, 2 * inter, H) / H**0.5
+    w2 = randn(E, H, inter) / inter**0.5
+    logits = randn(T, E)
     if routing == "idle":
-        allowed = torch.zeros(E, dtype=torch.bool)
+        allowed = torch.zeros(E, dtype=torch.bool, device=device)
         allowed[[1 % E, 4 % E, 6 % E]] = True
         logits = logits.masked_fill(~allowed, float("-inf"))
     elif routing == "same":
-        logits = torch.arange(E, dtype=torch.float32).expand(T, E) + 0.1 * logits.abs()
+        logits = torch.arange(E, dtype=torch.float32, device=device) + 0.1 * logits.abs()
     topk_weights, topk_ids = logits.softmax(-1).topk(top_k, dim=-1)
     if routing == "same":
         assert (topk_ids == topk_ids[0]).all()
-    tensors = (x, w13, w2)
-    return (
-        *(t.to(device=device, dtype=dtype) for t in tensors),
-        topk_weights.to(device),
-        topk_ids.to(device=device, dtype=torch.int32),
-    )
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), topk_weights, topk_ids.to(torch.int32)
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor) -> None:

@@ -77,7 +77,9 @@ def gemm_config(num_pairs: int, num_experts: int) -> GemmConfig:
     return next(cfg for bound, cfg in GEMM_CONFIGS if per_expert <= bound)
 
 
-@triton.jit
+# NOTE: token-count arguments are not specialized (Triton would compile a variant for 1 and for
+# multiples of 16), so every batch size a graph captures shares one compiled kernel.
+@triton.jit(do_not_specialize=["P"])
 def _moe_align_kernel(
     topk_ids_ptr,
     sorted_ids_ptr,
@@ -123,7 +125,7 @@ def _moe_align_kernel(
     tl.store(sorted_ids_ptr + pad, tl.zeros([BLOCK_M], dtype=tl.int32) + P, mask=pad < end)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "num_pid_m"])
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -208,7 +210,7 @@ def _moe_sum_kernel(
     tl.store(out_ptr + t * H + h, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=h < H)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _moe_decode_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -256,7 +258,7 @@ def _moe_decode_gate_up_kernel(
     tl.store(out, y.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _moe_decode_down_kernel(
     inter_ptr,
     w_ptr,
@@ -328,7 +330,7 @@ def moe_align(
         num_post_pad,
         P,
         BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_P=min(1024, triton.next_power_of_2(P)),
+        BLOCK_P=1024,  # one compiled kernel for every P
         BLOCK_M=block_m,
     )
     return sorted_ids, expert_ids, num_post_pad
