@@ -213,12 +213,16 @@ def test_moe_kernels_compile_for_sm90() -> None:
             assert ("wgmma" if bm >= 64 else "mma.sync") in ptx
     for kernel, (bn, bk, warps), extra in (
         (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, {}),
-        (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, {"BLOCK_TOPK": 8}),
+        (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, dict(BLOCK_TOPK=8, PRELOAD=False)),
+        (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, dict(BLOCK_TOPK=8, PRELOAD=True)),
     ):
-        for pdl in (True, False):
+        preload = extra.get("PRELOAD", False)
+        for pdl in (True, False) if not preload else (True,):  # preloading is a PDL launch
             ptx = _compile(kernel, dict(BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, **extra), warps)
             assert ("griddepcontrol.wait" in ptx) == pdl
             assert ("griddepcontrol.launch_dependents" in ptx) == pdl
+            if pdl:  # only down's preload (routing, first weight tile) loads before the wait
+                assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -268,3 +272,17 @@ def test_moe_cuda_graph_replay(T: int) -> None:
             eager = fused_moe(x, w13, w2, tw, ids)
             assert torch.equal(out, eager)
             _check(out, fused_moe_ref(x, w13, w2, tw, ids))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_moe_pdl_on_off_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode kernels launched with PDL (down preloading its first weight tile) compute
+    exactly what plain launches do."""
+    from specserve.ops import pdl
+
+    args = make_moe(4, 32, 512, 256, 4, torch.bfloat16, device="cuda", seed=4)
+    with torch.inference_mode():
+        with_pdl = fused_moe(*args, path="decode")
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        assert torch.equal(fused_moe(*args, path="decode"), with_pdl)

@@ -61,7 +61,8 @@ DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 )
 # Grouped GEMM configs: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), by the
 # mean pairs per expert (P / E; bounds inclusive). Chosen after vLLM's tuned H100 table for
-# E=128, N=768 (BLOCK_N halved for gate_up: its SiLU epilogue keeps gate and up accumulators).
+# E=128, N=768; one config serves both GEMMs (gate_up reads twice BLOCK_N weight columns a
+# step: its SiLU epilogue needs gate and up accumulators).
 GemmConfig = tuple[int, int, int, int, int, int]
 GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     (4.0, (16, 64, 128, 1, 4, 3)),
@@ -258,6 +259,12 @@ def _moe_decode_gate_up_kernel(
     tl.store(out, y.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _down_tile(w_rows, rows_ok, k, K):
+    """[BLOCK_TOPK, BLOCK_N, BLOCK_K]: the chosen experts' weight rows at columns k."""
+    return tl.load(w_rows + k[None, None, :], mask=rows_ok & (k < K)[None, None, :], other=0.0)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _moe_decode_down_kernel(
     inter_ptr,
@@ -277,8 +284,13 @@ def _moe_decode_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):
     # out[t, n] = sum_j topk_weights[t, j] * W2[e_j, n] @ inter[t * top_k + j].
+    # PRELOAD (under PDL): the routing and the first weight tile are loaded before waiting for
+    # the gate_up kernel, so this kernel's weight stream starts during gate_up's tail. Safe
+    # because the routing was written before gate_up started (it is gate_up's input too) and
+    # gate_up lets this kernel launch only after its own wait; only inter needs the wait.
     pid = tl.program_id(0)
     t = pid % T
     n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -286,19 +298,25 @@ def _moe_decode_down_kernel(
     j = tl.arange(0, BLOCK_TOPK)
     j_ok = j < top_k
     pair = t * top_k + j
-    pdl.wait(PDL)
+    k = tl.arange(0, BLOCK_K)
+    if not PRELOAD:
+        pdl.wait(PDL)
     expert = tl.load(topk_ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
     route_w = tl.load(topk_w_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
-    # [BLOCK_TOPK, BLOCK_N, 1] row starts; [BLOCK_TOPK, 1] inter rows
+    # [BLOCK_TOPK, BLOCK_N, 1] row starts
     w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     rows_ok = j_ok[:, None, None] & n_ok[None, :, None]
+    w = _down_tile(w_rows, rows_ok, k, K)
+    if PRELOAD:
+        pdl.wait(PDL)
+    # [BLOCK_TOPK, 1] inter rows
     h_rows = inter_ptr + pair.to(tl.int64)[:, None] * stride_im
-    acc = tl.zeros([BLOCK_TOPK, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
+    acc = tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, None, :], mask=rows_ok & k_ok[None, None, :], other=0.0)
-        h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _down_tile(w_rows, rows_ok, k, K)
+        h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
     pdl.trigger(PDL)
     y = tl.sum(acc * route_w[:, None], axis=0)
@@ -450,7 +468,8 @@ def fused_moe_decode(
     _moe_decode_down_kernel[(T * triton.cdiv(H, dn),)](
         inter, w2, topk_ids, topk_weights, out, H, inter_size, T, top_k,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk, num_warps=dw, **kw,
+        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk, num_warps=dw,
+        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, **kw,
     )  # fmt: skip
     return out
 
