@@ -105,6 +105,21 @@ def test_moe_triton_matches_reference(T: int, routing: str, path: str, dtype: to
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+def test_moe_triton_strided_input_and_int64_ids(path: str) -> None:
+    """x a column slice of a wider tensor (row stride != H), ids int64 as routers return them."""
+    from specserve.ops.moe_triton import fused_moe_triton
+
+    x, w13, w2, tw, ids = make_moe(5, E=8, H=64, inter=32, top_k=2, dtype=torch.float32)
+    wide = torch.cat([x, torch.randn_like(x)], dim=1)[:, :64]
+    assert wide.stride(0) == 128
+    out = fused_moe_triton(wide, w13, w2, tw, ids.long(), path=path)
+    _check(out, fused_moe_ref(x, w13, w2, tw, ids))
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("routing", ["random", "idle", "same"])
 @pytest.mark.parametrize("E, block_m", [(8, 16), (6, 4), (5, 64)])
 def test_moe_align(routing: str, E: int, block_m: int) -> None:

@@ -436,7 +436,7 @@ def fused_moe_gemm(
     _gemm(x, w13, inter, align, topk_weights, top_k, True, config)
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
     _gemm(inter, w2, y, align, topk_weights, 1, False, config)
-    out = torch.empty_like(x)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)  # the sum writes rows of H
     block_h = 1024
     _moe_sum_kernel[(T, triton.cdiv(H, block_h))](
         y, out, H, top_k, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_H=block_h
@@ -464,7 +464,7 @@ def fused_moe_decode(
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, **kw,
     )  # fmt: skip
-    out = torch.empty_like(x)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     _moe_decode_down_kernel[(T * triton.cdiv(H, dn),)](
         inter, w2, topk_ids, topk_weights, out, H, inter_size, T, top_k,
         inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
