@@ -181,7 +181,14 @@ MOE_TYPES = {
 }
 
 
-def _compile(kernel, consts: dict, num_warps: int = 4, num_stages: int = 3) -> str:
+def _compile(
+    kernel,
+    consts: dict,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    types: dict | None = None,
+    compiled_out: list | None = None,
+) -> str:
     """PTX for sm_90, pointers, strides, N and K specialized as multiples of 16 as at run time
     for the real shapes; asserts the cubin keeps every value in registers (no local memory:
     spills would cost the bandwidth these kernels exist for)."""
@@ -197,11 +204,12 @@ def _compile(kernel, consts: dict, num_warps: int = 4, num_stages: int = 3) -> s
         for n in kernel.arg_names
         if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")
     )
-    out: list = []
-    ptx = compile_sm90(kernel, consts, num_warps, num_stages, MOE_TYPES, aligned, out)
+    out = compiled_out if compiled_out is not None else []
+    types = {**MOE_TYPES, **(types or {})}
+    ptx = compile_sm90(kernel, consts, num_warps, num_stages, types, aligned, out)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(out[0].asm["cubin"])
+        f.write(out[-1].asm["cubin"])
         f.flush()
         usage = subprocess.run(
             [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True
@@ -219,12 +227,25 @@ def test_moe_kernels_compile_for_sm90() -> None:
 
     _compile(mt._moe_align_kernel, dict(BLOCK_E=128, BLOCK_P=1024, BLOCK_M=16))
     _compile(mt._moe_sum_kernel, dict(BLOCK_TOPK=8, BLOCK_H=1024))
-    for silu in (True, False):
-        for cfg in (mt.GEMM_CONFIGS[0][1], mt.GEMM_CONFIGS[-1][1]):
-            bm, bn, bk, group, warps, stages = cfg
-            consts = dict(SILU_MUL=silu, MUL_WEIGHT=not silu, BLOCK_M=bm, BLOCK_N=bn)
-            consts.update(BLOCK_K=bk, GROUP_M=group, DOT_PRECISION="tf32")
-            ptx = _compile(mt._moe_gemm_kernel, consts, warps, stages)
+    # gate_up (SILU_MUL) at every token density in 16 and 32 bits, down at the extremes: fits
+    # the H100's shared memory (227 KB a block), runs on tensor cores where 16-bit.
+    gemm_cases = [
+        (silu, per_expert, dtype)
+        for per_expert in (1, 16, 1000)
+        for dtype in ("bf16", "fp32")
+        for silu in (True, False)
+        if silu or (dtype == "bf16" and per_expert != 16)
+    ]
+    for silu, per_expert, dtype in gemm_cases:
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        bm, bn, bk, group, warps, stages = mt.gemm_config(per_expert * 8, 8, torch_dtype)
+        consts = dict(SILU_MUL=silu, MUL_WEIGHT=not silu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        consts.update(GROUP_M=group, DOT_PRECISION="tf32" if dtype == "bf16" else "ieee")
+        types = {name: f"*{dtype}" for name in ("a_ptr", "w_ptr", "c_ptr")}
+        out: list = []
+        ptx = _compile(mt._moe_gemm_kernel, consts, warps, stages, types, out)
+        assert out[0].metadata.shared <= 227 * 1024, (consts, out[0].metadata.shared)
+        if dtype == "bf16":
             assert ("wgmma" if bm >= 64 else "mma.sync") in ptx
     for kernel, (bn, bk, warps), extra in (
         (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, {}),
