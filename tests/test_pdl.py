@@ -39,21 +39,33 @@ TYPES = {
 
 
 def compile_sm90(
-    kernel, constexprs: dict, num_warps: int = 4, num_stages: int = 2, types: dict | None = None
+    kernel,
+    constexprs: dict,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    types: dict | None = None,
+    divisible_by_16: tuple[str, ...] = (),
+    compiled_out: list | None = None,
 ) -> str:
     """PTX of `kernel` compiled for sm_90 with PDL launch, given all its constexprs (and
-    argument types where TYPES and the defaults do not fit)."""
-    sig = {}
-    for name in kernel.arg_names:
+    argument types where TYPES and the defaults do not fit). `divisible_by_16`: arguments
+    compiled as multiples of 16 (16-byte aligned pointers), as Triton specializes them at run
+    time; without it wide tiles compile to scalar loads. `compiled_out` receives the kernel."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
         else:
             default = TYPES.get(name, "*bf16" if name.endswith("_ptr") else "i32")
             sig[name] = (types or {}).get(name, default)
-    src = ASTSource(kernel, sig, constexprs=constexprs)
+            if name in divisible_by_16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True}
     compiled = triton.compile(src, target=SM90, options=opts)
     assert compiled.asm["cubin"], "no cubin"
+    if compiled_out is not None:
+        compiled_out.append(compiled)
     return compiled.asm["ptx"]
 
 

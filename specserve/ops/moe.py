@@ -5,15 +5,19 @@ choice (`topk_ids`, `topk_weights`) and runs the chosen SwiGLU experts:
 
     out[t] = sum_j topk_weights[t, j] * W2[e] @ (silu(W1[e] x[t]) * W3[e] x[t]),  e = topk_ids[t, j]
 
-`fused_moe` dispatches to Triton on CUDA tensors outside autograd (ops/moe_triton.py, when it
-exists) and to `fused_moe_ref` elsewhere; the reference is what CPU and interpreter tests
-compare the kernels against.
+`fused_moe` dispatches to Triton on CUDA tensors outside autograd (ops/moe_triton.py: decode
+kernels for a few tokens, a grouped GEMM over expert-sorted pairs above) and to `fused_moe_ref`
+elsewhere; the reference is what CPU and interpreter tests compare the kernels against.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specserve.ops.fused import _use_triton
+
+PATHS = ("auto", "decode", "gemm")  # which Triton kernels fused_moe runs (CUDA)
 
 
 def fused_moe_ref(
@@ -60,5 +64,16 @@ def fused_moe(
     topk_weights: torch.Tensor,
     # [num_tokens, top_k]
     topk_ids: torch.Tensor,
+    *,
+    path: str = "auto",
 ) -> torch.Tensor:
+    """[num_tokens, hidden] in x's dtype. `path` picks the Triton kernels ("auto": decode
+    kernels up to moe_triton.DECODE_MAX_TOKENS tokens, the grouped GEMM above; "decode";
+    "gemm"); the reference ignores it."""
+    if path not in PATHS:
+        raise ValueError(f"fused_moe path must be one of {', '.join(PATHS)}; got {path!r}")
+    if _use_triton(x):
+        from specserve.ops.moe_triton import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, path=path)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,226 @@
+"""fused_moe alone (ops/moe_triton.py) at Qwen3-30B-A3B and GLM-4.5-Air expert shapes, bf16.
+
+Per model and token count T (random softmax top-k routing): the Triton op's time per layer in a
+CUDA graph that runs it over LAYERS layers of distinct weights and routings (so the experts
+stream from HBM as in a forward, not from L2), the bytes of the distinct experts the batch
+chose divided by that time as a share of the device-to-device copy bandwidth measured in this
+run (the floor of issue 18), both Triton paths where both make sense (decode kernels, grouped
+GEMM), and the torch reference (`fused_moe_ref`: per-expert F.linear, eager) for comparison.
+Every result is checked against the reference before it is timed; a mismatch stops the run.
+`--sweep` also times each decode launch config (ops/moe_triton.py DECODE_*_CONFIGS, T <= 16)
+and each grouped-GEMM config (T >= 16) and reports the fastest.
+
+    python benchmarks/moe.py [--quick] [--sweep]     # table last; writes $OUT/moe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode import copy_bandwidth  # noqa: E402
+
+# name: (hidden H, moe_intermediate_size I, experts E, top_k)
+MODELS = {
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "glm-4.5-air": (4096, 1408, 128, 8),
+}
+TOKENS = (1, 2, 4, 8, 16, 64, 512)
+QUICK_TOKENS = (1, 8, 64)
+LAYERS = 4  # distinct weight sets a graph cycles through: 4.8 GB (Qwen3) / 17.7 GB (GLM)
+DEVICE = "cuda"
+
+
+def graph_us(fn: Callable[[], object], replays: int = 20) -> float:
+    """Median microseconds of one replay of `fn` captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):  # compiles outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(replays + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del g
+    return sorted(times[3:])[len(times[3:]) // 2]
+
+
+def eager_us(fn: Callable[[], object], reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return sorted(times)[reps // 2]
+
+
+def over_layers(
+    call: Callable[..., torch.Tensor], xs: list, weights: list, routes: list
+) -> Callable[[], None]:
+    """One call per layer: its input, its (w13, w2), its (topk_weights, topk_ids)."""
+
+    def fn() -> None:
+        for x, w, r in zip(xs, weights, routes):
+            call(x, *w, *r)
+
+    return fn
+
+
+def routing(T: int, E: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    logits = torch.randn(T, E, generator=gen, device=DEVICE)
+    w, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    return w, ids.to(torch.int32)
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    if not err < 2e-2:
+        raise SystemExit(f"MISMATCH {what}: relative error {err:.3e} against fused_moe_ref")
+
+
+def bench_model(name: str, tokens: tuple[int, ...], layers: int, sweep: bool, bw: float) -> list:
+    from specserve.ops import moe_triton as mt
+    from specserve.ops.moe import fused_moe, fused_moe_ref
+
+    H, inter, E, top_k = MODELS[name]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        x = torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        return x.mul_(scale)
+
+    weights = [
+        (randn(E, 2 * inter, H, scale=H**-0.5), randn(E, H, inter, scale=inter**-0.5))
+        for _ in range(layers)
+    ]
+    expert_bytes = 2 * (3 * inter * H)  # w13 + w2 rows of one expert, bf16
+    rows = []
+    for T in tokens:
+        xs = [randn(T, H) for _ in range(layers)]
+        routes = [routing(T, E, top_k, gen) for _ in range(layers)]
+        distinct = sum(len(torch.unique(ids)) for _, ids in routes) / layers
+        floor_bytes = distinct * expert_bytes
+
+        with torch.inference_mode():
+            refs = [fused_moe_ref(x, *w, *r) for x, w, r in zip(xs, weights, routes)]
+            paths = ("decode", "gemm") if T <= 64 else ("gemm",)
+            us = {}
+            for path in paths:
+                for x, w, r, ref in zip(xs, weights, routes, refs):
+                    check(fused_moe(x, *w, *r, path=path), ref, f"{name} T={T} {path}")
+                call = functools.partial(fused_moe, path=path)
+                us[path] = graph_us(over_layers(call, xs, weights, routes)) / layers
+            auto = "decode" if T <= mt.DECODE_MAX_TOKENS else "gemm"
+            x, w, r = xs[0], weights[0], routes[0]
+            ref_us = eager_us(lambda x=x, w=w, r=r: fused_moe_ref(x, *w, *r))
+            row = {
+                "model": name,
+                "T": T,
+                "distinct_experts": distinct,
+                "weight_MB": floor_bytes / 1e6,
+                "us": us[auto],
+                "path": auto,
+                "decode_us": us.get("decode"),
+                "gemm_us": us["gemm"],
+                "pct_of_copy_bw": 100 * floor_bytes / (us[auto] * 1e-6) / bw,
+                "ref_us": ref_us,
+            }
+            if sweep:
+                row.update(sweep_configs(xs, weights, routes, refs, T, layers))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def sweep_configs(xs: list, weights: list, routes: list, refs: list, T: int, layers: int) -> dict:
+    """The fastest decode config pair (T <= 16) and grouped-GEMM config (T >= 16)."""
+    from specserve.ops import moe_triton as mt
+
+    def timed(call: Callable[..., torch.Tensor]) -> float:
+        for x, w, r, ref in zip(xs, weights, routes, refs):
+            check(call(x, *w, *r), ref, f"T={T} sweep")
+        return graph_us(over_layers(call, xs, weights, routes)) / layers
+
+    found = {}
+    if T <= 16:
+        pairs = {(g, mt.DECODE_DOWN_CONFIG) for g in mt.DECODE_GATE_UP_CONFIGS}
+        pairs |= {(mt.DECODE_GATE_UP_CONFIG, d) for d in mt.DECODE_DOWN_CONFIGS}
+        times = {
+            p: timed(lambda *a, p=p: mt.fused_moe_decode(*a, configs=p)) for p in sorted(pairs)
+        }
+        best = min(times, key=times.get)
+        found.update(best_decode_config=best, best_decode_us=times[best])
+    if T >= 16:
+        times = {
+            c: timed(lambda *a, c=c: mt.fused_moe_gemm(*a, config=c)) for _, c in mt.GEMM_CONFIGS
+        }
+        best = min(times, key=times.get)
+        found.update(best_gemm_config=best, best_gemm_us=times[best])
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS}, 2 layers")
+    p.add_argument("--sweep", action="store_true", help="also time every launch config")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
+    args = p.parse_args()
+    t0 = time.time()
+    tokens = QUICK_TOKENS if args.quick else TOKENS
+    layers = 2 if args.quick else LAYERS
+    bw = copy_bandwidth(1 << 30, rounds=5)
+    rows = []
+    for name in args.models.split(","):
+        rows += bench_model(name, tokens, layers, args.sweep, bw)
+        torch.cuda.empty_cache()  # the model's weights are gone
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_bw_GBs": bw / 1e9,
+        "layers": layers,
+        "seconds": time.time() - t0,
+        "rows": rows,
+    }
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "moe.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    print("us: fused_moe per layer in a CUDA graph; % bw: distinct experts' bytes / us / copy bw")
+    head = f"{'model':>14} {'T':>4} {'experts':>7} {'MB':>6} {'path':>6} {'us':>8} {'% bw':>6}"
+    print(head + f" {'decode us':>9} {'gemm us':>8} {'torch ref us':>12}")
+    for r in rows:
+        dec = f"{r['decode_us']:9.1f}" if r["decode_us"] is not None else f"{'-':>9}"
+        print(
+            f"{r['model']:>14} {r['T']:>4} {r['distinct_experts']:>7.1f} {r['weight_MB']:>6.0f} "
+            f"{r['path']:>6} {r['us']:>8.1f} {r['pct_of_copy_bw']:>5.1f}% {dec} "
+            f"{r['gemm_us']:>8.1f} {r['ref_us']:>12.0f}"
+        )
+        if "best_decode_config" in r:
+            print(f"{'':>20} best decode {r['best_decode_config']}: {r['best_decode_us']:.1f} us")
+        if "best_gemm_config" in r:
+            print(f"{'':>20} best gemm {r['best_gemm_config']}: {r['best_gemm_us']:.1f} us")
+    print(f"({result['seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,519 @@
+"""Triton kernels of `fused_moe` (ops/moe.py): CUDA, inference only, CUDA-graph capturable.
+
+Two paths, chosen by the token count (known on the host, so one captured graph holds one path):
+
+Decode (T <= DECODE_MAX_TOKENS): no sorting, no padding. Decode is a stream of expert weights,
+so the kernels are gemv-like (ops/gemv.py): each program owns a few weight rows and walks K in
+long contiguous tiles, the few activation rows come from L2.
+  `_moe_decode_gate_up_kernel`  program (pair, column block) -> inter[pair] = silu(g) * u
+  `_moe_decode_down_kernel`     program (token, column block): the token's top_k experts' rows
+                                as one [top_k, BLOCK_N, BLOCK_K] tile a K step, weighted by the
+                                routing weights and summed in registers: the sum over top_k is
+                                fused, in a fixed order (deterministic, no atomics).
+  Pairs (tokens) are the fastest grid index, so the programs reading one column block of an
+  expert chosen twice in a batch run side by side: the second read comes from L2, and HBM
+  traffic is the distinct experts' bytes.
+
+Grouped GEMM (prefill and verification batches):
+  `_moe_align_kernel`  the (token, k) pairs grouped by expert (stable), each expert's segment
+                       padded to BLOCK_M with the sentinel P, the expert of every BLOCK_M
+                       block, and the padded total (vLLM's moe_align_block_size).
+  `_moe_gemm_kernel`   per (block, column block): rows gathered through the sorted pair ids,
+                       tl.dot over K with the expert's weights; gate_up with the SiLU-and-mul
+                       epilogue -> inter [P, I]; down with the routing weight -> y [P, H].
+  `_moe_sum_kernel`    out[t] = sum_j y[t * top_k + j], in fp32.
+  Buffers and grids are sized by the worst case, P + min(E, P) * (BLOCK_M - 1) padded rows;
+  programs past the padded total (read on the device) return at once: no host sync.
+
+Rounding: products accumulate in fp32; inter and y are rounded to the model dtype once each
+(the reference rounds after each linear, so 16-bit results differ by an ulp or so).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from specserve.ops import pdl
+
+DECODE_MAX_TOKENS = 8
+# Decode launch configs: (BLOCK_N, BLOCK_K, num_warps). gate_up: a [BLOCK_N, BLOCK_K] gate
+# and up tile per K step (the dense gemv's shape); down: [top_k, BLOCK_N, BLOCK_K], so a small
+# BLOCK_N still keeps top_k * BLOCK_N * BLOCK_K weights in flight and gives H / BLOCK_N
+# programs per token. benchmarks/moe.py --sweep times the alternatives.
+DecodeConfig = tuple[int, int, int]
+DECODE_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)
+DECODE_DOWN_CONFIG: DecodeConfig = (4, 256, 4)
+DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
+    (4, 512, 4),
+    (8, 512, 4),
+    (8, 1024, 4),
+    (16, 256, 4),
+    (16, 512, 8),
+)
+DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
+    (2, 256, 4),
+    (4, 256, 4),
+    (4, 128, 2),
+    (8, 128, 4),
+    (8, 256, 8),
+)
+# Grouped GEMM configs: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), by the
+# mean pairs per expert (P / E; bounds inclusive). Chosen after vLLM's tuned H100 table for
+# E=128, N=768; one config serves both GEMMs (gate_up reads twice BLOCK_N weight columns a
+# step: its SiLU epilogue needs gate and up accumulators).
+GemmConfig = tuple[int, int, int, int, int, int]
+GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
+    (4.0, (16, 64, 128, 1, 4, 3)),
+    (16.0, (16, 128, 128, 1, 4, 3)),
+    (48.0, (32, 128, 64, 8, 4, 3)),
+    (96.0, (64, 128, 64, 8, 4, 3)),
+    (float("inf"), (128, 128, 64, 8, 8, 3)),
+)
+
+
+def gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> GemmConfig:
+    per_expert = num_pairs / num_experts
+    bm, bn, bk, group, warps, stages = next(c for b, c in GEMM_CONFIGS if per_expert <= b)
+    if dtype == torch.float32:
+        # NOTE: float32 tiles take twice the shared memory (gate_up at (16, 128, 128) would
+        # need 272 KB of the H100's 227) and registers (spills at BLOCK_M 128): halve N and K.
+        return bm, bn // 2, bk // 2, group, warps, stages
+    return bm, bn, bk, group, warps, stages
+
+
+# NOTE: token-count arguments are not specialized (Triton would compile a variant for 1 and for
+# multiples of 16), so every batch size a graph captures shares one compiled kernel.
+@triton.jit(do_not_specialize=["P"])
+def _moe_align_kernel(
+    topk_ids_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_pad_ptr,
+    P,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    # Program e places expert e's pairs. Each program counts every expert's pairs itself (P
+    # ids from L2, cheap next to the GEMMs), so the segment offsets need no second launch and
+    # no atomics, and each segment keeps the pairs' order: deterministic.
+    e = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        ids = tl.load(topk_ids_ptr + p, mask=p < P, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=p < P)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    mine = experts == e
+    end = tl.sum(tl.where(mine, ends, 0), 0)
+    count = tl.sum(tl.where(mine, counts, 0), 0)
+    start = end - tl.sum(tl.where(mine, padded, 0), 0)
+    if e == 0:
+        tl.store(num_post_pad_ptr, tl.sum(padded, 0))
+    # This expert's blocks.
+    for b0 in range(start // BLOCK_M, end // BLOCK_M, BLOCK_P):
+        b = b0 + tl.arange(0, BLOCK_P)
+        tl.store(
+            expert_ids_ptr + b, tl.zeros([BLOCK_P], dtype=tl.int32) + e, mask=b < end // BLOCK_M
+        )
+    # Its pairs, in order, then the sentinel P over the segment's padding.
+    pos = start
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        hit = (tl.load(topk_ids_ptr + p, mask=p < P, other=-1) == e).to(tl.int32)
+        tl.store(sorted_ids_ptr + pos + tl.cumsum(hit, 0) - 1, p, mask=hit != 0)
+        pos += tl.sum(hit, 0)
+    pad = start + count + tl.arange(0, BLOCK_M)
+    tl.store(sorted_ids_ptr + pad, tl.zeros([BLOCK_M], dtype=tl.int32) + P, mask=pad < end)
+
+
+@triton.jit(do_not_specialize=["P", "num_pid_m"])
+def _moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_pad_ptr,
+    topk_w_ptr,
+    N,
+    K,
+    P,
+    num_pid_m,
+    a_div,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_cm,
+    SILU_MUL: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # c[pair, n] = (a[pair // a_div] @ W[e, n, :]^T) for the pairs of one expert's block.
+    # gate_up: a = x, a_div = top_k, W = w13 and c = silu(gate) * up (columns n and N + n);
+    # down: a = inter, a_div = 1, W = w2, c = routing weight * product.
+    # Grouped order: GROUP_M consecutive blocks share a column block, so the blocks of one
+    # expert read its weight tile from L2 after the first.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < P
+    a_rows = a_ptr + (pair // a_div).to(tl.int64)[:, None] * stride_am
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_cols = w_ptr + expert * stride_we + n.to(tl.int64)[None, :] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & n_ok[None, :]
+        w = tl.load(w_cols + k[:, None], mask=w_ok, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            w_up = tl.load(w_cols + N * stride_wn + k[:, None], mask=w_ok, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+    if SILU_MUL:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(
+    y_ptr,
+    out_ptr,
+    H,
+    top_k,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.arange(0, BLOCK_TOPK)
+    rows = (t * top_k + j)[:, None] * H
+    ok = (j < top_k)[:, None] & (h < H)[None, :]
+    y = tl.load(y_ptr + rows + h[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + h, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=h < H)
+
+
+@triton.jit(do_not_specialize=["P"])
+def _moe_decode_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    topk_ids_ptr,
+    inter_ptr,
+    N,
+    K,
+    P,
+    top_k,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_im,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # inter[pair, n] = silu(W13[e, n] @ x[t]) * (W13[e, N + n] @ x[t]), e = topk_ids[pair].
+    pid = tl.program_id(0)
+    pair = pid % P
+    n = (pid // P) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    # The expert id is the router's output (the previous kernel): nothing to preload.
+    pdl.wait(PDL)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
+    gate_rows = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + N * stride_wn
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        tile_ok = n_ok[:, None] & k_ok[None, :]
+        gate = tl.load(gate_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        up = tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.sum(gate * xk, axis=1)
+        acc_up += tl.sum(up * xk, axis=1)
+    # After the weight stream, as the dense gemv: the successor takes no SM slots from this
+    # kernel's later waves.
+    pdl.trigger(PDL)
+    y = acc / (1.0 + tl.exp(-acc)) * acc_up
+    out = inter_ptr + pair.to(tl.int64) * stride_im + n
+    tl.store(out, y.to(inter_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _down_tile(w_rows, rows_ok, k, K):
+    """[BLOCK_TOPK, BLOCK_N, BLOCK_K]: the chosen experts' weight rows at columns k."""
+    return tl.load(w_rows + k[None, None, :], mask=rows_ok & (k < K)[None, None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _moe_decode_down_kernel(
+    inter_ptr,
+    w_ptr,
+    topk_ids_ptr,
+    topk_w_ptr,
+    out_ptr,
+    N,
+    K,
+    T,
+    top_k,
+    stride_im,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PRELOAD: tl.constexpr,
+):
+    # out[t, n] = sum_j topk_weights[t, j] * W2[e_j, n] @ inter[t * top_k + j].
+    # PRELOAD (under PDL): the routing and the first weight tile are loaded before waiting for
+    # the gate_up kernel, so this kernel's weight stream starts during gate_up's tail. Safe
+    # because the routing was written before gate_up started (it is gate_up's input too) and
+    # gate_up lets this kernel launch only after its own wait; only inter needs the wait.
+    pid = tl.program_id(0)
+    t = pid % T
+    n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    j = tl.arange(0, BLOCK_TOPK)
+    j_ok = j < top_k
+    pair = t * top_k + j
+    k = tl.arange(0, BLOCK_K)
+    if not PRELOAD:
+        pdl.wait(PDL)
+    expert = tl.load(topk_ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
+    route_w = tl.load(topk_w_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
+    # [BLOCK_TOPK, BLOCK_N, 1] row starts
+    w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
+    rows_ok = j_ok[:, None, None] & n_ok[None, :, None]
+    w = _down_tile(w_rows, rows_ok, k, K)
+    if PRELOAD:
+        pdl.wait(PDL)
+    # [BLOCK_TOPK, 1] inter rows
+    h_rows = inter_ptr + pair.to(tl.int64)[:, None] * stride_im
+    h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
+    acc = tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = _down_tile(w_rows, rows_ok, k, K)
+        h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
+    pdl.trigger(PDL)
+    y = tl.sum(acc * route_w[:, None], axis=0)
+    out = out_ptr + t.to(tl.int64) * stride_om + n
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def moe_align(
+    # [num_tokens, top_k]
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_ids [max_padded] int32: pair indices t * top_k + j grouped by expert in pair
+    order, each group padded to a multiple of block_m with P = topk_ids.numel();
+    expert_ids [max_padded / block_m] int32: the expert of each block; num_post_pad [1] int32:
+    the padded total). Entries past num_post_pad are unwritten."""
+    P = topk_ids.numel()
+    max_padded = P + min(num_experts, P) * (block_m - 1)
+    max_padded = triton.cdiv(max_padded, block_m) * block_m
+    dev = topk_ids.device
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_padded // block_m, dtype=torch.int32, device=dev)
+    num_post_pad = torch.empty(1, dtype=torch.int32, device=dev)
+    _moe_align_kernel[(num_experts,)](
+        topk_ids.reshape(-1),
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        P,
+        BLOCK_E=triton.next_power_of_2(num_experts),
+        BLOCK_P=1024,  # one compiled kernel for every P
+        BLOCK_M=block_m,
+    )
+    return sorted_ids, expert_ids, num_post_pad
+
+
+def moe_align_ref(
+    # [num_tokens, top_k]
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`moe_align`'s layout up to its padded total, in torch (host loop; tests):
+    (sorted_ids [total], expert_ids [total / block_m], total)."""
+    flat = topk_ids.reshape(-1).long().cpu()
+    P = flat.numel()
+    sorted_ids: list[int] = []
+    expert_ids: list[int] = []
+    for e in range(num_experts):
+        pairs = (flat == e).nonzero().flatten().tolist()
+        blocks = -(-len(pairs) // block_m)
+        sorted_ids += pairs + [P] * (blocks * block_m - len(pairs))
+        expert_ids += [e] * blocks
+    as_int = dict(dtype=torch.int32)
+    return torch.tensor(sorted_ids, **as_int), torch.tensor(expert_ids, **as_int), len(sorted_ids)
+
+
+def _gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    c: torch.Tensor,
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor,
+    a_div: int,
+    silu_mul: bool,
+    config: GemmConfig,
+) -> None:
+    block_m, block_n, block_k, group_m, num_warps, num_stages = config
+    sorted_ids, expert_ids, num_post_pad = align
+    N = c.shape[1]
+    num_pid_m = expert_ids.shape[0]
+    _moe_gemm_kernel[(num_pid_m * triton.cdiv(N, block_n),)](
+        a,
+        w,
+        c,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        topk_weights,
+        N,
+        a.shape[1],
+        topk_weights.numel(),
+        num_pid_m,
+        a_div,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        c.stride(0),
+        SILU_MUL=silu_mul,
+        MUL_WEIGHT=not silu_mul,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=group_m,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def fused_moe_gemm(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The grouped-GEMM path (any token count); arguments as `fused_moe`."""
+    T, top_k = topk_ids.shape
+    E, two_i, H = w13.shape
+    P = T * top_k
+    config = config or gemm_config(P, E, x.dtype)
+    align = moe_align(topk_ids, E, config[0])
+    inter = torch.empty(P, two_i // 2, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, inter, align, topk_weights, top_k, True, config)
+    y = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    _gemm(inter, w2, y, align, topk_weights, 1, False, config)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)  # the sum writes rows of H
+    block_h = 1024
+    _moe_sum_kernel[(T, triton.cdiv(H, block_h))](
+        y, out, H, top_k, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_H=block_h
+    )
+    return out
+
+
+def fused_moe_decode(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    configs: tuple[DecodeConfig, DecodeConfig] | None = None,
+) -> torch.Tensor:
+    """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`."""
+    T, top_k = topk_ids.shape
+    E, two_i, H = w13.shape
+    inter_size, P = two_i // 2, T * top_k
+    (gn, gk, gw), (dn, dk, dw) = configs or (DECODE_GATE_UP_CONFIG, DECODE_DOWN_CONFIG)
+    kw = pdl.launch_kwargs(x.device)
+    inter = torch.empty(P, inter_size, dtype=x.dtype, device=x.device)
+    _moe_decode_gate_up_kernel[(P * triton.cdiv(inter_size, gn),)](
+        x, w13, topk_ids, inter, inter_size, H, P, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, **kw,
+    )  # fmt: skip
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    _moe_decode_down_kernel[(T * triton.cdiv(H, dn),)](
+        inter, w2, topk_ids, topk_weights, out, H, inter_size, T, top_k,
+        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk, num_warps=dw,
+        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, **kw,
+    )  # fmt: skip
+    return out
+
+
+def fused_moe_triton(
+    # [T, H]
+    x: torch.Tensor,
+    # [E, 2I, H]
+    w13: torch.Tensor,
+    # [E, H, I]
+    w2: torch.Tensor,
+    # [T, top_k]
+    topk_weights: torch.Tensor,
+    # [T, top_k]
+    topk_ids: torch.Tensor,
+    path: str = "auto",
+) -> torch.Tensor:
+    """`fused_moe` in Triton; path "auto" (decode kernels up to DECODE_MAX_TOKENS tokens, the
+    grouped GEMM above), "decode" or "gemm"."""
+    T, top_k = topk_ids.shape
+    E, two_i, H = w13.shape
+    if (
+        x.shape != (T, H)
+        or two_i % 2
+        or w2.shape != (E, H, two_i // 2)
+        or topk_weights.shape != (T, top_k)
+    ):
+        raise ValueError(
+            "fused_moe takes x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, top_k]; got "
+            f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}, "
+            f"{tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}"
+        )
+    if T == 0:
+        return torch.empty_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    # Loaded weights are contiguous; only a strided last dim would need a (whole) copy.
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    if path == "decode" or (path == "auto" and T <= DECODE_MAX_TOKENS):
+        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_gemm(x, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,324 @@
+"""fused_moe's Triton kernels (ops/moe_triton.py) against the torch reference (ops/moe.py).
+
+Interpreter tests (TRITON_INTERPRET=1 pytest -m interpret) run the kernels on CPU tensors at
+tiny shapes; GPU tests (-m gpu) at Qwen3-30B-A3B's expert shapes and inside a CUDA graph; the
+sm_90 compile test runs everywhere triton is installed (the interpreter accepts code the
+compiler rejects).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specserve.ops.moe import fused_moe, fused_moe_ref
+
+from .test_triton_attention import interpreter  # noqa: F401  (fixture)
+
+ON_CUDA = torch.cuda.is_available()
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run on CPU"
+)
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
+
+
+def make_moe(
+    T: int,
+    E: int,
+    H: int,
+    inter: int,
+    top_k: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    routing: str = "random",
+    seed: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """(x, w13, w2, topk_weights, topk_ids) with softmax top-k routing over random logits.
+    routing "idle": only experts 1, 4 and 6 (mod E) can be chosen, the rest get no tokens;
+    "same": every token picks the same top_k experts."""
+    g = torch.Generator(device).manual_seed(seed)  # on the device: the GPU shapes are large
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=device)
+
+    x = randn(T, H)
+    w13 = randn(E, 2 * inter, H) / H**0.5
+    w2 = randn(E, H, inter) / inter**0.5
+    logits = randn(T, E)
+    if routing == "idle":
+        allowed = torch.zeros(E, dtype=torch.bool, device=device)
+        allowed[[1 % E, 4 % E, 6 % E]] = True
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    elif routing == "same":
+        logits = torch.arange(E, dtype=torch.float32, device=device) + 0.1 * logits.abs()
+    topk_weights, topk_ids = logits.softmax(-1).topk(top_k, dim=-1)
+    if routing == "same":
+        assert (topk_ids == topk_ids[0]).all()
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), topk_weights, topk_ids.to(torch.int32)
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    else:
+        err = (out.float() - ref.float()).norm() / ref.float().norm()
+        assert err < 2e-2, f"relative error {err:.2e}"
+
+
+# T <= 8 takes the decode kernels by default, larger T the grouped GEMM; "gemm" and "decode"
+# force one.
+CASES = [
+    (1, "random", "auto"),
+    (3, "random", "auto"),
+    (8, "random", "auto"),
+    (37, "random", "auto"),
+    (64, "random", "auto"),
+    (3, "random", "gemm"),
+    (37, "idle", "auto"),
+    (8, "idle", "auto"),
+    (64, "same", "auto"),
+    (8, "same", "auto"),
+]
+# float32 everywhere; bfloat16 (16-bit loads, tensor-core dots) on the random-routing cases.
+CASES_DTYPES = [
+    (*case, dtype)
+    for case in CASES
+    for dtype in (torch.float32, torch.bfloat16)
+    if dtype == torch.float32 or case[1] == "random"
+]
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("T, routing, path, dtype", CASES_DTYPES)
+def test_moe_triton_matches_reference(T: int, routing: str, path: str, dtype: torch.dtype) -> None:
+    from specserve.ops.moe_triton import fused_moe_triton
+
+    args = make_moe(T, E=8, H=64, inter=32, top_k=2, dtype=dtype, routing=routing, seed=T)
+    _check(fused_moe_triton(*args, path=path), fused_moe_ref(*args))
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+def test_moe_triton_strided_input_and_int64_ids(path: str) -> None:
+    """x a column slice of a wider tensor (row stride != H), ids int64 as routers return them."""
+    from specserve.ops.moe_triton import fused_moe_triton
+
+    x, w13, w2, tw, ids = make_moe(5, E=8, H=64, inter=32, top_k=2, dtype=torch.float32)
+    wide = torch.cat([x, torch.randn_like(x)], dim=1)[:, :64]
+    assert wide.stride(0) == 128
+    out = fused_moe_triton(wide, w13, w2, tw, ids.long(), path=path)
+    _check(out, fused_moe_ref(x, w13, w2, tw, ids))
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("routing", ["random", "idle", "same"])
+@pytest.mark.parametrize("E, block_m", [(8, 16), (6, 4), (5, 64)])
+def test_moe_align(routing: str, E: int, block_m: int) -> None:
+    """Pairs grouped by expert in pair order, segments padded with P, the expert of every
+    block and the padded total equal the torch layout; E not a power of two included."""
+    from specserve.ops.moe_triton import moe_align, moe_align_ref
+
+    for T, top_k in ((1, 2), (37, 2), (50, 3)):
+        ids = make_moe(T, E, 4, 4, top_k, torch.float32, routing=routing, seed=E + T)[-1]
+        sorted_ids, expert_ids, total = moe_align(ids, E, block_m)
+        ref_sorted, ref_experts, ref_total = moe_align_ref(ids, E, block_m)
+        assert int(total) == ref_total
+        assert len(sorted_ids) >= ref_total and len(expert_ids) * block_m == len(sorted_ids)
+        assert torch.equal(sorted_ids[:ref_total], ref_sorted)
+        assert torch.equal(expert_ids[: ref_total // block_m], ref_experts)
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+def test_every_launch_config() -> None:
+    """Every grouped-GEMM config the token count may pick, and every decode config
+    benchmarks/moe.py --sweep may recommend, is correct (tiles wider than N and K included)."""
+    from specserve.ops import moe_triton as mt
+
+    args = make_moe(37, E=8, H=64, inter=32, top_k=2, dtype=torch.float32, seed=5)
+    ref = fused_moe_ref(*args)
+    for _, cfg in mt.GEMM_CONFIGS:
+        _check(mt.fused_moe_gemm(*args, config=cfg), ref)
+    args = make_moe(2, E=8, H=64, inter=48, top_k=2, dtype=torch.float32, seed=6)
+    ref = fused_moe_ref(*args)
+    for gate_up in mt.DECODE_GATE_UP_CONFIGS:
+        _check(mt.fused_moe_decode(*args, configs=(gate_up, mt.DECODE_DOWN_CONFIG)), ref)
+    for down in mt.DECODE_DOWN_CONFIGS:
+        _check(mt.fused_moe_decode(*args, configs=(mt.DECODE_GATE_UP_CONFIG, down)), ref)
+
+
+def test_fused_moe_dispatch_and_validation() -> None:
+    """On CPU fused_moe is the reference; a bad path or bad shapes fail with one clear line."""
+    args = make_moe(5, E=4, H=16, inter=8, top_k=2, dtype=torch.float32)
+    assert torch.equal(fused_moe(*args), fused_moe_ref(*args))
+    with pytest.raises(ValueError, match="path must be one of auto, decode, gemm"):
+        fused_moe(*args, path="fast")
+    pytest.importorskip("triton")
+    from specserve.ops.moe_triton import fused_moe_triton
+
+    x, w13, w2, tw, ids = args
+    with pytest.raises(ValueError, match="fused_moe takes"):
+        fused_moe_triton(x, w13, w2[:, :, :4], tw, ids)
+
+
+# ---- sm_90 compile (no GPU needed) ---------------------------------------------------------
+MOE_TYPES = {
+    "topk_ids_ptr": "*i32",
+    "sorted_ids_ptr": "*i32",
+    "expert_ids_ptr": "*i32",
+    "num_post_pad_ptr": "*i32",
+    "topk_w_ptr": "*fp32",
+}
+
+
+def _compile(
+    kernel,
+    consts: dict,
+    num_warps: int = 4,
+    num_stages: int = 3,
+    types: dict | None = None,
+    compiled_out: list | None = None,
+) -> str:
+    """PTX for sm_90, pointers, strides, N and K specialized as multiples of 16 as at run time
+    for the real shapes; asserts the cubin keeps every value in registers (no local memory:
+    spills would cost the bandwidth these kernels exist for)."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    from .test_pdl import compile_sm90
+
+    aligned = tuple(
+        n
+        for n in kernel.arg_names
+        if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")
+    )
+    out = compiled_out if compiled_out is not None else []
+    types = {**MOE_TYPES, **(types or {})}
+    ptx = compile_sm90(kernel, consts, num_warps, num_stages, types, aligned, out)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(out[-1].asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, consts, usage)
+    return ptx
+
+
+def test_moe_kernels_compile_for_sm90() -> None:
+    """Every kernel compiles for sm_90 without spills at the configs the real shapes use; the
+    grouped GEMM runs on tensor cores; the decode kernels wait for their predecessor and
+    trigger their successor under PDL, and emit no PDL code without it."""
+    pytest.importorskip("triton")
+    from specserve.ops import moe_triton as mt
+
+    _compile(mt._moe_align_kernel, dict(BLOCK_E=128, BLOCK_P=1024, BLOCK_M=16))
+    _compile(mt._moe_sum_kernel, dict(BLOCK_TOPK=8, BLOCK_H=1024))
+    # gate_up (SILU_MUL) at every token density in 16 and 32 bits, down at the extremes: fits
+    # the H100's shared memory (227 KB a block), runs on tensor cores where 16-bit.
+    gemm_cases = [
+        (silu, per_expert, dtype)
+        for per_expert in (1, 16, 1000)
+        for dtype in ("bf16", "fp32")
+        for silu in (True, False)
+        if silu or (dtype == "bf16" and per_expert != 16)
+    ]
+    for silu, per_expert, dtype in gemm_cases:
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        bm, bn, bk, group, warps, stages = mt.gemm_config(per_expert * 8, 8, torch_dtype)
+        consts = dict(SILU_MUL=silu, MUL_WEIGHT=not silu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        consts.update(GROUP_M=group, DOT_PRECISION="tf32" if dtype == "bf16" else "ieee")
+        types = {name: f"*{dtype}" for name in ("a_ptr", "w_ptr", "c_ptr")}
+        out: list = []
+        ptx = _compile(mt._moe_gemm_kernel, consts, warps, stages, types, out)
+        assert out[0].metadata.shared <= 227 * 1024, (consts, out[0].metadata.shared)
+        if dtype == "bf16":
+            assert ("wgmma" if bm >= 64 else "mma.sync") in ptx
+    for kernel, (bn, bk, warps), extra in (
+        (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, {}),
+        (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, dict(BLOCK_TOPK=8, PRELOAD=False)),
+        (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, dict(BLOCK_TOPK=8, PRELOAD=True)),
+    ):
+        preload = extra.get("PRELOAD", False)
+        for pdl in (True, False) if not preload else (True,):  # preloading is a PDL launch
+            ptx = _compile(kernel, dict(BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, **extra), warps)
+            assert ("griddepcontrol.wait" in ptx) == pdl
+            assert ("griddepcontrol.launch_dependents" in ptx) == pdl
+            if pdl:  # only down's preload (routing, first weight tile) loads before the wait
+                assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+def test_moe_gpu_qwen3_shape(T: int) -> None:
+    """bf16 at Qwen3-30B-A3B's experts (H=2048, I=768, E=128, top-8): the default path and, up
+    to 64 tokens, the other one too."""
+    args = make_moe(T, 128, 2048, 768, 8, torch.bfloat16, device="cuda", seed=T)
+    with torch.inference_mode():
+        ref = fused_moe_ref(*args)
+        _check(fused_moe(*args), ref)
+        if T <= 64:
+            _check(fused_moe(*args, path="decode" if T > 8 else "gemm"), ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_moe_gpu_dtypes(dtype: torch.dtype) -> None:
+    for T, path in ((5, "decode"), (5, "gemm"), (100, "gemm"), (100, "idle")):
+        routing = "idle" if path == "idle" else "random"
+        args = make_moe(T, 16, 256, 96, 4, dtype, device="cuda", routing=routing, seed=T)
+        with torch.inference_mode():
+            _check(fused_moe(*args, path="auto" if path == "idle" else path), fused_moe_ref(*args))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [4, 96])
+def test_moe_cuda_graph_replay(T: int) -> None:
+    """fused_moe captures into a CUDA graph (no host sync, fixed shapes) and a replay over new
+    inputs copied in place equals the eager call bit for bit."""
+    x, w13, w2, tw, ids = make_moe(T, 32, 512, 256, 4, torch.bfloat16, device="cuda", seed=1)
+    with torch.inference_mode():
+        fused_moe(x, w13, w2, tw, ids)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fused_moe(x, w13, w2, tw, ids)
+        for seed in (2, 3):
+            x2, _, _, tw2, ids2 = make_moe(T, 32, 512, 256, 4, torch.bfloat16, "cuda", seed=seed)
+            x.copy_(x2)
+            tw.copy_(tw2)
+            ids.copy_(ids2)
+            graph.replay()
+            eager = fused_moe(x, w13, w2, tw, ids)
+            assert torch.equal(out, eager)
+            _check(out, fused_moe_ref(x, w13, w2, tw, ids))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_moe_pdl_on_off_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode kernels launched with PDL (down preloading its first weight tile) compute
+    exactly what plain launches do."""
+    from specserve.ops import pdl
+
+    args = make_moe(4, 32, 512, 256, 4, torch.bfloat16, device="cuda", seed=4)
+    with torch.inference_mode():
+        with_pdl = fused_moe(*args, path="decode")
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        assert torch.equal(fused_moe(*args, path="decode"), with_pdl)
