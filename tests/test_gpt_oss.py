@@ -1,0 +1,118 @@
+"""gpt-oss targets against transformers' generate: attention sinks, alternating sliding-window
+and full layers (prompts longer than the window), YaRN, biased router and experts with the
+clamped SwiGLU; bf16-stored and MXFP4-stored checkpoints."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve import LLM, SamplingParams
+
+from .conftest import hf_greedy, make_checkpoint, random_prompts
+
+WINDOW = 8
+GPT_OSS = dict(
+    num_hidden_layers=3,  # sliding, full, sliding
+    head_dim=16,
+    intermediate_size=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    sliding_window=WINDOW,
+    # A limit the tiny model's activations reach, so the clamps matter.
+    swiglu_limit=0.6,
+    # YaRN whose ramp lands inside head_dim 16's frequencies.
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=8.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=64,
+    ),
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def _randomize_biases(path: str, dtype: torch.dtype) -> None:
+    """transformers initializes biases to zero: random ones check the q/k/v/o, router and
+    (interleaved) expert biases load where they belong; sinks get a wider spread."""
+    f = os.path.join(path, "model.safetensors")
+    w = load_file(f)
+    g = torch.Generator().manual_seed(3)
+    for k, t in w.items():
+        if k.endswith("bias") or k.endswith("sinks"):
+            scale = 1.0 if k.endswith("sinks") else 0.1
+            w[k] = (torch.randn(t.shape, generator=g) * scale).to(dtype)
+    save_file(w, f, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> dict:
+    """A bf16-stored tiny gpt-oss, and transformers' greedy output on it (computed in fp32)."""
+    path = str(tmp_path_factory.mktemp("gpt_oss") / "bf16")
+    make_checkpoint(path, "gpt_oss", **GPT_OSS)
+    w = load_file(os.path.join(path, "model.safetensors"))
+    save_file({k: t.bfloat16() for k, t in w.items()}, os.path.join(path, "model.safetensors"))
+    _randomize_biases(path, torch.bfloat16)
+    prompts = random_prompts(4, 5, 30, seed=9)
+    assert max(map(len, prompts)) > 2 * WINDOW
+    refs = [hf_greedy(path, p, GREEDY.max_tokens) for p in prompts]
+    assert all(len(set(r)) > 3 for r in refs)  # not a degenerate repeat
+    return {"path": path, "prompts": prompts, "refs": refs}
+
+
+def _gen(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        {},
+        {"max_num_batched_tokens": 16},  # chunked prefill
+        {"num_gpu_blocks_override": 6, "max_num_batched_tokens": 64},  # preemption
+    ],
+    ids=["plain", "chunked", "preempt"],
+)
+def test_greedy_matches_transformers(gpt_oss: dict, engine_kw: dict) -> None:
+    llm = LLM(gpt_oss["path"], max_model_len=128, **engine_kw)
+    assert _gen(llm, gpt_oss["prompts"]) == gpt_oss["refs"]
+    if "num_gpu_blocks_override" in engine_kw:
+        assert llm.engine.stats.num_preemptions > 0
+    assert llm.engine.kv.usage() == 0.0
+
+
+def test_layers_and_parameters(gpt_oss: dict) -> None:
+    from specserve.models.registry import load_model
+
+    model, _ = load_model(gpt_oss["path"], torch.float32, "cpu", 128)
+    layers = model.model.layers
+    assert [layer.self_attn.sliding_window for layer in layers] == [WINDOW, None, WINDOW]
+    assert all(layer.self_attn.sinks.abs().sum() > 0 for layer in layers)
+    assert layers[0].mlp.experts.w13_bias.abs().sum() > 0
+    assert layers[0].mlp.gate.bias.abs().sum() > 0
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_yarn_matches_transformers(truncate: bool) -> None:
+    import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from specserve.models.layers import RotaryEmbedding
+
+    rope = {**GPT_OSS["rope_parameters"], "truncate": truncate}
+    cfg = tf.GptOssConfig(head_dim=16, hidden_size=64, num_attention_heads=4, rope_parameters=rope)
+    inv_freq, mscale = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    ours = RotaryEmbedding(16, 100, rope["rope_theta"], rope)
+    pos = torch.arange(100, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    assert mscale == pytest.approx(0.1 * math.log(8.0) + 1.0)
+    torch.testing.assert_close(ours.cos[:, :8], freqs.cos() * mscale, atol=2e-5, rtol=0)
+    torch.testing.assert_close(ours.sin[:, 8:], freqs.sin() * mscale, atol=2e-5, rtol=0)
