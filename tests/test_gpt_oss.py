@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
 
-from .conftest import hf_greedy, make_checkpoint, random_prompts
+from .conftest import hf_greedy, random_prompts
 
 WINDOW = 8
 GPT_OSS = dict(
@@ -52,14 +52,22 @@ def _randomize_biases(path: str, dtype: torch.dtype) -> None:
     save_file(w, f, metadata={"format": "pt"})
 
 
+def gpt_oss_ckpt(ckpt_dir, name: str = "gpt_oss", **over) -> str:
+    """A bf16-stored tiny gpt-oss with random biases and sinks (cached per session)."""
+    path = ckpt_dir(name, "gpt_oss", **{**GPT_OSS, **over})
+    marker = os.path.join(path, "bf16_biases")
+    if not os.path.exists(marker):
+        f = os.path.join(path, "model.safetensors")
+        save_file({k: t.bfloat16() for k, t in load_file(f).items()}, f)
+        _randomize_biases(path, torch.bfloat16)
+        open(marker, "w").close()
+    return path
+
+
 @pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory) -> dict:
-    """A bf16-stored tiny gpt-oss, and transformers' greedy output on it (computed in fp32)."""
-    path = str(tmp_path_factory.mktemp("gpt_oss") / "bf16")
-    make_checkpoint(path, "gpt_oss", **GPT_OSS)
-    w = load_file(os.path.join(path, "model.safetensors"))
-    save_file({k: t.bfloat16() for k, t in w.items()}, os.path.join(path, "model.safetensors"))
-    _randomize_biases(path, torch.bfloat16)
+def gpt_oss(ckpt_dir) -> dict:
+    """The tiny gpt-oss and transformers' greedy output on it (computed in fp32)."""
+    path = gpt_oss_ckpt(ckpt_dir)
     prompts = random_prompts(4, 5, 30, seed=9)
     assert max(map(len, prompts)) > 2 * WINDOW
     refs = [hf_greedy(path, p, GREEDY.max_tokens) for p in prompts]
