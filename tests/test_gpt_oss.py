@@ -4,8 +4,10 @@ clamped SwiGLU; bf16-stored and MXFP4-stored checkpoints."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -124,3 +126,113 @@ def test_yarn_matches_transformers(truncate: bool) -> None:
     assert mscale == pytest.approx(0.1 * math.log(8.0) + 1.0)
     torch.testing.assert_close(ours.cos[:, :8], freqs.cos() * mscale, atol=2e-5, rtol=0)
     torch.testing.assert_close(ours.sin[:, 8:], freqs.sin() * mscale, atol=2e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}], ids=["plain", "chunk"])
+def test_cuda_matches_transformers(gpt_oss: dict, engine_kw: dict) -> None:
+    """Triton attention with sinks and per-layer windows, fp32 (TF32 off): transformers' tokens;
+    bf16: CUDA graphs give the eager tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    llm = LLM(gpt_oss["path"], device="cuda", dtype="float32", max_model_len=128, **engine_kw)
+    assert _gen(llm, gpt_oss["prompts"]) == gpt_oss["refs"]
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=128, **engine_kw)
+    eager = _gen(LLM(gpt_oss["path"], enforce_eager=True, **kw), gpt_oss["prompts"])
+    assert _gen(LLM(gpt_oss["path"], **kw), gpt_oss["prompts"]) == eager
+
+
+def write_mxfp4(src: str, dst: str) -> str:
+    """`src` with its experts stored as the published checkpoints store them: quantization_config
+    mxfp4, `experts.{gate_up,down}_proj_{blocks,scales}` over [E, out, in] rows."""
+    from specserve.models.mxfp4 import quantize_mxfp4
+
+    shutil.copytree(src, dst)
+    w = load_file(os.path.join(src, "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    for k, t in w.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[k + "_blocks"], out[k + "_scales"] = quantize_mxfp4(t.float().mT)
+        else:
+            out[k] = t
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mxfp4(gpt_oss: dict, tmp_path_factory) -> dict:
+    """The tiny gpt-oss in MXFP4, and transformers' greedy output loading that checkpoint
+    (dequantized on the CPU by its own integrations/mxfp4.py)."""
+    import transformers as tf
+
+    path = write_mxfp4(gpt_oss["path"], str(tmp_path_factory.mktemp("mxfp4") / "ckpt"))
+    hf = tf.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=tf.Mxfp4Config(dequantize=True)
+    ).eval()
+    refs = []
+    for p in gpt_oss["prompts"]:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=GREEDY.max_tokens,
+                min_new_tokens=GREEDY.max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        refs.append(out[0, len(p) :].tolist())
+    return {"path": path, "refs": refs, "hf": hf}
+
+
+@pytest.mark.parametrize(
+    "engine_kw",
+    [{}, {"num_gpu_blocks_override": 6, "max_num_batched_tokens": 16}],
+    ids=["plain", "chunked_preempt"],
+)
+def test_mxfp4_greedy_matches_transformers(gpt_oss: dict, mxfp4: dict, engine_kw: dict) -> None:
+    llm = LLM(mxfp4["path"], max_model_len=128, **engine_kw)
+    assert _gen(llm, gpt_oss["prompts"]) == mxfp4["refs"]
+    if engine_kw:
+        assert llm.engine.stats.num_preemptions > 0
+
+
+def test_mxfp4_dequantizes_as_transformers(gpt_oss: dict, mxfp4: dict) -> None:
+    """Our experts equal transformers' dequantized ones exactly (after our de-interleave), and
+    differ from the bf16 originals (the checkpoint really is 4-bit)."""
+    from specserve.models.registry import load_model
+
+    ours, _ = load_model(mxfp4["path"], torch.float32, "cpu", 128)
+    dense, _ = load_model(gpt_oss["path"], torch.float32, "cpu", 128)
+    theirs = mxfp4["hf"].model.layers[0].mlp.experts
+    e = ours.model.layers[0].mlp.experts
+    gate_up = theirs.gate_up_proj.mT  # [E, 2I, H], gate/up rows interleaved
+    assert torch.equal(e.w13, torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1))
+    assert torch.equal(e.w2, theirs.down_proj.mT)
+    assert not torch.equal(e.w13, dense.model.layers[0].mlp.experts.w13)
+
+
+def test_mxfp4_missing_scales_is_named(mxfp4: dict, tmp_path) -> None:
+    from specserve.models.loader import ModelLoadError
+    from specserve.models.registry import load_model
+
+    dst = str(tmp_path / "broken")
+    shutil.copytree(mxfp4["path"], dst)
+    f = os.path.join(dst, "model.safetensors")
+    w = load_file(f)
+    del w["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(w, f)
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.experts\.down_proj_scales"):
+        load_model(dst, torch.float32, "cpu", 128)
