@@ -18,7 +18,7 @@ def _save(model: Any, path: str) -> str:
 
 def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides: Any) -> str:
     """Write a tiny random checkpoint of `arch` (llama | qwen2 | qwen3 | mistral | qwen3_moe |
-    glm4_moe; MoE archs take their expert settings as overrides) to `path`."""
+    glm4_moe | gpt_oss; MoE archs take their expert settings as overrides) to `path`."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -44,6 +44,7 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides: 
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
         "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
     }[arch]
     cfg = cfg_cls(**common)
     model = model_cls(cfg).eval()

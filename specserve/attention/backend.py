@@ -77,7 +77,9 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        """Write k/v at meta's slot mapping, then attend. Returns [num_tokens, num_heads, head_dim]."""
+        """Write k/v at meta's slot mapping, then attend. Returns [num_tokens, num_heads, head_dim].
+        Layers with attention sinks also pass `sinks=` ([num_heads] logits); a backend without
+        them does not accept the keyword, so such a model fails loudly, not silently wrong."""
 
     def advance_decode_(self, meta: Any, block_size: int) -> None:
         """Every request advanced by one decode token: update `meta` in place (graph-safe)."""

@@ -1,4 +1,5 @@
-"""Reference attention in plain torch (any device): gathers pages, exact causal + window masks."""
+"""Reference attention in plain torch (any device): gathers pages, exact causal + window masks,
+optional per-head sinks (a learned logit in every softmax denominator, gpt-oss)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class TorchAttentionBackend(AttentionBackend):
         meta: TorchAttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        # [num_heads] float or None: per-head sink logits
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = meta.common
         write_kv(kv_cache, k, v, c.slot_mapping)
@@ -50,7 +53,7 @@ class TorchAttentionBackend(AttentionBackend):
         nblk = (c.max_seq_len + bs - 1) // bs
         # [2, B, nblk * bs, Hkv, D]: each request's pages gathered into one contiguous run.
         kv = kv_cache[:, c.block_table[:, :nblk].long()].flatten(2, 3).float()
-        B, S = kv.shape[1], kv.shape[2]
+        B, S, Q = kv.shape[1], kv.shape[2], c.max_query_len
         qp = q.new_zeros(B, c.max_query_len, num_heads, head_dim, dtype=torch.float32)
         qp[c.token_req, meta.token_offset] = q.float()
         pos = torch.full((B, c.max_query_len), -1, dtype=torch.long, device=q.device)
@@ -67,8 +70,14 @@ class TorchAttentionBackend(AttentionBackend):
             key_pos[None, None, :] >= wstart[:, :, None]
         )
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-        # Padded query rows see nothing; keep them finite (their output is dropped).
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        if sinks is None:
+            # Padded query rows see nothing; keep them finite (their output is dropped).
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        else:
+            # exp(s) / (sum exp(s) + exp(sink)): the sink takes probability mass, adds no value.
+            sink = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(B, -1, -1, Q, 1)
+            lse = torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1, keepdim=True)
+            probs = torch.exp(scores - lse)
         out = torch.einsum("bhgqs,bhsd->bhgqd", probs, vals)
         out = out.permute(0, 3, 1, 2, 4).reshape(B, -1, num_heads, head_dim)
         return out[c.token_req, meta.token_offset].to(q.dtype)

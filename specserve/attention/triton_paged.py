@@ -9,7 +9,8 @@ Layout and launch (vLLM "unified attention" style):
   on host-side (num_tokens, num_reqs): programs past their request's query length exit at once.
   The program walks the request's keys in tiles of BLOCK_N positions, gathering each key's page
   through block_table, from the first tile inside the sliding window to the last visible key,
-  with an fp32 online softmax.
+  with an fp32 online softmax. Per-head sinks (gpt-oss) join the softmax denominator after the
+  key loop, once per row (in split 0's partial state when the keys are split).
 
 Small decode batches over long contexts leave most SMs idle with that grid, so the keys are then
 split over a third grid axis (flash-decoding): each split writes its partial softmax state (m, l,
@@ -309,10 +310,12 @@ def _paged_attention_kernel(
     stride_vnt,
     stride_vnh,
     stride_cos,
+    sinks_ptr,
     PDL: tl.constexpr,
     EARLY_META: tl.constexpr,
     FUSE_KV: tl.constexpr,
     MERGE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # EARLY_META (pdl.EARLY_METADATA): the metadata loads below go before the wait for the
     # previous kernel (pdl.py says why that is safe); q and the KV cache stay after it.
@@ -416,6 +419,18 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
+
+    if HAS_SINKS:
+        if split == 0:
+            # The head's sink logit joins the denominator once (split 0's partial state; the
+            # merge sums l over splits): exp(sink) more mass, no value. Log2 domain, unscaled.
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
+            sink = sink * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
+            m_i = m_new
 
     if SPLITS > 1:
         ws = (tok * num_heads + head) * SPLITS + split
@@ -581,6 +596,8 @@ def paged_attention(
     # [>= q-blocks x KV heads] int32, zero, left zero: split arrival counters for
     # MERGE_SPLITS_IN_KERNEL (the backend's persistent buffer; None: a fresh one per call)
     counters: torch.Tensor | None = None,
+    # [num_heads] per-head sink logits (gpt-oss) or None
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`num_splits`: key splits per program (None: `split_count`'s choice; tests force it).
     `split_len`: the key count that choice assumes (the engine passes max_model_len; None: the
@@ -680,6 +697,8 @@ def paged_attention(
         stride_vnt=fused_strides[2],
         stride_vnh=fused_strides[3],
         stride_cos=fused_strides[4],
+        sinks_ptr=sinks if sinks is not None else q,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=2,
         EARLY_META=kw["PDL"] and pdl.EARLY_METADATA,
@@ -807,6 +826,8 @@ class TritonAttentionBackend(AttentionBackend):
         sliding_window: int | None,
         # (positions [num_tokens], cos, sin): q and k are not rotated yet (see fuses_rope)
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        # [num_heads] per-head sink logits (gpt-oss) or None
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if sliding_window != meta.sliding_window:
             raise ValueError(
@@ -835,6 +856,7 @@ class TritonAttentionBackend(AttentionBackend):
             split_len=self.max_model_len,
             new_kv=new_kv,
             counters=self.counters,
+            sinks=sinks,
         )
 
     def advance_decode_(self, meta: TritonAttentionMetadata, block_size: int) -> None:

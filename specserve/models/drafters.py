@@ -58,6 +58,8 @@ class DraftModelDrafter(Drafter):
     def __init__(self, lm: LlamaForCausalLM) -> None:
         super().__init__()
         self.lm = lm
+        if hasattr(lm, "convert_weights"):
+            self.convert_weights = lm.convert_weights
 
     def forward(
         self,

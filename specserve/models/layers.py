@@ -56,6 +56,41 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(mid, smoothed, scaled)
 
 
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, s: dict[str, Any], dim: int, theta: float
+) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' _compute_yarn_parameters): frequencies blend interpolated (/factor)
+    and original ones by a linear ramp over the correction range; returns (inv_freq, mscale), the
+    attention factor that multiplies cos and sin."""
+    factor = float(s["factor"])
+    old_len = s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def mscale_of(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    mscale = s.get("attention_factor")
+    if mscale is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        mscale = (
+            mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all else mscale_of(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    blended = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+    return blended, float(mscale)
+
+
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin table.
 
@@ -73,21 +108,27 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         dim = self.rotary_dim = rotary_dim or head_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        # YaRN scales cos and sin (its attention factor); baked into the tables, so every RoPE
+        # path (the reference, the fused KV-write kernel) applies it.
+        mscale = 1.0
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind == "llama3":
+            if kind == "yarn":
+                inv_freq, mscale = _yarn_inv_freq(inv_freq, scaling, dim, theta)
+            elif kind == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, scaling)
             elif kind == "linear":
                 inv_freq = inv_freq / scaling["factor"]
             else:
                 raise ValueError(
-                    f"unsupported rope scaling type {kind!r} (default, linear, llama3)"
+                    f"unsupported rope scaling type {kind!r} (default, linear, llama3, yarn)"
                 )
         t = torch.arange(max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq).float()
+        freqs = torch.outer(t, inv_freq)
+        cos, sin = (freqs.cos() * mscale).float(), (freqs.sin() * mscale).float()
         # [max_position, rotary_dim] as cat(cos, cos) / cat(sin, sin), matching HF's layout.
-        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1), persistent=False)
-        self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], -1), persistent=False)
+        self.register_buffer("cos", torch.cat([cos, cos], -1), persistent=False)
+        self.register_buffer("sin", torch.cat([sin, sin], -1), persistent=False)
 
     def forward(
         self,
@@ -113,7 +154,10 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         input_size: int | None = None,
         o_bias: bool = False,
+        sinks: bool = False,
     ) -> None:
+        """`sinks`: a learned logit per query head that joins every softmax denominator and
+        attends to nothing (gpt-oss; checkpoint name `self_attn.sinks`)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -126,6 +170,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.rope = rope
         self.sliding_window = sliding_window
+        self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.scale = head_dim**-0.5
         self.kv_index = -1  # position of this layer's cache in ForwardContext.kv_caches
 
@@ -155,17 +200,20 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         args = (ctx.kv_caches[self.kv_index], ctx.meta(self.sliding_window), self.scale)
+        args = (*args, self.sliding_window)
+        # Only sink layers pass `sinks`, so backends without them keep their signature.
+        kw = {} if self.sinks is None else {"sinks": self.sinks}
         rd = self.rope.rotary_dim
         if rd < self.head_dim:
             q, k = self._partial_rope(positions, q, k, rd)
-            out = ctx.backend.forward(q, k, v, *args, self.sliding_window)
+            out = ctx.backend.forward(q, k, v, *args, **kw)
         elif ctx.backend.fuses_rope and q.stride(-1) == 1 and k.stride(-1) == 1:
             # RoPE inside the KV write: q rotated in place, rotated k goes to the cache only.
             rope = (positions, self.rope.cos, self.rope.sin)
-            out = ctx.backend.forward(q, k, v, *args, self.sliding_window, rope=rope)
+            out = ctx.backend.forward(q, k, v, *args, rope=rope, **kw)
         else:
             q, k = ops.rope_(positions, q, k, self.rope.cos, self.rope.sin)
-            out = ctx.backend.forward(q, k, v, *args, self.sliding_window)
+            out = ctx.backend.forward(q, k, v, *args, **kw)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _partial_rope(

@@ -45,6 +45,8 @@ class ArchConfig:
     # Channels of a head that rotate (partial_rotary_factor * head_dim); the rest pass through.
     rotary_dim: int = 0
     o_bias: bool = False
+    # gpt-oss: a learned sink logit per query head in every attention softmax.
+    attn_sinks: bool = False
 
     def __post_init__(self) -> None:
         self.rotary_dim = self.rotary_dim or self.head_dim
@@ -124,6 +126,7 @@ class DecoderLayer(nn.Module):
             sliding_window,
             attn_input_size,
             c.o_bias,
+            c.attn_sinks,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = mlp if mlp is not None else MLP(c.hidden_size, c.intermediate_size)

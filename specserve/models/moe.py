@@ -4,6 +4,8 @@ fused kernel (`ops.moe.fused_moe`), optional shared experts.
 Routers (formulas as in transformers' modeling_qwen3_moe.py / modeling_glm4_moe.py):
   softmax   Qwen3-MoE (and Mixtral, gpt-oss): top-k of softmax(x W^T) in float32, optionally
             renormalized over the chosen k (`norm_topk_prob`).
+  softmax_topk  gpt-oss: the k best logits of x W^T + b, softmaxed among themselves
+            (transformers' GptOssTopKRouter); the router has a bias (`router_bias`).
   sigmoid   DeepSeek-V3 / GLM-4.x: s = sigmoid(x W^T) in float32; the choice ranks s + bias
             (`e_score_correction_bias`) among the `topk_group` best of `n_group` groups (a
             group's score: the sum of its two best); the weights are the chosen s, optionally
@@ -39,10 +41,19 @@ class MoeConfig:
     n_shared_experts: int = 0
     # GLM / DeepSeek keep the router in float32 even in a bf16 model (their checkpoints do).
     router_fp32: bool = False
+    # gpt-oss: a bias on the router logits and on both expert projections, and the clamped
+    # SwiGLU ("swiglu_oai", ops/moe.py) with its alpha and limit.
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
-        if self.scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"MoE scoring must be softmax or sigmoid, got {self.scoring!r}")
+        if self.scoring not in ("softmax", "sigmoid", "softmax_topk"):
+            raise ValueError(
+                f"MoE scoring must be softmax, sigmoid or softmax_topk, got {self.scoring!r}"
+            )
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(
                 f"num_experts_per_tok {self.top_k} must be in 1..num_experts {self.num_experts}"
@@ -65,6 +76,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(m.num_experts, hidden_size, dtype=dtype))
         bias = torch.zeros(m.num_experts, dtype=torch.float32) if m.correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
+        self.bias = nn.Parameter(torch.empty(m.num_experts, dtype=dtype)) if m.router_bias else None
 
     def forward(
         self,
@@ -73,8 +85,11 @@ class Router(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.m
         if m.scoring == "softmax":
-            probs = F.linear(x, self.weight).softmax(dim=-1, dtype=torch.float32)
+            probs = F.linear(x, self.weight, self.bias).softmax(dim=-1, dtype=torch.float32)
             weights, ids = probs.topk(m.top_k, dim=-1)
+        elif m.scoring == "softmax_topk":
+            logits, ids = F.linear(x, self.weight, self.bias).topk(m.top_k, dim=-1)
+            weights = logits.softmax(dim=-1, dtype=torch.float32)
         else:
             scores = F.linear(x.float(), self.weight.float()).sigmoid()
             ids = self._grouped_choice(scores)
@@ -112,13 +127,20 @@ class StackedExperts(nn.Module):
     (`experts.<e>.gate_proj/up_proj/down_proj.weight`) or fused ones
     (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I])."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False
+    ) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         # [E, 2I, H]: gate rows, then up rows
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         # [E, H, I]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # gpt-oss: [E, 2I] (gate, then up) and [E, H]
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
 
 class SparseMoE(nn.Module):
@@ -127,7 +149,15 @@ class SparseMoE(nn.Module):
     def __init__(self, m: MoeConfig, hidden_size: int) -> None:
         super().__init__()
         self.gate = Router(m, hidden_size)
-        self.experts = StackedExperts(m.num_experts, hidden_size, m.intermediate_size)
+        self.experts = StackedExperts(
+            m.num_experts, hidden_size, m.intermediate_size, bias=m.expert_bias
+        )
+        # Only gpt-oss-style experts pass the extra arguments of fused_moe.
+        self.expert_kw: dict[str, Any] = {}
+        if m.expert_bias or m.activation != "silu":
+            self.expert_kw = dict(
+                activation=m.activation, alpha=m.swiglu_alpha, limit=m.swiglu_limit
+            )
         self.shared_experts = (
             MLP(hidden_size, m.n_shared_experts * m.intermediate_size)
             if m.n_shared_experts
@@ -140,7 +170,11 @@ class SparseMoE(nn.Module):
         x: torch.Tensor,
     ) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        e = self.experts
+        kw = self.expert_kw
+        if e.w13_bias is not None:
+            kw = {**kw, "w13_bias": e.w13_bias, "w2_bias": e.w2_bias}
+        out = fused_moe(x, e.w13, e.w2, weights, ids, **kw)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

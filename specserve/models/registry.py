@@ -18,6 +18,7 @@ _REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "specserve.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "specserve.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Glm4MoeForCausalLM": "specserve.models.glm4_moe:Glm4MoeForCausalLM",
+    "GptOssForCausalLM": "specserve.models.gpt_oss:GptOssForCausalLM",
 }
 
 
@@ -64,5 +65,10 @@ def load_model(
     if load_format == "dummy":
         dummy_weights_(model)
     else:
-        load_weights(model, iter_weights(model_dir), model.checkpoint_rename)
+        weights = iter_weights(model_dir)
+        # A family whose stored layout differs from its parameters' (gpt-oss: transposed,
+        # interleaved or MXFP4 experts) converts tensors on their way in.
+        if hasattr(model, "convert_weights"):
+            weights = model.convert_weights(weights)
+        load_weights(model, weights, model.checkpoint_rename)
     return model.eval(), cfg

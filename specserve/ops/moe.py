@@ -8,6 +8,12 @@ choice (`topk_ids`, `topk_weights`) and runs the chosen SwiGLU experts:
 `fused_moe` dispatches to Triton on CUDA tensors outside autograd (ops/moe_triton.py: decode
 kernels for a few tokens, a grouped GEMM over expert-sorted pairs above) and to `fused_moe_ref`
 elsewhere; the reference is what CPU and interpreter tests compare the kernels against.
+
+gpt-oss experts (keyword arguments, reference only for now): biases on both projections
+(`w13_bias`, `w2_bias`) and activation "swiglu_oai", the clamped SwiGLU of transformers'
+GptOssExperts._apply_gate:
+    gate = min(gate, limit); up = clamp(up, -limit, limit)
+    act  = (up + 1) * gate * sigmoid(alpha * gate)
 """
 
 from __future__ import annotations
@@ -18,6 +24,22 @@ import torch.nn.functional as F
 from specserve.ops.fused import _use_triton
 
 PATHS = ("auto", "decode", "gemm")  # which Triton kernels fused_moe runs (CUDA)
+
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def _act(
+    # [n, 2 * intermediate]: gate columns, then up columns
+    gate_up: torch.Tensor,
+    activation: str,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "silu":
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def fused_moe_ref(
@@ -31,9 +53,19 @@ def fused_moe_ref(
     topk_weights: torch.Tensor,
     # [num_tokens, top_k], int32 or int64
     topk_ids: torch.Tensor,
+    *,
+    # [num_experts, 2 * intermediate] or None
+    w13_bias: torch.Tensor | None = None,
+    # [num_experts, hidden] or None
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> torch.Tensor:
     """Loops over the experts that received tokens (as transformers does), so CPU cost follows
     the routed tokens, not num_experts x num_tokens."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe activation must be one of {ACTIVATIONS}, got {activation!r}")
     out = torch.zeros_like(x)
     flat_ids = topk_ids.reshape(-1).long()
     order = flat_ids.argsort(stable=True)
@@ -46,8 +78,10 @@ def fused_moe_ref(
         pairs = order[start : start + n]
         start += n
         tokens = pairs // top_k
-        gate, up = F.linear(x[tokens], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])
+        b13 = None if w13_bias is None else w13_bias[e]
+        b2 = None if w2_bias is None else w2_bias[e]
+        h = _act(F.linear(x[tokens], w13[e], b13), activation, alpha, limit)
+        y = F.linear(h, w2[e], b2)
         weight = topk_weights.reshape(-1)[pairs].to(y.dtype)[:, None]
         out.index_add_(0, tokens, y * weight)
     return out
@@ -65,6 +99,11 @@ def fused_moe(
     # [num_tokens, top_k]
     topk_ids: torch.Tensor,
     *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
     path: str = "auto",
 ) -> torch.Tensor:
     """[num_tokens, hidden] in x's dtype. `path` picks the Triton kernels ("auto": decode
@@ -72,6 +111,21 @@ def fused_moe(
     "gemm"); the reference ignores it."""
     if path not in PATHS:
         raise ValueError(f"fused_moe path must be one of {', '.join(PATHS)}; got {path!r}")
+    if w13_bias is not None or w2_bias is not None or activation != "silu":
+        # NOTE: biases and swiglu_oai (gpt-oss) take the reference, on CUDA too, until the
+        # Triton kernel (ops/moe_triton.py) learns them.
+        return fused_moe_ref(
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            w13_bias=w13_bias,
+            w2_bias=w2_bias,
+            activation=activation,
+            alpha=alpha,
+            limit=limit,
+        )
     if _use_triton(x):
         from specserve.ops.moe_triton import fused_moe_triton
 

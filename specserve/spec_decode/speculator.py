@@ -91,11 +91,15 @@ def _construct(
     names: set[str],
 ) -> tuple[Drafter, Any, tuple[str, ...]]:
     if spec.method == "draft_model":
-        resolve_architecture(cfg, spec.model or "")
-        c = ArchConfig.from_dict(cfg)
-        _check_fit(spec, c, tc, hidden=False)
-        lm = LlamaForCausalLM(c, max_position)
-        return DraftModelDrafter(lm), lambda n: "lm." + n if lm.checkpoint_rename(n) else None, ()
+        # The draft model's own family (a gpt-oss or MoE draft model is not a Llama).
+        lm = resolve_architecture(cfg, spec.model or "").from_config_dict(cfg, max_position)
+        _check_fit(spec, lm.config, tc, hidden=False)
+
+        def rename(n: str) -> str | None:
+            m = lm.checkpoint_rename(n)
+            return None if m is None else "lm." + m
+
+        return DraftModelDrafter(lm), rename, ()
     if spec.method == "mtp":
         return _construct_mtp(spec, cfg, tc, target, max_position, names)
     c = ArchConfig.from_dict({**cfg, "architectures": ["LlamaForCausalLM"]})
@@ -338,7 +342,10 @@ def build_speculator(
     if load_format == "dummy":  # random weights of the right shapes (speed benchmarks)
         dummy_weights_(drafter)
     else:
-        load_weights(drafter, iter_weights(draft_dir), rename, allow_missing)
+        weights = iter_weights(draft_dir)
+        if hasattr(drafter, "convert_weights"):  # a gpt-oss draft model's expert layout
+            weights = drafter.convert_weights(weights)
+        load_weights(drafter, weights, rename, allow_missing)
     return _device_speculator(spec, drafter.eval(), device)
 
 
