@@ -147,7 +147,8 @@ def load_weights(
             continue
         target, shard = name, None
         for fused, part, idx in STACKED_PARAMS:
-            if part in name:
+            # A model without the fused parameter (MLA's own q_proj) takes the name as is.
+            if part in name and name.replace(part, fused) in params:
                 target, shard = name.replace(part, fused), idx
                 break
         if target not in params:

@@ -18,6 +18,8 @@ _REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "specserve.models.llama:LlamaForCausalLM",
     "Qwen3MoeForCausalLM": "specserve.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Glm4MoeForCausalLM": "specserve.models.glm4_moe:Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM": "specserve.models.deepseek:DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM": "specserve.models.deepseek:Glm4MoeLiteForCausalLM",
 }
 
 
