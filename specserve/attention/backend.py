@@ -98,7 +98,7 @@ class AttentionBackend(ABC):
         [num_tokens, num_heads, kv_lora_rank]. Every backend's metadata carries `common`."""
         from specserve.attention.mla import mla_forward
 
-        use_triton = False  # the Triton kernel lands with attention/mla_triton.py
+        use_triton = self.name == "triton"
         return mla_forward(q_latent, q_pe, kv_c, k_pe, kv_cache, meta.common, scale, use_triton)
 
     def advance_decode_(self, meta: Any, block_size: int) -> None:
