@@ -81,6 +81,28 @@ class AttentionBackend(ABC):
         Layers with attention sinks also pass `sinks=` ([num_heads] logits); a backend without
         them does not accept the keyword, so such a model fails loudly, not silently wrong."""
 
+    def forward_mla(
+        self,
+        # [num_tokens, num_heads, kv_lora_rank]: q_nope through the absorbed W_UK
+        q_latent: torch.Tensor,
+        # [num_tokens, num_heads, qk_rope_head_dim]: rotated
+        q_pe: torch.Tensor,
+        # [num_tokens, kv_lora_rank]: normed latent
+        kv_c: torch.Tensor,
+        # [num_tokens, qk_rope_head_dim]: rotated
+        k_pe: torch.Tensor,
+        # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
+        kv_cache: torch.Tensor,
+        meta: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """MLA (attention/mla.py): write the latent rows, attend in the latent space. Returns
+        [num_tokens, num_heads, kv_lora_rank]. Every backend's metadata carries `common`."""
+        from specserve.attention.mla import mla_forward
+
+        use_triton = self.name == "triton"
+        return mla_forward(q_latent, q_pe, kv_c, k_pe, kv_cache, meta.common, scale, use_triton)
+
     def advance_decode_(self, meta: Any, block_size: int) -> None:
         """Every request advanced by one decode token: update `meta` in place (graph-safe)."""
         raise NotImplementedError(f"{self.name} has no in-place metadata update")

@@ -128,11 +128,11 @@ class LLMEngine:
     # ---- sizing --------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
         c = self.config
-        from specserve.models.layers import Attention
+        from specserve.models.layers import KVCacheLayer
 
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        layers = [m for m in self.model.modules() if isinstance(m, KVCacheLayer)]
         if self.speculator is not None and self.speculator.model is not None:
-            layers += [m for m in self.speculator.model.modules() if isinstance(m, Attention)]
+            layers += [m for m in self.speculator.model.modules() if isinstance(m, KVCacheLayer)]
         per_block = ModelRunner.kv_bytes_per_block(layers, c.block_size, c.torch_dtype)
         if c.num_gpu_blocks_override is not None:
             return c.num_gpu_blocks_override

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from specserve.attention.backend import ForwardContext
-from specserve.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from specserve.models.layers import MLP, Attention, KVCacheLayer, RMSNorm, RotaryEmbedding
 from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM, make_rope
 
 
@@ -46,7 +46,7 @@ class Drafter(nn.Module):
         return ids if self.d2t is None else ids + self.d2t[ids]
 
     def sliding_windows(self) -> set[int | None]:
-        return {m.sliding_window for m in self.modules() if isinstance(m, Attention)}
+        return {m.sliding_window for m in self.modules() if isinstance(m, KVCacheLayer)}
 
 
 class DraftModelDrafter(Drafter):

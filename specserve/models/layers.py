@@ -56,46 +56,44 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(mid, smoothed, scaled)
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature factor (DeepSeek's `yarn_get_mscale`)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _yarn_inv_freq(
-    inv_freq: torch.Tensor, s: dict[str, Any], dim: int, theta: float
+    inv_freq: torch.Tensor, s: dict[str, Any], theta: float, dim: int
 ) -> tuple[torch.Tensor, float]:
-    """YaRN (transformers' _compute_yarn_parameters): frequencies blend interpolated (/factor)
-    and original ones by a linear ramp over the correction range; returns (inv_freq, mscale), the
-    attention factor that multiplies cos and sin."""
-    factor = float(s["factor"])
-    old_len = s["original_max_position_embeddings"]
-    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
-
-    def mscale_of(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    mscale = s.get("attention_factor")
-    if mscale is None:
+    """(inv_freq, cos/sin factor) of YaRN as transformers' `_compute_yarn_parameters`:
+    interpolated low frequencies, extrapolated high ones, a linear ramp between; DeepSeek's
+    `mscale` / `mscale_all_dim` set the cos/sin factor."""
+    factor, old_len = float(s["factor"]), s["original_max_position_embeddings"]
+    attn = s.get("attention_factor")
+    if attn is None:
         m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-        mscale = (
-            mscale_of(factor, m) / mscale_of(factor, m_all) if m and m_all else mscale_of(factor)
-        )
+        attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else None
+        attn = yarn_mscale(factor) if attn is None else attn
+    fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(old_len / (rot * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    low, high = corr_dim(fast), corr_dim(slow)
     if s.get("truncate", True):
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # as transformers: no zero-width ramp
+    high = high + 0.001 if low == high else high
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    blended = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
-    return blended, float(mscale)
+    extra = 1 - ramp  # 1: keep the original frequency (extrapolate)
+    return inv_freq / factor * (1 - extra) + inv_freq * extra, float(attn)
 
 
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin table.
 
     `rotary_dim` < head_dim (partial rotary, `partial_rotary_factor`: GLM-4.x MoE): only the
-    first rotary_dim channels of each head rotate; the rest pass through, as in transformers."""
+    first rotary_dim channels of each head rotate; the rest pass through, as in transformers.
+    YaRN scaling multiplies cos/sin by its attention factor (as transformers)."""
 
     def __init__(
         self,
@@ -108,24 +106,22 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         dim = self.rotary_dim = rotary_dim or head_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-        # YaRN scales cos and sin (its attention factor); baked into the tables, so every RoPE
-        # path (the reference, the fused KV-write kernel) applies it.
-        mscale = 1.0
+        attn_factor = 1.0
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind == "yarn":
-                inv_freq, mscale = _yarn_inv_freq(inv_freq, scaling, dim, theta)
-            elif kind == "llama3":
+            if kind == "llama3":
                 inv_freq = _llama3_inv_freq(inv_freq, scaling)
             elif kind == "linear":
                 inv_freq = inv_freq / scaling["factor"]
+            elif kind in ("yarn", "deepseek_yarn"):
+                inv_freq, attn_factor = _yarn_inv_freq(inv_freq, scaling, theta, dim)
             else:
                 raise ValueError(
                     f"unsupported rope scaling type {kind!r} (default, linear, llama3, yarn)"
                 )
         t = torch.arange(max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
-        cos, sin = (freqs.cos() * mscale).float(), (freqs.sin() * mscale).float()
+        freqs = torch.outer(t, inv_freq).float()
+        cos, sin = freqs.cos() * attn_factor, freqs.sin() * attn_factor
         # [max_position, rotary_dim] as cat(cos, cos) / cat(sin, sin), matching HF's layout.
         self.register_buffer("cos", torch.cat([cos, cos], -1), persistent=False)
         self.register_buffer("sin", torch.cat([sin, sin], -1), persistent=False)
@@ -140,7 +136,23 @@ class RotaryEmbedding(nn.Module):
         return ops.fused.rope_ref(positions, x, self.cos, self.sin)
 
 
-class Attention(nn.Module):
+class KVCacheLayer(nn.Module):
+    """A layer that owns one tensor of the paged KV pool. The KV layout belongs to the
+    attention variant: GQA caches per-head K and V, MLA (models/mla.py) a latent per token.
+    `kv_index` is its position in ForwardContext.kv_caches (set by the runner)."""
+
+    kv_index: int = -1
+    sliding_window: int | None = None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def kv_elems_per_token(self) -> int:
+        """Cache elements one token takes in this layer (KV bytes = this x element size)."""
+        raise NotImplementedError
+
+
+class Attention(KVCacheLayer):
     def __init__(
         self,
         hidden_size: int,
@@ -173,6 +185,12 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(num_heads)) if sinks else None
         self.scale = head_dim**-0.5
         self.kv_index = -1  # position of this layer's cache in ForwardContext.kv_caches
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_elems_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
 
     def forward(
         self,

@@ -93,7 +93,17 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
-    """Yields (name, tensor, file) for every tensor in the directory's safetensors files."""
+    """Yields (name, tensor, file) for every tensor in the directory's safetensors files; a
+    block-scaled fp8 checkpoint's weights come out dequantized (models/fp8.py)."""
+    from specserve.models.fp8 import dequantize_weights, fp8_block_size
+
+    has_cfg = os.path.isfile(os.path.join(model_dir, "config.json"))
+    block = fp8_block_size(read_config(model_dir)) if has_cfg else None
+    weights = _iter_files(model_dir)
+    return dequantize_weights(weights, block) if block is not None else weights
+
+
+def _iter_files(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
@@ -147,7 +157,8 @@ def load_weights(
             continue
         target, shard = name, None
         for fused, part, idx in STACKED_PARAMS:
-            if part in name:
+            # A model without the fused parameter (MLA's own q_proj) takes the name as is.
+            if part in name and name.replace(part, fused) in params:
                 target, shard = name.replace(part, fused), idx
                 break
         if target not in params:

@@ -19,6 +19,8 @@ _REGISTRY: dict[str, str] = {
     "Qwen3MoeForCausalLM": "specserve.models.qwen3_moe:Qwen3MoeForCausalLM",
     "Glm4MoeForCausalLM": "specserve.models.glm4_moe:Glm4MoeForCausalLM",
     "GptOssForCausalLM": "specserve.models.gpt_oss:GptOssForCausalLM",
+    "DeepseekV3ForCausalLM": "specserve.models.deepseek:DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM": "specserve.models.deepseek:Glm4MoeLiteForCausalLM",
 }
 
 

@@ -124,19 +124,19 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
     def attention_layers(self) -> list[torch.nn.Module]:
-        from specserve.models.layers import Attention
+        from specserve.models.layers import KVCacheLayer
 
-        mods = [m for m in self.model.modules() if isinstance(m, Attention)]
+        mods = [m for m in self.model.modules() if isinstance(m, KVCacheLayer)]
         if self.speculator is not None and self.speculator.model is not None:
-            mods += [m for m in self.speculator.model.modules() if isinstance(m, Attention)]
+            mods += [m for m in self.speculator.model.modules() if isinstance(m, KVCacheLayer)]
         return mods
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
         caches = []
         for i, layer in enumerate(self.attention_layers()):
             layer.kv_index = i
-            # +1: the null block (see BlockPool).
-            shape = (2, num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
+            # +1: the null block (see BlockPool). The layer says its layout (MLA: a latent).
+            shape = layer.kv_cache_shape(num_blocks + 1, self.block_size)
             caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
         return caches
 
@@ -145,7 +145,7 @@ class ModelRunner:
         layers: list[torch.nn.Module], block_size: int, dtype: torch.dtype
     ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return sum(2 * block_size * m.num_kv_heads * m.head_dim * elem for m in layers)
+        return sum(block_size * m.kv_elems_per_token() * elem for m in layers)
 
     # ---- request rows ---------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

@@ -1,0 +1,122 @@
+"""DeepSeek-V3 (DeepseekV3ForCausalLM) and GLM-4.7-Flash (Glm4MoeLiteForCausalLM): MLA attention
+(models/mla.py) with MoE feed-forward blocks (models/moe.py: sigmoid group-limited routing with
+a correction bias, routed_scaling_factor, shared experts); dense MLPs in the first
+`first_k_dense_replace` layers (GLM-4.7-Flash: where `mlp_layer_types` says "dense").
+
+Their checkpoints carry `num_nextn_predict_layers` MTP layers after the decoder layers
+(`model.layers.{num_hidden_layers + i}.*`); the target skips them and the MTP drafter builds
+their decoder layer from `make_layer` (an MLA + MoE layer, as transformers' get_mtp_config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve.attention.backend import ForwardContext
+from specserve.models.layers import MLP, RMSNorm, RotaryEmbedding
+from specserve.models.llama import ArchConfig, LlamaForCausalLM
+from specserve.models.mla import MLAAttention, MLAConfig
+from specserve.models.moe import MoeConfig, SparseMoE, num_experts
+
+
+@dataclass
+class DeepseekArchConfig(ArchConfig):
+    mla: MLAConfig | None = None
+    moe: MoeConfig | None = None
+    # Indices of the target's layers with a dense MLP (MTP layers past them are MoE).
+    dense_layers: frozenset[int] = field(default_factory=frozenset)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> DeepseekArchConfig:
+        heads = cfg["num_attention_heads"]
+        # The rotary embedding spans qk_rope_head_dim (transformers: head_dim = that).
+        base = ArchConfig.from_dict(
+            {
+                **cfg,
+                "sliding_window": None,
+                "head_dim": cfg["qk_rope_head_dim"],
+                "num_key_value_heads": heads,
+                "attention_bias": False,
+            }
+        )
+        if base.rotary_dim != cfg["qk_rope_head_dim"]:
+            raise ValueError("config.json: MLA models need partial_rotary_factor 1")
+        n = base.num_hidden_layers
+        kinds = cfg.get("mlp_layer_types")
+        if kinds:
+            dense = frozenset(i for i, k in enumerate(kinds[:n]) if k == "dense")
+        else:
+            dense = frozenset(range(int(cfg.get("first_k_dense_replace") or 0)))
+        moe = MoeConfig(
+            num_experts=num_experts(cfg, "n_routed_experts", "num_local_experts"),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            scoring="sigmoid",
+            n_group=int(cfg.get("n_group") or 1),
+            topk_group=int(cfg.get("topk_group") or 1),
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            correction_bias=True,
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+            router_fp32=True,
+        )
+        mla = MLAConfig.from_dict(cfg, base.rope_scaling)
+        return cls(**vars(base), mla=mla, moe=moe, dense_layers=dense)
+
+
+class MLADecoderLayer(nn.Module):
+    """input norm -> MLA -> residual -> post-attention norm -> MLP or MoE -> residual."""
+
+    def __init__(self, c: DeepseekArchConfig, rope: RotaryEmbedding, mlp: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = MLAAttention(c.mla, rope)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        # [num_tokens, hidden]
+        x: torch.Tensor,
+        # [num_tokens, hidden] or None for the first layer
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    config: DeepseekArchConfig
+
+    @classmethod
+    def from_config_dict(cls, cfg: dict[str, Any], max_position: int) -> DeepseekV3ForCausalLM:
+        return cls(DeepseekArchConfig.from_dict(cfg), max_position)
+
+    def make_layer(
+        self, index: int, rope: RotaryEmbedding, sliding_window: int | None
+    ) -> nn.Module:
+        c = self.config
+        if index in c.dense_layers:
+            mlp: nn.Module = MLP(c.hidden_size, c.intermediate_size)
+        else:
+            mlp = SparseMoE(c.moe, c.hidden_size)
+        return MLADecoderLayer(c, rope, mlp)
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.7-Flash: the DeepSeek-V3 architecture; its MTP layer embeds the token at
+    position 0 like any other, as GLM-4.x MoE's (models/glm4_moe.py)."""
+
+    mtp_mask_position0 = False

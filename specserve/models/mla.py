@@ -1,0 +1,160 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash), as transformers'
+modeling_deepseek_v3.py / modeling_glm4_moe_lite.py define it:
+
+    q          = q_proj(x)  or  q_b_proj(q_a_layernorm(q_a_proj(x)))      [T, H, nope + R]
+    c, k_pe    = kv_a_proj_with_mqa(x) split [L, R];  c = kv_a_layernorm(c)
+    k[h], v[h] = kv_b_proj(c) split per head [nope, v];  k[h] = [k_nope[h]; k_pe]
+
+The cache holds c and the rotated k_pe per token (L + R values, not H * (nope + R + v)). The
+key and value up-projections are absorbed (vLLM's MLA): q_latent[h] = q_nope[h] W_UK[h] reads
+c directly, and the attention output in latent space goes through W_UV[h] before o_proj.
+
+`rope_interleave`: the checkpoint's rotary channels are interleaved pairs (x0, x1), (x2, x3)
+...; transformers rotates them in place and returns them de-interleaved, which equals
+de-interleaving first and applying rotate-half rotary (what happens here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from specserve import ops
+from specserve.attention.backend import ForwardContext
+from specserve.models.layers import KVCacheLayer, RMSNorm, RotaryEmbedding, yarn_mscale
+
+# transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps.
+_LORA_NORM_EPS = 1e-6
+
+
+@dataclass
+class MLAConfig:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    attention_bias: bool
+    # Softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN.
+    scale: float
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], rope_scaling: dict[str, Any] | None) -> MLAConfig:
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not cfg.get(key):
+                raise ValueError(f"config.json: MLA needs a positive {key}")
+        qk_head_dim = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        scale = qk_head_dim**-0.5
+        if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
+            m = yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"]))
+            scale = scale * m * m
+        return cls(
+            hidden_size=cfg["hidden_size"],
+            num_heads=cfg["num_attention_heads"],
+            q_lora_rank=cfg.get("q_lora_rank") or None,
+            kv_lora_rank=cfg["kv_lora_rank"],
+            qk_nope_head_dim=cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"],
+            v_head_dim=cfg["v_head_dim"],
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            scale=scale,
+        )
+
+    @property
+    def full_kv_elems_per_token(self) -> int:
+        """What a per-head K/V cache of this layer would hold per token (for comparison)."""
+        return self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim + self.v_head_dim)
+
+
+class MLAAttention(KVCacheLayer):
+    def __init__(self, m: MLAConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        if rope.rotary_dim != m.qk_rope_head_dim:
+            raise ValueError(
+                f"MLA rotates all {m.qk_rope_head_dim} qk_rope_head_dim channels; the rotary "
+                f"embedding has {rope.rotary_dim} (partial_rotary_factor must be 1)"
+            )
+        self.m = m
+        H, qk = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+        bias = m.attention_bias
+        if m.q_lora_rank is None:
+            self.q_proj = nn.Linear(m.hidden_size, H * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(m.hidden_size, m.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, _LORA_NORM_EPS)
+            self.q_b_proj = nn.Linear(m.q_lora_rank, H * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            m.hidden_size, m.kv_lora_rank + m.qk_rope_head_dim, bias=bias
+        )
+        self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, _LORA_NORM_EPS)
+        self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), False)
+        self.o_proj = nn.Linear(H * m.v_head_dim, m.hidden_size, bias=bias)
+        self.rope = rope
+        self.scale = m.scale
+        self.kv_index = -1
+        self.sliding_window = None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks, block_size, self.m.kv_lora_rank + self.m.qk_rope_head_dim)
+
+    def kv_elems_per_token(self) -> int:
+        return self.m.kv_lora_rank + self.m.qk_rope_head_dim
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, L], W_UV [H, v, L]): views of kv_b_proj's weight."""
+        m = self.m
+        w = self.kv_b_proj.weight.view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
+        return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
+
+    def forward(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        # [num_tokens, hidden]: the input-normed hidden states
+        x: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        m = self.m
+        T, H = x.shape[0], m.num_heads
+        if m.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(T, H, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        kv_c = self.kv_a_layernorm(kv_c.contiguous())
+        if m.rope_interleave:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        q_pe, k_pe = ops.rope_(
+            positions, q_pe.contiguous(), k_pe.reshape(T, 1, -1), self.rope.cos, self.rope.sin
+        )
+        w_uk, w_uv = self.absorbed()
+        # [H, T, nope] @ [H, nope, L] -> [T, H, L]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        out = ctx.backend.forward_mla(
+            q_latent,
+            q_pe,
+            kv_c,
+            k_pe.view(T, -1),
+            ctx.kv_caches[self.kv_index],
+            ctx.meta(None),
+            self.scale,
+        )
+        # [H, T, L] @ [H, L, v] -> [T, H, v]
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return self.o_proj(out.reshape(T, H * m.v_head_dim))
+
+
+def _deinterleave(
+    # [..., R] as pairs (x0, x1), (x2, x3), ...
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """[x0, x2, ..., x1, x3, ...]: the rotate-half layout of interleaved rotary pairs."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
