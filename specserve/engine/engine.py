@@ -99,6 +99,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             config, self.model, self.max_model_len, num_blocks, self.speculator
         )
+        self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self.kv = KVCacheManager(num_blocks, config.block_size, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv,
@@ -367,6 +368,8 @@ class LLMEngine:
             req = s.req
             if req.is_finished() or id(req) in skip:
                 continue  # finished, aborted or preempted after this step was launched
+            if out.prompt_logprobs is not None and i in out.prompt_logprobs:
+                self._add_prompt_logprobs(req, *out.prompt_logprobs[i])
             if not s.samples:
                 req.num_computed_tokens = s.start + s.num_tokens
                 continue
@@ -382,6 +385,18 @@ class LLMEngine:
             lps = out.logprobs[i] if out.logprobs is not None else None
             outputs.append(self._append(req, new, lps))
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(req: Request, first: int, lps: list[dict[int, float]]) -> None:
+        """Keep the part of a step's prompt logprobs that continues what the request has
+        (a recompute never adds a token twice)."""
+        have = len(req.prompt_logprobs)
+        if first <= have < first + len(lps):
+            n_top = req.sampling_params.prompt_logprobs or 0
+            for j, d in enumerate(lps[have - first :], start=have):
+                tok = req.prompt_token_ids[j]
+                top = sorted(((t, v) for t, v in d.items()), key=lambda x: -x[1])[:n_top]
+                req.prompt_logprobs.append({**dict(top), tok: d[tok]})
 
     def _append(
         self, req: Request, new: list[int], lps: list[dict[int, float]] | None
@@ -473,4 +488,7 @@ class LLMEngine:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             delta_logprobs=delta_lps,
+            prompt_logprobs=(
+                req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None
+            ),
         )
