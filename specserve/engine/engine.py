@@ -182,6 +182,9 @@ class LLMEngine:
         vocab = self.hf_config["vocab_size"]
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        bad_bias = [t for t in sampling_params.logit_bias or {} if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad_bias[0]}.")
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._rng.integers(0, 2**62))

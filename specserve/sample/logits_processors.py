@@ -145,7 +145,12 @@ def apply_logits_processors(
         out_idx = out_pos0[:, None] + slot[None, :] - lp.prompt_lens[:, None]
         early = (out_idx < lp.min_tokens[:, None]).float()  # [B, S]
         stop = torch.zeros(B, V, dtype=torch.float32, device=x.device)
-        stop[lp.stop_rows, lp.stop_ids.clamp(0, V - 1)] = 1.0
+        # Ids past the vocabulary (a stop id the model never emits) add nothing.
+        stop.index_put_(
+            (lp.stop_rows, lp.stop_ids.clamp(0, V - 1)),
+            (lp.stop_ids < V).float(),
+            accumulate=True,
+        )
         x.masked_fill_((early[:, :, None] * stop[:, None, :]) > 0, float("-inf"))
     if lp.bias_rows.numel():
         bias = torch.zeros(B, V, dtype=torch.float32, device=x.device)
