@@ -63,12 +63,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
+        from specserve.models.loader import read_config
+
+        # Before the tokenizer, which would read config.json too and fail with a traceback.
+        raw_cfg = read_config(config.model)
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
         spec = config.spec
         self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
-        from specserve.models.loader import read_config
-
-        raw_cfg = read_config(config.model)
         max_pos = raw_cfg.get("max_position_embeddings", 4096)
         self.max_model_len = config.max_model_len or max_pos
         rope_len = max(self.max_model_len, max_pos) + self.num_spec_tokens + 2

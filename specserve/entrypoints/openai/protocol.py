@@ -74,6 +74,9 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (a chunk may hold several tokens
+    # under speculation; `bench serve` counts tokens with it).
+    continuous_usage_stats: bool = False
 
 
 class SamplingRequest(OpenAIModel):
@@ -170,6 +173,10 @@ class SamplingRequest(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):

@@ -124,7 +124,8 @@ class OpenAIServing:
             # NOTE: adding a request only validates and tokenizes, so any failure is the input's.
             raise APIError(str(e), param="messages" if prefix == "chatcmpl" else "prompt") from e
         if req.stream:
-            return Stream(self._stream(group, choices, fmt, req.include_usage), group.abort)
+            chunks = self._stream(group, choices, fmt, req.include_usage, req.continuous_usage)
+            return Stream(chunks, group.abort)
         prompt_lens: dict[int, int] = {}
         try:
             async for idx, out in group:
@@ -136,7 +137,12 @@ class OpenAIServing:
         return fmt.response(choices, _usage(prompt_lens, choices))
 
     async def _stream(
-        self, group: RequestGroup, choices: list[_Choice], fmt: _Format, include_usage: bool
+        self,
+        group: RequestGroup,
+        choices: list[_Choice],
+        fmt: _Format,
+        include_usage: bool,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
         prompt_lens: dict[int, int] = {}
         try:
@@ -145,7 +151,13 @@ class OpenAIServing:
                 first = not c.started
                 n_before = len(c.token_ids)
                 self._apply(c, out, fmt, prompt_lens)
-                yield _sse(fmt.chunk(idx, c, out.delta_text, n_before, first))
+                chunk = fmt.chunk(idx, c, out.delta_text, n_before, first)
+                if continuous_usage:  # vLLM: this choice's usage so far
+                    p = prompt_lens[c.prompt_idx]
+                    n = len(c.token_ids)
+                    chunk["usage"] = {"prompt_tokens": p, "completion_tokens": n,
+                                      "total_tokens": p + n}  # fmt: skip
+                yield _sse(chunk)
             if include_usage:
                 yield _sse(fmt.usage_chunk(_usage(prompt_lens, choices)))
         except EngineDeadError as e:
