@@ -62,6 +62,7 @@ def _eos_ids(model_dir: str, cfg: dict[str, Any], tokenizer: Any) -> set[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        config.check_device_available()
         device, dtype = config.torch_device, config.torch_dtype
         from specserve.models.loader import read_config
 

@@ -81,6 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.entrypoints.openai.server import build_app
 
     config = EngineConfig(**serve_engine_kwargs(args))
+    config.check_device_available()
     check_port_free(args.host, args.port)
     app = build_app(config, api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
