@@ -140,3 +140,21 @@ def test_unimplemented_fields_are_400s_naming_them(server: LiveServer) -> None:
         metadata={"k": "v"}, service_tier="auto",
     )  # fmt: skip
     assert r.choices[0].message.content is not None
+
+
+def test_peak_throughput_counts_tokens_not_chunks() -> None:
+    """Under speculation one chunk carries several tokens: the peak counts the tokens the
+    continuous usage stats report; without them, one per chunk."""
+    from specserve.bench.endpoint import RequestFuncOutput
+    from specserve.bench.report import calculate_metrics
+
+    def out(chunk_tokens: list[int]) -> RequestFuncOutput:
+        return RequestFuncOutput(
+            success=True, latency=0.5, output_tokens=10, ttft=0.1, itl=[0.1, 0.1, 0.1],
+            chunk_tokens=chunk_tokens, prompt_len=4, start_time=0.0,
+        )  # fmt: skip
+
+    m = calculate_metrics([out([1, 4, 2, 3]), out([1, 1, 4, 4])], 1.0, [99])
+    assert m["max_output_tokens_per_s"] == 20.0
+    m = calculate_metrics([out([]), out([])], 1.0, [99])
+    assert m["max_output_tokens_per_s"] == 8.0

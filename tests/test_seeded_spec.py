@@ -220,3 +220,22 @@ def test_sampled_penalties_distribution_with_spec(ckpt_dir, method: str) -> None
     probs = np.append(joint.ravel()[big], joint.ravel()[~big].sum())
     p = chi2_pvalue(torch.tensor(obs), torch.tensor(probs / probs.sum()))
     assert p > 1e-3, p
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["eagle3", "ptd", "ngram"])
+def test_coupled_and_penalties_on_cuda(setup: dict, kind: str) -> None:
+    """The CUDA path (Triton coupled kernels, captured target and draft graphs): seeded sampled
+    and greedy-penalized outputs equal plain decoding's."""
+    prompts = [p * 2 for p in setup["prompts"]]
+    sps = [
+        SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=12, top_k=20, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.5,
+                       frequency_penalty=0.5, logit_bias={9: 3.0}, ignore_eos=True),
+    ]  # fmt: skip
+    kw = dict(device="cuda", dtype="float32")
+    plain = _tokens(LLM(setup["target"], max_model_len=128, **kw), prompts, sps)
+    for draft_sample in ("greedy", "probabilistic"):
+        assert _tokens(_llm(setup, kind, draft_sample, **kw), prompts, sps) == plain

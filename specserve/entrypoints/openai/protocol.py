@@ -242,6 +242,12 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            # vLLM's chat returns them in the full response only; never accept-and-drop.
+            raise APIError(
+                "prompt_logprobs is not available with stream=true on chat completions.",
+                param="prompt_logprobs",
+            )
         n_top = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
         return self.sampling_params(max_tokens, n_top, self.prompt_logprobs)
