@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +32,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (JSON schema, regex, choice, EBNF grammar), as vLLM's field.
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,10 @@ class SamplingParams:
                     raise bad("logit_bias", "values must be in [-100, 100]")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "must be token ids >= 0")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def stop_strings(self) -> list[str]:

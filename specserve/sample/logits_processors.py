@@ -9,8 +9,14 @@ distribution plain decoding would sample from). Tokens are read from the persist
 buffer, where the drafts already sit after the verified tokens.
 
 The engine builds `LogitsProcessorInputs` only for steps where some request uses one of these
-features; other steps skip this file entirely (no launch, no upload). Logprobs stay raw (vLLM's
-default): they are computed from the logits before this step.
+features; other steps skip this file entirely (no launch, no upload). Logprobs stay unprocessed
+(vLLM's default): they are computed from the logits before this step.
+
+Structured outputs: the grammar mask (structured/bitmask.py) is applied to the same logits at
+the same slots; its -inf entries stay -inf through every processor here, so the order of the
+two does not matter. min_tokens does not mask the stop tokens of a request with a grammar: the
+grammar decides where the output ends (a grammar that allows only its stop token would leave
+no token at all), as the engine ends such a request at the grammar's stop token.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ def build_logits_processor_inputs(
             ints[2].append(b)
             ints[3].append(tid)
             floats[3].append(v)
-        if sp.min_tokens > 0 and r.num_output_tokens < sp.min_tokens:
+        if sp.min_tokens > 0 and r.num_output_tokens < sp.min_tokens and r.grammar is None:
             stops: Iterable[int] = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 stops = set(stops) | set(eos_token_ids)

@@ -37,6 +37,7 @@ from specserve.sample.logits_processors import (
 from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import compute_logprobs, sample
 from specserve.spec_decode.drafting import TargetStep
+from specserve.structured.bitmask import apply_grammar_bitmask_, build_grammar_step
 from specserve.worker.input_batch import StepInputs, prepare_inputs
 from specserve.worker.request_states import RequestStates
 
@@ -58,6 +59,8 @@ class PendingStep:
     # request, and their top-N (None: no request of the step asked)
     prompt_spans: list[tuple[int, int, int]] | None = None
     prompt_top: int = 0
+    # columns of next-step drafts at the end of `host` (structured-output steps), else 0
+    n_drafts: int = 0
 
 
 @dataclass
@@ -71,6 +74,9 @@ class StepOutput:
     # batch row -> (position of the first prompt token covered, per covered prompt token
     # {token: logprob} of that token and the top-N): prompt logprobs computed this step
     prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] | None = None
+    # [B, K] drafts the drafter proposed for the next step, read back only for steps with
+    # structured requests (their grammar walks the drafts on the host); else None
+    next_drafts: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -227,6 +233,9 @@ class ModelRunner:
             common = self.common_metadata(inp, slot_mapping, block_table)
             ctx = self.forward_context(common)
             hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
+        # Structured requests: their masks are filled on the host now, while the device runs
+        # the forward just queued (CUDA), and uploaded asynchronously. None: no grammar here.
+        gs = build_grammar_step(sched.scheduled, k + 1, self.model.config.vocab_size, self.device)
 
         B, k1 = inp.num_reqs, k + 1
         drafted = k > 0 and bool(inp.num_draft_np.any())
@@ -238,8 +247,16 @@ class ModelRunner:
         # In the model dtype: sampling and logprobs convert what they need (argmax needs no
         # fp32 copy of a 128k-vocabulary row: one kernel less per decode step).
         logits = self.model.compute_logits(verified).view(B, k1, -1)
-        # Penalties, logit_bias, min_tokens: only when a request of the batch uses them (the
-        # raw logits stay for logprobs, vLLM's default).
+        if gs is not None:
+            # The grammar step: forbidden tokens -> -inf at every slot, before verification and
+            # sampling read the logits (logprobs too, as in vLLM). Masking before the logits
+            # processors below is exactly processors-then-mask: -inf stays -inf under each of
+            # them (bias added, penalties subtracted, repetition scales by a positive factor)
+            # and the mask leaves finite logits alone; this order masks one tensor, which
+            # logprobs and sampling then share.
+            apply_grammar_bitmask_(logits, gs)
+        # Penalties, logit_bias, min_tokens: only when a request of the batch uses them (a new
+        # tensor: logprobs keep the unprocessed logits, vLLM's default).
         target_logits = logits
         lpi = build_logits_processor_inputs(
             [s.req for s in sched.scheduled], self.eos_token_ids, self.device
@@ -301,7 +318,13 @@ class ModelRunner:
             if self.draft_events is not None:
                 ev[1].record()
                 self.draft_events.append(ev)
-        return self._start_copy(inp, logits, out_tokens, num_acc, reqs_logprobs, prompt_lp)
+        next_drafts = None
+        if gs is not None and k and self.speculator is not None:
+            if not self.speculator.proposes_on_host:
+                next_drafts = self._next_drafts(inp, num_acc)
+        return self._start_copy(
+            inp, logits, out_tokens, num_acc, reqs_logprobs, prompt_lp, next_drafts
+        )
 
     def _prompt_logprobs(
         self,
@@ -338,6 +361,14 @@ class ModelRunner:
         lp, _, top_ids, top_lp = compute_logprobs(logits, tok_ids, max(n_top, 1))
         return spans, n_top, (lp, tok_ids, top_ids.flatten(), top_lp.flatten())
 
+    def _next_drafts(self, inp: StepInputs, num_acc: torch.Tensor) -> torch.Tensor:
+        """[B, K] the drafts just proposed (after each request's newest token): structured
+        requests need them on the host to fill the next step's masks."""
+        k = self.num_spec_tokens
+        tok = self.states.token_ids
+        pos = (inp.out_pos0 + num_acc + 1)[:, None] + torch.arange(k, device=self.device)
+        return tok[inp.idx_mapping[:, None], pos.clamp_max(tok.shape[1] - 1)]
+
     def _place_on_device(self, inp: StepInputs) -> None:
         """Rows scheduled behind a step whose accept counts the host has not read: correct
         their host-side start on the device (`place_on_device_`)."""
@@ -360,43 +391,48 @@ class ModelRunner:
         num_acc: torch.Tensor | None,
         reqs_logprobs: list[int],
         prompt_lp: tuple[list[tuple[int, int, int]], int, tuple[torch.Tensor, ...]] | None,
+        # [B, K] int64 next-step drafts to read back, or None
+        next_drafts: torch.Tensor | None = None,
     ) -> PendingStep:
         B, k1 = out_tokens.shape
+        n_drafts = next_drafts.shape[1] if next_drafts is not None else 0
         n_top = max(reqs_logprobs) if reqs_logprobs else -1
         has_acc = num_acc is not None
-        if prompt_lp is not None:  # everything in one float64 buffer, prompt logprobs last
+        if n_top >= 0 or prompt_lp is not None:
             num_acc = num_acc if has_acc else out_tokens.new_zeros(B)
+            # Tokens, accept counts, logprobs, prompt logprobs, then next-step drafts share one
+            # float64 buffer (exact for ids).
             parts = [out_tokens.flatten(), num_acc]
             if n_top >= 0:
                 lp, _, top_ids, top_lp = compute_logprobs(
                     logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
                 )
                 parts += [lp, top_ids.flatten(), top_lp.flatten()]
-            flat = torch.cat([p.double() for p in parts + list(prompt_lp[2])])
-            has_acc = True
-        elif n_top >= 0:
-            num_acc = num_acc if has_acc else out_tokens.new_zeros(B)
-            # Tokens, accept counts and logprobs share one float64 buffer (exact for ids).
-            lp, _, top_ids, top_lp = compute_logprobs(
-                logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
-            )
-            parts = [out_tokens.flatten(), num_acc, lp, top_ids.flatten(), top_lp.flatten()]
+            if prompt_lp is not None:
+                parts += list(prompt_lp[2])
+            if n_drafts:
+                parts.append(next_drafts.flatten())
             flat = torch.cat([p.double() for p in parts])
             has_acc = True
-        elif has_acc:  # ids only: one int64 concatenation, no conversions
-            flat = torch.cat([out_tokens.flatten(), num_acc.to(out_tokens.dtype)])
+        elif has_acc or n_drafts:  # ids only: one int64 concatenation, no conversions
+            num_acc = num_acc if has_acc else out_tokens.new_zeros(B)
+            parts = [out_tokens.flatten(), num_acc.to(out_tokens.dtype)]
+            if n_drafts:
+                parts.append(next_drafts.flatten())
+            flat = torch.cat(parts)
+            has_acc = True
         else:  # the tokens alone (the host knows nothing was accepted)
             flat = out_tokens.flatten()
         spans, p_top = (prompt_lp[0], prompt_lp[1]) if prompt_lp is not None else (None, 0)
         if flat.device.type != "cuda":
-            return PendingStep(flat.cpu(), None, B, k1, n_top, has_acc, spans, p_top)
+            return PendingStep(flat.cpu(), None, B, k1, n_top, has_acc, spans, p_top, n_drafts)
         # NOTE: the single device-to-host copy of the step; everything above stayed on device.
         # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile.
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return PendingStep(host, event, B, k1, n_top, has_acc, spans, p_top)
+        return PendingStep(host, event, B, k1, n_top, has_acc, spans, p_top, n_drafts)
 
     def finish(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's results and unpack them."""
@@ -408,6 +444,11 @@ class ModelRunner:
         num_accepted = np.zeros(B, np.int64)
         if pending.has_acc:
             num_accepted = host[B * k1 : B * k1 + B].astype(np.int64)
+        next_drafts = None
+        if pending.n_drafts:
+            nd = B * pending.n_drafts
+            next_drafts = host[host.shape[0] - nd :].astype(np.int64).reshape(B, -1)
+            host = host[: host.shape[0] - nd]
         logprobs = None
         off = B * k1 + B
         if n_top >= 0:
@@ -429,7 +470,7 @@ class ModelRunner:
         prompt_lps = None
         if pending.prompt_spans is not None:
             prompt_lps = self._unpack_prompt_logprobs(host[off:], pending)
-        return StepOutput(tokens, num_accepted, logprobs, prompt_lps)
+        return StepOutput(tokens, num_accepted, logprobs, prompt_lps, next_drafts)
 
     @staticmethod
     def _unpack_prompt_logprobs(

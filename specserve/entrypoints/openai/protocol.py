@@ -13,17 +13,18 @@ do not change what is generated, and so are accepted without an effect:
   - `service_tier`: the provider's processing tier; specserve has one;
   - `store`, `metadata`: whether / with which tags the provider keeps the completion for its
     dashboards and distillation; specserve keeps nothing.
-`response_format` and `structured_outputs` (structured outputs) are declared here and
-implemented by the grammar step of verification and sampling.
+`response_format` (json_object, json_schema) and vLLM's `structured_outputs` map onto
+`StructuredOutputsParams`, enforced by the grammar step of verification and sampling.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specserve.sampling_params import SamplingParams
+from specserve.structured.params import StructuredOutputsParams
 
 # Bounds that keep values inside the engine's int64 per-row tensors and its top-k.
 INT64_MAX = 2**63 - 1
@@ -79,6 +80,32 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str
+    description: str | None = None
+    # `schema` in the wire format (a pydantic BaseModel attribute name, hence the alias).
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # xgrammar always enforces the schema strictly, which satisfies both values.
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIModel):
+    """vLLM's `structured_outputs` request field (StructuredOutputsParams' fields)."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -107,14 +134,48 @@ class SamplingRequest(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     # vLLM's extension: logprobs of the prompt tokens (the first is null) with the top-N.
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Structured outputs: declared for the grammar step (see the module docstring).
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    # Structured outputs, enforced by the grammar step (see structured_outputs_params).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # Harmless: no effect on what is generated (see the module docstring).
     user: str | None = None
     service_tier: str | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """`response_format` (json_object, json_schema) or `structured_outputs`, as vLLM maps
+        them; None for plain text."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise APIError(
+                "set either response_format or structured_outputs, not both.",
+                param="structured_outputs",
+            )
+        try:
+            if so is not None:
+                return StructuredOutputsParams(
+                    json=so.json_,
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                    json_object=so.json_object,
+                    disable_any_whitespace=so.disable_any_whitespace,
+                    disable_additional_properties=so.disable_additional_properties,
+                )
+            if rf is None or rf.type == "text":
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(
+                    "response_format of type json_schema needs json_schema.schema.",
+                    param="response_format",
+                )
+            return StructuredOutputsParams(json=rf.json_schema.schema_)
+        except ValueError as e:
+            param = "structured_outputs" if so is not None else "response_format"
+            raise APIError(str(e), param=param) from e
 
     def _logit_bias(self) -> dict[int, float] | None:
         if not self.logit_bias:
@@ -166,6 +227,7 @@ class SamplingRequest(OpenAIModel):
                 logit_bias=self._logit_bias(),
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                structured_outputs=self.structured_outputs_params(),
             )
         except ValueError as e:
             raise APIError(str(e), param=_param_from_message(str(e))) from e

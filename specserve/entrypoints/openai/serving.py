@@ -122,7 +122,9 @@ class OpenAIServing:
             raise _dead(e) from e
         except Exception as e:  # PromptTooLongError, bad token ids, chat template errors
             # NOTE: adding a request only validates and tokenizes, so any failure is the input's.
-            raise APIError(str(e), param="messages" if prefix == "chatcmpl" else "prompt") from e
+            # (A constraint xgrammar cannot compile names its own field.)
+            param = getattr(e, "param", None) or ("messages" if prefix == "chatcmpl" else "prompt")
+            raise APIError(str(e), param=param) from e
         if req.stream:
             chunks = self._stream(group, choices, fmt, req.include_usage, req.continuous_usage)
             return Stream(chunks, group.abort)
