@@ -112,10 +112,36 @@ class EngineConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from e
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        elif self.speculative_config is not None and not isinstance(
+            self.speculative_config, SpeculativeConfig
+        ):
+            raise ValueError(
+                "speculative_config must be a JSON object such as "
+                '\'{"method": "ngram", "num_speculative_tokens": 3}\', got '
+                f"{type(self.speculative_config).__name__} {self.speculative_config!r}."
+            )
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda"
+
+    def check_device_available(self) -> None:
+        """Before anything touches the device (engine start): a one-line error, not CUDA's
+        traceback from deep inside the first allocation. (Not in __post_init__: a config for
+        another machine may be built here.)"""
+        if self.torch_device.type == "cuda" and not torch.cuda.is_available():
+            why = (
+                "this torch build has no CUDA support"
+                if torch.version.cuda is None
+                else "no CUDA GPU is visible"
+            )
+            raise ValueError(f"device {self.device!r} was asked for, but {why}; use --device cpu.")
 
     @property
     def torch_device(self) -> torch.device:

@@ -47,3 +47,6 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, float]] | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token {token: logprob} of that token and
+    # the top-N, None for the first (vLLM's shape); complete from the first token on.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

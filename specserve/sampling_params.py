@@ -21,6 +21,15 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens (the first is None) with the top-N: vLLM's field.
+    prompt_logprobs: int | None = None
+    # vLLM's penalties: repetition over prompt + output tokens (divides positive logits,
+    # multiplies negative ones), presence and frequency over output tokens only.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # {token id: bias} added to the logits before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrained decoding (JSON schema, regex, choice, EBNF grammar), as vLLM's field.
@@ -66,6 +75,24 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+        ):
+            raise bad("prompt_logprobs", "must be an integer >= 0")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 1e4:
+            raise bad("repetition_penalty", "must be in (0, 1e4]")
+        if self.logit_bias is not None:
+            for tid, b in self.logit_bias.items():
+                if not isinstance(tid, int) or tid < 0:
+                    raise bad("logit_bias", "keys must be token ids >= 0")
+                if not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise bad("logit_bias", "values must be in [-100, 100]")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
+            raise bad("stop_token_ids", "must be token ids >= 0")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -74,6 +101,17 @@ class SamplingParams:
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Whether the target logits need `apply_logits_processors` for this request."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -464,6 +464,47 @@ def test_verify_acceptance_at_the_boundary(device: str) -> None:
     assert torch.equal(acc, below.long())  # the construction is right: accept iff below
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_coupled_verify_matches_reference_and_plain_sampling(device: str) -> None:
+    """ "coupled": kernels == reference (greedy, mixed, filtered rows, several vocab splits), and
+    every output slot is what `sample` draws at that position from the same logits (plain
+    decoding's token), however many drafts were accepted."""
+    from specserve.ops.spec_kernels_rejection import coupled_sample_triton
+    from specserve.sample.sampler import sample
+
+    g = torch.Generator().manual_seed(80)
+    accepted = []
+    for temps, filters, vocab in (([0.0], False, 300), ([0.0, 1.0, 0.7], False, 300),
+                                  ([0.9, 0.0, 1.1], True, 2500)):  # fmt: skip
+        (logits, drafts, _, num_draft, positions), st = _verify_inputs(
+            g, 12, 3, vocab, temps, "none", filters
+        )
+        dev_args = [t.to(device) for t in (logits, drafts, num_draft, positions)]
+        dst = _st_to(st, device)
+        ref = rejection_sample_ref(
+            dev_args[0], dev_args[1], None, dev_args[2], dst, dev_args[3], "coupled"
+        )
+        from specserve.sample.rejection import _processed_rows
+
+        for block_v in (64, None):
+            kw = {} if block_v is None else {"block_v": block_v}
+            out = coupled_sample_triton(
+                dev_args[0], dev_args[1], dev_args[2], dst.temperature, dst.seeds, dev_args[3],
+                dst.all_greedy, _processed_rows(dev_args[0], dst), **kw,
+            )  # fmt: skip
+            _assert_equal(out[0], ref[0], "coupled tokens")
+            _assert_equal(out[1], ref[1], "coupled num_accepted")
+        toks, n_acc = ref[0].cpu(), ref[1].cpu()
+        for j in range(4):
+            plain = sample(logits[:, j], st, positions + j)
+            valid = j <= n_acc
+            assert torch.equal(toks[valid, j], plain[valid])
+        accepted.append(n_acc)
+    acc = torch.cat(accepted)
+    assert bool((acc == 0).any()) and bool((acc == 3).any())
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_kernels_replay_in_a_cuda_graph() -> None:

@@ -2,7 +2,8 @@
 
 Sampled generations under a JSON schema all parse and validate with EAGLE-3 and with n-gram;
 greedy output with speculation equals output without under the same JSON schema, regex and
-choice list; the masks per draft position and the bitmask step against xgrammar's own; the
+choice list, also with penalties and logit_bias; seeded sampled output under a grammar is the
+same with and without speculation (coupled verification); the masks per draft position and the bitmask step against xgrammar's own; the
 OpenAI server with the `openai` client (response_format json_schema / json_object,
 structured_outputs choice) and its 400s.
 
@@ -134,6 +135,75 @@ def test_greedy_speculation_equals_plain(
             assert engines[drafter].get_metrics()["spec_decode_num_draft_tokens_total"] > before
     # Drafts were accepted under the grammar, not only proposed.
     assert _accept_len(engines["eagle3"]) > 1.2
+
+
+def test_grammar_with_penalties_and_logit_bias_greedy(
+    engines: dict[str, LLM], prompts: list[str]
+) -> None:
+    """Grammar mask + penalties + logit_bias at every draft slot: greedy EAGLE-3 and n-gram
+    output equals plain output token for token; the processors change the text (not ignored)
+    and cannot break the grammar (+100 on a token it forbids: still valid JSON)."""
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    ps = prompts[:4]
+    tok = engines["plain"].get_tokenizer()
+    forbidden = tok.encode("zzz", add_special_tokens=False)[0]  # never valid JSON here
+    seven = tok.encode("7", add_special_tokens=False)[0]
+    base = SamplingParams(temperature=0.0, max_tokens=64, structured_outputs=so)
+    ref = [o.outputs[0] for o in engines["plain"].generate(ps, base, use_tqdm=False)]
+    bias = {forbidden: 100.0, seven: 30.0}
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=64,
+        structured_outputs=so,
+        repetition_penalty=1.4,
+        frequency_penalty=0.5,
+        logit_bias=bias,
+    )
+    plain = [o.outputs[0] for o in engines["plain"].generate(ps, sp, use_tqdm=False)]
+    assert any(a.token_ids != b.token_ids for a, b in zip(ref, plain))
+    assert all("7" not in str(json.loads(c.text)["n"]) for c in ref if c.finish_reason == "stop")
+    sevens = 0
+    for c in plain:
+        assert forbidden not in c.token_ids
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+            sevens += "7" in str(json.loads(c.text)["n"])
+    assert sevens > 0  # the bias reached the allowed tokens
+    for drafter in ("eagle3", "ngram"):
+        got = [o.outputs[0] for o in engines[drafter].generate(ps, sp, use_tqdm=False)]
+        for a, b in zip(plain, got):
+            assert b.token_ids == a.token_ids, (drafter, a.text, b.text)
+            assert b.finish_reason == a.finish_reason
+
+
+def test_grammar_with_seeded_sampling_same_text_with_and_without_speculation(
+    engines: dict[str, LLM], prompts: list[str]
+) -> None:
+    """Coupled verification draws the target's seeded sample from the masked (and penalized)
+    logits at every slot, as plain sampling does: a seeded structured request gives the same
+    text with and without speculation, for EAGLE-3 and n-gram."""
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    sps = [
+        SamplingParams(
+            temperature=0.9,
+            seed=100 + i,
+            max_tokens=64,
+            structured_outputs=so,
+            presence_penalty=0.3 if i % 2 else 0.0,
+        )
+        for i in range(8)
+    ]
+    ps = [prompts[i % len(prompts)] for i in range(8)]
+    plain = [o.outputs[0] for o in engines["plain"].generate(ps, sps, use_tqdm=False)]
+    assert len({c.text for c in plain}) > 2  # really sampled
+    for c in plain:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+    for drafter in ("eagle3", "ngram"):
+        before = engines[drafter].get_metrics()["spec_decode_num_draft_tokens_total"]
+        got = [o.outputs[0] for o in engines[drafter].generate(ps, sps, use_tqdm=False)]
+        assert [c.token_ids for c in got] == [c.token_ids for c in plain], drafter
+        assert engines[drafter].get_metrics()["spec_decode_num_draft_tokens_total"] > before
 
 
 def test_async_scheduling_and_json_object(family: tuple[str, dict[str, Any]]) -> None:

@@ -39,6 +39,9 @@ class RequestFuncOutput:
     output_tokens: int = 0
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
+    # Tokens each chunk carried (first chunk first), from the server's continuous usage stats;
+    # empty when the server sends none (then every chunk counts as one token).
+    chunk_tokens: list[int] = field(default_factory=list)
     prompt_len: int = 0
     start_time: float = 0.0
     error: str = ""
@@ -81,6 +84,11 @@ async def _stream(
                         out.error = data["error"].get("message", str(data["error"]))
                         return out
                     now = time.perf_counter()
+                    usage = data.get("usage") or {}
+                    if data.get("choices") and "completion_tokens" in usage:
+                        # Continuous usage: this chunk's tokens are the growth of the count.
+                        done = int(usage["completion_tokens"] or 0)
+                        out.chunk_tokens.append(done - sum(out.chunk_tokens))
                     if data.get("choices"):
                         if out.ttft == 0.0:
                             out.ttft = now - st
@@ -104,7 +112,8 @@ def _base_payload(inp: RequestFuncInput) -> dict[str, Any]:
     return {
         "model": inp.model,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        # Continuous usage stats (vLLM's): per-chunk token counts, for the peak throughput.
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "ignore_eos": inp.ignore_eos,
         **inp.extra_body,
     }

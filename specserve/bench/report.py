@@ -19,8 +19,9 @@ METRICS = {
 
 
 def _peaks(ok: list[RequestFuncOutput]) -> tuple[float, int]:
-    """Peak output tokens in any one-second bucket (chunks counted as they arrive, as vLLM
-    does) and peak number of requests in flight at once."""
+    """Peak output tokens in any one-second bucket and peak number of requests in flight at
+    once. A chunk counts the tokens it carried (under speculation one chunk holds several), as
+    the server's continuous usage stats tell; without them, one per chunk (vLLM's count)."""
     if not ok:
         return 0.0, 0
     t0 = min(o.start_time for o in ok)
@@ -28,9 +29,11 @@ def _peaks(ok: list[RequestFuncOutput]) -> tuple[float, int]:
     buckets = np.zeros(int(np.ceil(t1 - t0)) + 1)
     for o in ok:
         t = o.start_time + o.ttft
-        for dt in [0.0, *o.itl]:
+        n_chunks = len(o.itl) + 1
+        tokens = o.chunk_tokens if len(o.chunk_tokens) == n_chunks else [1] * n_chunks
+        for dt, n in zip([0.0, *o.itl], tokens):
             t += dt
-            buckets[int(t - t0)] += 1
+            buckets[int(t - t0)] += n
     # Sweep over [start, end) intervals; a departure sorts before an arrival at the same time.
     events = sorted([(o.start_time, 1) for o in ok] + [(o.start_time + o.latency, -1) for o in ok])
     cur = peak = 0

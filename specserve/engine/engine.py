@@ -63,13 +63,15 @@ def _eos_ids(model_dir: str, cfg: dict[str, Any], tokenizer: Any) -> set[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        config.check_device_available()
         device, dtype = config.torch_device, config.torch_dtype
+        from specserve.models.loader import read_config
+
+        # Before the tokenizer, which would read config.json too and fail with a traceback.
+        raw_cfg = read_config(config.model)
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
         spec = config.spec
         self.num_spec_tokens = spec.num_speculative_tokens if spec else 0
-        from specserve.models.loader import read_config
-
-        raw_cfg = read_config(config.model)
         max_pos = raw_cfg.get("max_position_embeddings", 4096)
         self.max_model_len = config.max_model_len or max_pos
         rope_len = max(self.max_model_len, max_pos) + self.num_spec_tokens + 2
@@ -104,6 +106,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             config, self.model, self.max_model_len, num_blocks, self.speculator
         )
+        self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self.kv = KVCacheManager(num_blocks, config.block_size, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv,
@@ -186,6 +189,9 @@ class LLMEngine:
         vocab = self.hf_config["vocab_size"]
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        bad_bias = [t for t in sampling_params.logit_bias or {} if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad_bias[0]}.")
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._rng.integers(0, 2**62))
@@ -377,6 +383,8 @@ class LLMEngine:
             req = s.req
             if req.is_finished() or id(req) in skip:
                 continue  # finished, aborted or preempted after this step was launched
+            if out.prompt_logprobs is not None and i in out.prompt_logprobs:
+                self._add_prompt_logprobs(req, *out.prompt_logprobs[i])
             if not s.samples:
                 req.num_computed_tokens = s.start + s.num_tokens
                 continue
@@ -398,6 +406,18 @@ class LLMEngine:
             lps = out.logprobs[i] if out.logprobs is not None else None
             outputs.append(self._append(req, new, lps))
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(req: Request, first: int, lps: list[dict[int, float]]) -> None:
+        """Keep the part of a step's prompt logprobs that continues what the request has
+        (a recompute never adds a token twice)."""
+        have = len(req.prompt_logprobs)
+        if first <= have < first + len(lps):
+            n_top = req.sampling_params.prompt_logprobs or 0
+            for j, d in enumerate(lps[have - first :], start=have):
+                tok = req.prompt_token_ids[j]
+                top = sorted(((t, v) for t, v in d.items()), key=lambda x: -x[1])[:n_top]
+                req.prompt_logprobs.append({**dict(top), tok: d[tok]})
 
     def _append(
         self, req: Request, new: list[int], lps: list[dict[int, float]] | None
@@ -500,4 +520,7 @@ class LLMEngine:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             delta_logprobs=delta_lps,
+            prompt_logprobs=(
+                req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None
+            ),
         )

@@ -49,6 +49,9 @@ class Request:
         self.sampling_params = sampling_params
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[dict[int, float]] = []
+        # Prompt logprobs received so far (the first token has none); a recompute after
+        # preemption skips the tokens already here.
+        self.prompt_logprobs: list[dict[int, float] | None] = [None]
         self.status = RequestStatus.WAITING
         # Tokens whose KV is in the cache (or being written by this step).
         self.num_computed_tokens = 0

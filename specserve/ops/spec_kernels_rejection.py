@@ -1,7 +1,9 @@
 """Verification (`rejection_sample`, strict and probabilistic) as Triton kernels over all requests
 at once (CUDA; the torch reference is `rejection_sample_ref` in sample/rejection.py).
 
-Four launches (two for all-greedy batches), each split over the vocabulary so that one request
+`coupled_sample_triton` ("coupled", the default method) is two launches; it is described at
+its definition. Speculative sampling ("strict" / "probabilistic"): four launches (two for
+all-greedy batches), each split over the vocabulary so that one request
 still spreads over the whole GPU; R = B * (K + 1) slot rows, S vocabulary splits of BLOCK_V:
   1. _slot_stats_kernel    grid (R, S): per split of every slot row, the argmax of the raw logits
                            and, for sampled batches, max and sum(exp(x - max)) of the processed
@@ -37,6 +39,8 @@ from torch import Tensor
 
 from specserve.ops.spec_kernels_rejection_triton import (
     _accept_kernel,
+    _coupled_accept_kernel,
+    _coupled_slot_kernel,
     _final_combine_kernel,
     _final_sample_kernel,
     _slot_stats_kernel,
@@ -45,6 +49,86 @@ from specserve.ops.spec_kernels_rejection_triton import (
 # Vocabulary entries per program; at most _MAX_SPLITS splits per row (BLOCK_S in kernels 2, 4).
 _BLOCK_V = 2048
 _MAX_SPLITS = 128
+
+
+def coupled_sample_triton(
+    # [B, K + 1, V] raw target logits
+    target_logits: Tensor,
+    # [B, K] draft tokens (padding past num_draft may hold anything)
+    draft_tokens: Tensor,
+    # [B] int64
+    num_draft: Tensor,
+    # [B] float32, 0 = greedy
+    temperature: Tensor,
+    # [B] int64
+    seeds: Tensor,
+    # [B] int64 position of output slot 0
+    positions: Tensor,
+    all_greedy: bool,
+    # [B * (K + 1), V] float32 `process_logits` output when top-k / top-p / min-p are in use
+    processed_logits: Tensor | None = None,
+    block_v: int = _BLOCK_V,
+) -> tuple[Tensor, Tensor]:
+    """ "coupled" verification in two launches: (1) per split of every slot row, the target's
+    own draw (`sample`'s Gumbel-max, or the argmax for greedy rows); (2) per request, the
+    splits combined and drafts accepted while equal to the draw. Returns (output tokens
+    [B, K + 1] int64, -1 after the last valid; num_accepted [B] int64)."""
+    B, k1, V = target_logits.shape
+    K = k1 - 1
+    dev = target_logits.device
+    out_tokens = torch.empty(B, k1, dtype=torch.int64, device=dev)
+    num_acc = torch.empty(B, dtype=torch.int64, device=dev)
+    if B == 0:
+        return out_tokens, num_acc
+    logits = target_logits.reshape(B * k1, V)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    block_v = max(block_v, triton.next_power_of_2(triton.cdiv(V, _MAX_SPLITS)))
+    S = triton.cdiv(V, block_v)
+    apply_temp = processed_logits is None
+    proc = logits if apply_temp else processed_logits
+    tok_val = torch.empty(B * k1, S, dtype=torch.float32, device=dev)
+    tok_idx = torch.empty(B * k1, S, dtype=torch.int32, device=dev)
+    opts = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+    _coupled_slot_kernel[(B * k1, S)](
+        logits,
+        proc,
+        temperature,
+        seeds,
+        positions,
+        tok_val,
+        tok_idx,
+        V,
+        S,
+        logits.stride(0),
+        proc.stride(0),
+        temperature.stride(0),
+        seeds.stride(0),
+        K1=k1,
+        SAMPLED=not all_greedy,
+        APPLY_TEMP=apply_temp,
+        PRECISE=dev.type == "cuda",
+        BLOCK_V=block_v,
+        num_warps=4,
+        **opts,
+    )
+    _coupled_accept_kernel[(B,)](
+        draft_tokens,
+        num_draft,
+        tok_val,
+        tok_idx,
+        out_tokens,
+        num_acc,
+        V,
+        S,
+        draft_tokens.stride(0),
+        out_tokens.stride(0),
+        K=K,
+        BLOCK_K=triton.next_power_of_2(k1),
+        BLOCK_S=triton.next_power_of_2(S),
+        num_warps=1,
+    )
+    return out_tokens, num_acc
 
 
 def rejection_sample_triton(

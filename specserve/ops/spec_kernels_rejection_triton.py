@@ -336,3 +336,91 @@ def _final_combine_kernel(
     _, fb_tok = _argmax_parts(fv, fi, 0, vocab)
     tok = tl.where(has_main, main_tok, fb_tok).to(tl.int64)
     tl.store(out_tokens_ptr + b * out_stride + tl.load(num_acc_ptr + b), tok)
+
+
+# ---- coupled verification: the target's own draw at every slot --------------------------------
+@triton.jit
+def _coupled_slot_kernel(
+    logits_ptr,
+    proc_ptr,
+    temp_ptr,
+    seeds_ptr,
+    positions_ptr,
+    tok_val_ptr,
+    tok_idx_ptr,
+    vocab,
+    num_splits,
+    logits_stride,
+    proc_stride,
+    temp_stride,
+    seed_stride,
+    K1: tl.constexpr,
+    SAMPLED: tl.constexpr,
+    APPLY_TEMP: tl.constexpr,
+    PRECISE: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Per split of every slot row: (max, first index) of the raw logits for greedy rows, of
+    processed logits + gumbel(seed, pos + j, SALT_SAMPLE) for sampled rows (`sample`'s draw)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    cols = c * BLOCK_V + tl.arange(0, BLOCK_V)
+    m = cols < vocab
+    x = tl.load(logits_ptr + r * logits_stride + cols, mask=m, other=float("-inf"))
+    v = x.to(tl.float32)
+    if SAMPLED:
+        b = r // K1
+        temp = tl.load(temp_ptr + b * temp_stride)
+        if APPLY_TEMP:
+            p = _processed(v, temp, True)
+        else:
+            p = tl.load(proc_ptr + r * proc_stride + cols, mask=m, other=float("-inf"))
+        key = _row_key(
+            tl.load(seeds_ptr + b * seed_stride).to(tl.int64),
+            tl.load(positions_ptr + b).to(tl.int64) + r % K1,
+            _SALT_SAMPLE,
+        )
+        mult = (_hash_u32(key ^ _KEY1) & 0x7FFFFFFF) | 1
+        u = _to_unit(_hash_u32((cols.to(tl.int64) * mult + key) & _MASK32))
+        g = -_log(-_log(u, PRECISE), PRECISE)
+        v = tl.where(temp == 0.0, v, tl.where(m, p + g, float("-inf")))
+    mx, idx = _argmax_parts(v, cols, 0, vocab)
+    out = r * num_splits + c
+    tl.store(tok_val_ptr + out, mx)
+    tl.store(tok_idx_ptr + out, idx)
+
+
+@triton.jit
+def _coupled_accept_kernel(
+    draft_ptr,
+    num_draft_ptr,
+    tok_val_ptr,
+    tok_idx_ptr,
+    out_tokens_ptr,
+    num_acc_ptr,
+    vocab,
+    num_splits,
+    draft_stride,
+    out_stride,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Per request: every slot's token from the splits; drafts accepted while equal to it."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_K)
+    s = tl.arange(0, BLOCK_S)
+    in_slots = j < K + 1
+    rows = b * (K + 1) + j
+    pmask = in_slots[:, None] & (s < num_splits)[None, :]
+    part = rows[:, None] * num_splits + s[None, :]
+    tv = tl.load(tok_val_ptr + part, mask=pmask, other=float("-inf"))
+    ti = tl.load(tok_idx_ptr + part, mask=pmask, other=vocab)
+    _, target = _argmax_parts(tv, ti, 1, vocab)
+    d = tl.load(draft_ptr + b * draft_stride + j, mask=j < K, other=0)
+    d = tl.minimum(tl.maximum(d, 0), vocab - 1)
+    ok = (d == target) & (j < tl.load(num_draft_ptr + b))
+    n = tl.min(tl.where(ok, BLOCK_K, j), axis=0)
+    out = tl.where(j <= n, target.to(tl.int64), -1)
+    tl.store(out_tokens_ptr + b * out_stride + j, out, mask=in_slots)
+    tl.store(num_acc_ptr + b, n.to(tl.int64))

@@ -71,12 +71,15 @@ def uniform(
     positions: Tensor,
     salt: int,
     vocab_size: int | None = None,
+    # [C] int64 vocab indices to draw at (default: arange(vocab_size))
+    cols: Tensor | None = None,
 ) -> Tensor:
-    """Uniforms in (0, 1): [N] float32, or [N, vocab_size] with one value per vocab index."""
+    """Uniforms in (0, 1): [N] float32, or [N, vocab_size] with one value per vocab index
+    ([N, C] at the indices `cols`: the same values those columns get in the full row)."""
     h = _row_key(seeds, positions, salt)
-    if vocab_size is None:
+    if vocab_size is None and cols is None:
         return _to_unit(h)
-    col = torch.arange(vocab_size, device=h.device, dtype=torch.int64)
+    col = cols.long() if cols is not None else torch.arange(vocab_size, device=h.device)
     # Column enters as h + col * m with a per-row odd multiplier m < 2^31 (no int64 overflow).
     # A plain h ^ col would make two rows whose keys differ by a xor below vocab_size produce
     # column-permuted copies of each other's values; with distinct multipliers two rows share
@@ -94,7 +97,10 @@ def gumbel(
     positions: Tensor,
     salt: int,
     vocab_size: int,
+    # [C] int64: noise of these vocab indices only, [N, C] (e.g. a drafter's reduced
+    # vocabulary drawing the target vocabulary's noise of the same tokens)
+    cols: Tensor | None = None,
 ) -> Tensor:
     """Standard Gumbel noise [N, vocab_size] float32: argmax(log p + g) samples from p."""
-    u = uniform(seeds, positions, salt, vocab_size)
+    u = uniform(seeds, positions, salt, vocab_size, cols)
     return u.log_().neg_().log_().neg_()

@@ -9,6 +9,14 @@ every random decision about slot j is keyed by that slot's position:
   - the draft itself (sample_draft):  gumbel(seed, pos + j, SALT_DRAFT)
 Distinct salts make the three independent, which speculative sampling's proof of losslessness
 requires; each key is consumed at most once because a decided position is never re-verified.
+
+"coupled" (the default method) verifies against the target's own sample instead: slot j's token
+is argmax(processed target logits + gumbel(seed, pos + j, SALT_SAMPLE)), the very draw plain
+decoding makes at that position, and d_{j+1} is accepted iff it equals it. The output is then
+exactly plain sampling's output for the request's seed (so lossless), whatever the drafts; the
+drafter keeps acceptance high by drawing its drafts with the same noise on its own distribution
+(`sample_draft(coupled=True)`), so a draft is accepted whenever the two Gumbel-max draws agree.
+With greedy drafts (q one-hot) it accepts with probability p(d), as speculative sampling does.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from torch import Tensor
 from specserve.sample.gumbel import SALT_ACCEPT, SALT_DRAFT, SALT_SAMPLE, SALT_SYNTHETIC, uniform
 from specserve.sample.sampler import SamplingTensors, gumbel_argmax, process_logits
 
-METHODS = ("strict", "probabilistic", "synthetic")
+METHODS = ("coupled", "strict", "probabilistic", "synthetic")
 
 
 def _repeat_rows(st: SamplingTensors, reps: int) -> SamplingTensors:
@@ -150,7 +158,9 @@ def rejection_sample(
 
     Greedy rows accept a draft iff it equals the target argmax and emit the argmax at the first
     mismatch. Sampled rows use speculative sampling (exactly lossless) under both "strict" and
-    "probabilistic". "synthetic" (benchmarking only) accepts drafts with a fixed probability.
+    "probabilistic"; under "coupled" they accept a draft iff it equals the target's seeded
+    Gumbel-max sample at its slot (draft_probs unused), so the output is plain sampling's.
+    "synthetic" (benchmarking only) accepts drafts with a fixed probability.
     The recovered/bonus token is drawn only at each request's final slot, so Gumbel noise costs
     [B, V], not [B, K+1, V]. On CUDA "strict" and "probabilistic" run as Triton kernels
     (ops/spec_kernels_rejection.py) checked against `rejection_sample_ref`, the CPU path.
@@ -159,6 +169,8 @@ def rejection_sample(
         raise ValueError(f"rejection_sample method must be one of {METHODS}, got {method!r}.")
     k = target_logits.shape[1] - 1
     if target_logits.is_cuda and method != "synthetic" and k > 0:
+        if method == "coupled":
+            return coupled_sample_kernel(target_logits, draft_tokens, num_draft, st, positions)
         return rejection_sample_kernel(
             target_logits, draft_tokens, draft_probs, num_draft, st, positions
         )
@@ -174,6 +186,39 @@ def rejection_sample(
     )
 
 
+def _processed_rows(target_logits: Tensor, st: SamplingTensors) -> Tensor | None:
+    """[B * (K + 1), V] `process_logits` output when top-k / top-p / min-p need a sort; None
+    when temperature is the only processing (the kernels scale by it themselves)."""
+    if st.all_greedy or not (st.any_top_k or st.any_top_p or st.any_min_p):
+        return None
+    b, k1, vocab = target_logits.shape
+    flat = target_logits.float().reshape(b * k1, vocab)
+    return process_logits(flat, _repeat_rows(st, k1))
+
+
+def coupled_sample_kernel(
+    target_logits: Tensor,
+    draft_tokens: Tensor,
+    num_draft: Tensor,
+    st: SamplingTensors,
+    positions: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """The Triton path of `rejection_sample(method="coupled")` (CUDA, or CPU tensors under
+    TRITON_INTERPRET=1); same arguments and results, K >= 1."""
+    from specserve.ops.spec_kernels_rejection import coupled_sample_triton
+
+    return coupled_sample_triton(
+        target_logits,
+        draft_tokens,
+        num_draft,
+        st.temperature,
+        st.seeds,
+        positions,
+        st.all_greedy,
+        _processed_rows(target_logits, st),
+    )
+
+
 def rejection_sample_kernel(
     target_logits: Tensor,
     draft_tokens: Tensor,
@@ -186,13 +231,9 @@ def rejection_sample_kernel(
     tensors under TRITON_INTERPRET=1); same arguments and results, K >= 1."""
     from specserve.ops.spec_kernels_rejection import rejection_sample_triton
 
-    processed = None
-    if not st.all_greedy and (st.any_top_k or st.any_top_p or st.any_min_p):
-        # The thresholds need a sort: filtered logits come from the torch code; the
-        # temperature-only case is scaled inside the kernels.
-        b, k1, vocab = target_logits.shape
-        flat = target_logits.float().reshape(b * k1, vocab)
-        processed = process_logits(flat, _repeat_rows(st, k1))
+    # The thresholds need a sort: filtered logits come from the torch code; the
+    # temperature-only case is scaled inside the kernels.
+    processed = _processed_rows(target_logits, st)
     return rejection_sample_triton(
         target_logits,
         draft_tokens,
@@ -233,6 +274,8 @@ def rejection_sample_ref(
     slot_pos = positions.long()[:, None] + torch.arange(k1, device=positions.device)[None, :]
 
     argmax = target_logits.argmax(dim=-1)
+    if method == "coupled":
+        return _coupled_ref(target_logits, argmax, draft_tokens, num_draft, st, slot_pos)
     logits: Tensor | None = None
     if method == "synthetic":
         accept = _synthetic_accept(st, slot_pos, synthetic_acceptance_rate)
@@ -264,6 +307,33 @@ def rejection_sample_ref(
     return _assemble(draft_tokens, final, num_accepted), num_accepted
 
 
+def _coupled_ref(
+    # [B, K+1, V] float32 raw target logits
+    target_logits: Tensor,
+    # [B, K+1] int64 their argmax
+    argmax: Tensor,
+    # [B, K] int64, clamped into the vocabulary
+    draft_tokens: Tensor,
+    # [B] int64
+    num_draft: Tensor,
+    st: SamplingTensors,
+    # [B, K+1] int64
+    slot_pos: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """ "coupled": every slot's token is the target's own draw at that position (argmax for
+    greedy rows, the seeded Gumbel-max sample otherwise); drafts are accepted while equal."""
+    b, k1, vocab = target_logits.shape
+    target = argmax
+    if not st.all_greedy:
+        st_rep = _repeat_rows(st, k1)
+        logw = process_logits(target_logits.reshape(b * k1, vocab), st_rep)
+        sampled = gumbel_argmax(logw, st_rep, slot_pos.reshape(-1), SALT_SAMPLE).view(b, k1)
+        target = torch.where(st.greedy[:, None], argmax, sampled)
+    num_accepted = _accept_prefix(draft_tokens == target[:, : k1 - 1], num_draft)
+    final = target[torch.arange(b, device=target.device), num_accepted]
+    return _assemble(draft_tokens, final, num_accepted), num_accepted
+
+
 def sample_draft(
     # [B, V] float draft-model logits
     draft_logits: Tensor,
@@ -271,15 +341,27 @@ def sample_draft(
     # [B] int64 absolute position the drafted token will occupy
     positions: Tensor,
     greedy_draft: bool,
+    coupled: bool = False,
+    # [V] int64 target-vocabulary id of each draft-vocabulary column (reduced vocabularies)
+    target_cols: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Draft one token per row -> (tokens [B] int64, probs [B, V] float32 or None if greedy).
 
     The returned probs are exactly the distribution the token was drawn from (one-hot at the
-    argmax for greedy rows), as rejection_sample's acceptance test requires.
+    argmax for greedy rows), as rejection_sample's acceptance test requires. `coupled`: the
+    verification needs no probs (None) and the draft is drawn with the noise the target's
+    sample at that position uses (SALT_SAMPLE, each column keyed by its target-vocabulary id),
+    so draft and target agree whenever their Gumbel-max draws do.
     """
     argmax = draft_logits.argmax(dim=-1)
     if greedy_draft:
         return argmax, None
+    if coupled:
+        if st.all_greedy:
+            return argmax, None
+        logits = process_logits(draft_logits, st)
+        sampled = gumbel_argmax(logits, st, positions, SALT_SAMPLE, target_cols)
+        return torch.where(st.greedy, argmax, sampled), None
     one_hot = torch.zeros_like(draft_logits, dtype=torch.float32)
     one_hot.scatter_(1, argmax[:, None], 1.0)
     if st.all_greedy:

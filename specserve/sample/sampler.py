@@ -159,9 +159,11 @@ def gumbel_argmax(
     # [N] int64 position the sampled token will occupy
     positions: Tensor,
     salt: int,
+    # [V] int64: the vocab index whose noise each column draws (default: its own)
+    cols: Tensor | None = None,
 ) -> Tensor:
     """[N] int64 sample from softmax(logw) via the Gumbel-max trick with counter-based noise."""
-    g = gumbel(st.seeds, positions, salt, logw.shape[-1])
+    g = gumbel(st.seeds, positions, salt, logw.shape[-1], cols)
     return (logw + g).argmax(dim=-1)
 
 

@@ -16,7 +16,9 @@ class SpeculativeConfig:
     # speculators_config.proposal_methods[0].speculative_tokens), else 3.
     num_speculative_tokens: int | None = None
     draft_sample_method: str = "greedy"  # greedy | probabilistic
-    rejection_sample_method: str = "strict"  # strict | probabilistic | synthetic
+    # coupled (the target's own seeded draw at every slot: output == plain sampling's) |
+    # strict | probabilistic (speculative sampling) | synthetic (benchmarks, lossy)
+    rejection_sample_method: str = "coupled"
     synthetic_acceptance_rate: float = 1.0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -76,10 +78,10 @@ class SpeculativeConfig:
                 f"got {self.draft_sample_method!r}."
             )
         check_type("rejection_sample_method", (str,))
-        if self.rejection_sample_method not in ("strict", "probabilistic", "synthetic"):
+        if self.rejection_sample_method not in ("coupled", "strict", "probabilistic", "synthetic"):
             raise ValueError(
-                "speculative_config.rejection_sample_method must be strict, probabilistic or "
-                f"synthetic, got {self.rejection_sample_method!r}."
+                "speculative_config.rejection_sample_method must be coupled, strict, "
+                f"probabilistic or synthetic, got {self.rejection_sample_method!r}."
             )
         check_type("synthetic_acceptance_rate", (float, int))
         if not 0 <= self.synthetic_acceptance_rate <= 1:

@@ -50,6 +50,9 @@ class DeviceSpeculator:
         self.model = drafter
         self.k = spec.num_speculative_tokens
         self.greedy_draft = spec.draft_sample_method == "greedy"
+        # Coupled verification needs no draft probabilities: sampled drafts draw the target's
+        # noise instead (sample/rejection.py).
+        self.coupled = spec.rejection_sample_method == "coupled"
         self.device = device
         self._draft_probs: torch.Tensor | None = None  # [rows, K, vocab], lazily
 
@@ -65,14 +68,14 @@ class DeviceSpeculator:
         raise NotImplementedError
 
     def draft_probs(self, rows: torch.Tensor) -> torch.Tensor | None:
-        if self.greedy_draft or self._draft_probs is None:
+        if self.greedy_draft or self.coupled or self._draft_probs is None:
             return None
         return self._draft_probs[rows]
 
     def ensure_draft_probs(self, runner: ModelRunner) -> torch.Tensor | None:
         """The [rows, K, vocab] draft probabilities, allocated at first use (None when greedy:
         the rejection sampler then needs no probabilities)."""
-        if not self.greedy_draft and self._draft_probs is None:
+        if not self.greedy_draft and not self.coupled and self._draft_probs is None:
             vocab = runner.model.config.vocab_size
             self._draft_probs = torch.zeros(
                 runner.states.num_rows, self.k, vocab, device=self.device
@@ -102,7 +105,12 @@ class DeviceSpeculator:
         st_rows = (
             st if J == 1 else st.index(torch.arange(B, device=rows.device).repeat_interleave(J))
         )
-        tokens, probs = sample_draft(logits, st_rows, draft_pos.reshape(-1), self.greedy_draft)
+        cols = None
+        if self.coupled and drafter.d2t is not None:
+            cols = drafter.to_target_ids(torch.arange(logits.shape[1], device=logits.device))
+        tokens, probs = sample_draft(
+            logits, st_rows, draft_pos.reshape(-1), self.greedy_draft, self.coupled, cols
+        )
         runner.states.token_ids[rows[:, None], col] = drafter.to_target_ids(tokens).view(B, J)
         buf = self.ensure_draft_probs(runner)
         if probs is None or buf is None:

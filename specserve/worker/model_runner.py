@@ -30,6 +30,10 @@ from specserve.ops.spec_kernels import (
     prepare_target_inputs,
     write_verified_tokens_,
 )
+from specserve.sample.logits_processors import (
+    apply_logits_processors,
+    build_logits_processor_inputs,
+)
 from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import compute_logprobs, sample
 from specserve.spec_decode.drafting import TargetStep
@@ -51,6 +55,10 @@ class PendingStep:
     n_top: int
     # whether `host` holds accept counts after the tokens (else none were drafted: zeros)
     has_acc: bool
+    # prompt logprobs at the end of `host`: (batch row, first token position, count) per
+    # request, and their top-N (None: no request of the step asked)
+    prompt_spans: list[tuple[int, int, int]] | None = None
+    prompt_top: int = 0
     # columns of next-step drafts at the end of `host` (structured-output steps), else 0
     n_drafts: int = 0
 
@@ -63,6 +71,9 @@ class StepOutput:
     num_accepted: np.ndarray
     # Per batch row: per valid slot, {token: logprob} of the sampled token and the top-N.
     logprobs: list[list[dict[int, float]]] | None
+    # batch row -> (position of the first prompt token covered, per covered prompt token
+    # {token: logprob} of that token and the top-N): prompt logprobs computed this step
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] | None = None
     # [B, K] drafts the drafter proposed for the next step, read back only for steps with
     # structured requests (their grammar walks the drafts on the host); else None
     next_drafts: np.ndarray | None = None
@@ -84,6 +95,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.speculator = speculator
+        # EOS ids masked (with stop_token_ids) until min_tokens; the engine sets them.
+        self.eos_token_ids: frozenset[int] = frozenset()
         spec = config.spec
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
         self.backend = get_backend(config.attention_backend, self.device, max_model_len)
@@ -236,8 +249,23 @@ class ModelRunner:
         logits = self.model.compute_logits(verified).view(B, k1, -1)
         if gs is not None:
             # The grammar step: forbidden tokens -> -inf at every slot, before verification and
-            # sampling read the logits (logprobs too, as in vLLM).
+            # sampling read the logits (logprobs too, as in vLLM). Masking before the logits
+            # processors below is exactly processors-then-mask: -inf stays -inf under each of
+            # them (bias added, penalties subtracted, repetition scales by a positive factor)
+            # and the mask leaves finite logits alone; this order masks one tensor, which
+            # logprobs and sampling then share.
             apply_grammar_bitmask_(logits, gs)
+        # Penalties, logit_bias, min_tokens: only when a request of the batch uses them (a new
+        # tensor: logprobs keep the unprocessed logits, vLLM's default).
+        target_logits = logits
+        lpi = build_logits_processor_inputs(
+            [s.req for s in sched.scheduled], self.eos_token_ids, self.device
+        )
+        if lpi is not None:
+            target_logits = apply_logits_processors(
+                logits, tok, inp.idx_mapping, inp.out_pos0, inp.max_seq_len, lpi
+            )
+        prompt_lp = self._prompt_logprobs(sched, inp, hidden)
         rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64, B)
         # Without a speculator only sampling reads the sampling parameters, and greedy
         # sampling reads none: no gathers then.
@@ -245,7 +273,7 @@ class ModelRunner:
         st = None if greedy_only else self.states.sampling_tensors(rows, inp.idx_mapping)
         num_acc = None  # nothing drafted: 0 accepted everywhere
         if not drafted:
-            lg = logits[:, 0]
+            lg = target_logits[:, 0]
             out_tokens = (ops.argmax(lg) if st is None else sample(lg, st, inp.out_pos0)).view(B, 1)
             if k:
                 out_tokens = torch.cat([out_tokens, out_tokens.new_full((B, k), -1)], 1)
@@ -255,7 +283,7 @@ class ModelRunner:
             draft_tokens = tok[st_rows[:, None], draft_pos]
             draft_probs = self.speculator.draft_probs(st_rows) if self.speculator else None
             out_tokens, num_acc = rejection_sample(
-                logits.float(),
+                target_logits.float(),
                 draft_tokens,
                 draft_probs,
                 inp.num_draft,
@@ -294,7 +322,44 @@ class ModelRunner:
         if gs is not None and k and self.speculator is not None:
             if not self.speculator.proposes_on_host:
                 next_drafts = self._next_drafts(inp, num_acc)
-        return self._start_copy(inp, logits, out_tokens, num_acc, reqs_logprobs, next_drafts)
+        return self._start_copy(
+            inp, logits, out_tokens, num_acc, reqs_logprobs, prompt_lp, next_drafts
+        )
+
+    def _prompt_logprobs(
+        self,
+        sched: SchedulerOutput,
+        inp: StepInputs,
+        # [T, hidden] the target's hidden states of every scheduled token
+        hidden: torch.Tensor,
+    ) -> tuple[list[tuple[int, int, int]], int, tuple[torch.Tensor, ...]] | None:
+        """Logprobs of the prompt tokens this step's prefill chunks cover, for requests that
+        ask (`prompt_logprobs`): from the chunk's own hidden states, no second forward.
+
+        The hidden state at position t predicts token t + 1, so a chunk [start, start + n)
+        covers prompt tokens start + 1 .. min(start + n + 1, prompt_len) - 1. Tokens already
+        covered (a request recomputed after preemption) are skipped."""
+        spans, idx, ids = [], [], []
+        n_top = 0
+        q0 = 0
+        for b, s in enumerate(sched.scheduled):
+            req, n = s.req, s.num_tokens
+            want = req.sampling_params.prompt_logprobs
+            first = max(s.start + 1, len(req.prompt_logprobs))
+            last = min(s.start + n + 1, req.num_prompt_tokens)  # exclusive
+            if want is not None and first < last and not s.start_on_device:
+                spans.append((b, first, last - first))
+                idx.extend(range(q0 + first - 1 - s.start, q0 + last - 1 - s.start))
+                ids.extend(req.prompt_token_ids[first:last])
+                n_top = max(n_top, want)
+            q0 += n
+        if not spans:
+            return None
+        sel = torch.tensor(idx + ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        h_idx, tok_ids = sel[: len(idx)], sel[len(idx) :]
+        logits = self.model.compute_logits(hidden[h_idx])
+        lp, _, top_ids, top_lp = compute_logprobs(logits, tok_ids, max(n_top, 1))
+        return spans, n_top, (lp, tok_ids, top_ids.flatten(), top_lp.flatten())
 
     def _next_drafts(self, inp: StepInputs, num_acc: torch.Tensor) -> torch.Tensor:
         """[B, K] the drafts just proposed (after each request's newest token): structured
@@ -325,6 +390,7 @@ class ModelRunner:
         # [B] int64, or None: nothing was drafted
         num_acc: torch.Tensor | None,
         reqs_logprobs: list[int],
+        prompt_lp: tuple[list[tuple[int, int, int]], int, tuple[torch.Tensor, ...]] | None,
         # [B, K] int64 next-step drafts to read back, or None
         next_drafts: torch.Tensor | None = None,
     ) -> PendingStep:
@@ -332,13 +398,18 @@ class ModelRunner:
         n_drafts = next_drafts.shape[1] if next_drafts is not None else 0
         n_top = max(reqs_logprobs) if reqs_logprobs else -1
         has_acc = num_acc is not None
-        if n_top >= 0:
+        if n_top >= 0 or prompt_lp is not None:
             num_acc = num_acc if has_acc else out_tokens.new_zeros(B)
-            # Tokens, accept counts and logprobs share one float64 buffer (exact for ids).
-            lp, _, top_ids, top_lp = compute_logprobs(
-                logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
-            )
-            parts = [out_tokens.flatten(), num_acc, lp, top_ids.flatten(), top_lp.flatten()]
+            # Tokens, accept counts, logprobs, prompt logprobs, then next-step drafts share one
+            # float64 buffer (exact for ids).
+            parts = [out_tokens.flatten(), num_acc]
+            if n_top >= 0:
+                lp, _, top_ids, top_lp = compute_logprobs(
+                    logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
+                )
+                parts += [lp, top_ids.flatten(), top_lp.flatten()]
+            if prompt_lp is not None:
+                parts += list(prompt_lp[2])
             if n_drafts:
                 parts.append(next_drafts.flatten())
             flat = torch.cat([p.double() for p in parts])
@@ -352,15 +423,16 @@ class ModelRunner:
             has_acc = True
         else:  # the tokens alone (the host knows nothing was accepted)
             flat = out_tokens.flatten()
+        spans, p_top = (prompt_lp[0], prompt_lp[1]) if prompt_lp is not None else (None, 0)
         if flat.device.type != "cuda":
-            return PendingStep(flat.cpu(), None, B, k1, n_top, has_acc, n_drafts)
+            return PendingStep(flat.cpu(), None, B, k1, n_top, has_acc, spans, p_top, n_drafts)
         # NOTE: the single device-to-host copy of the step; everything above stayed on device.
         # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile.
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return PendingStep(host, event, B, k1, n_top, has_acc, n_drafts)
+        return PendingStep(host, event, B, k1, n_top, has_acc, spans, p_top, n_drafts)
 
     def finish(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's results and unpack them."""
@@ -378,13 +450,15 @@ class ModelRunner:
             next_drafts = host[host.shape[0] - nd :].astype(np.int64).reshape(B, -1)
             host = host[: host.shape[0] - nd]
         logprobs = None
+        off = B * k1 + B
         if n_top >= 0:
             n = max(n_top, 1)
-            off = B * k1 + B
             lp = host[off : off + B * k1].reshape(B, k1)
             off += B * k1
             top_ids = host[off : off + B * k1 * n].astype(np.int64).reshape(B, k1, n)
-            top_lp = host[off + B * k1 * n :].reshape(B, k1, n)
+            off += B * k1 * n
+            top_lp = host[off : off + B * k1 * n].reshape(B, k1, n)
+            off += B * k1 * n
             logprobs = []
             for b in range(B):
                 rows = []
@@ -393,4 +467,29 @@ class ModelRunner:
                     d[int(tokens[b, j])] = float(lp[b, j])
                     rows.append(d)
                 logprobs.append(rows)
-        return StepOutput(tokens, num_accepted, logprobs, next_drafts)
+        prompt_lps = None
+        if pending.prompt_spans is not None:
+            prompt_lps = self._unpack_prompt_logprobs(host[off:], pending)
+        return StepOutput(tokens, num_accepted, logprobs, prompt_lps, next_drafts)
+
+    @staticmethod
+    def _unpack_prompt_logprobs(
+        host: np.ndarray, pending: PendingStep
+    ) -> dict[int, tuple[int, list[dict[int, float]]]]:
+        spans, n_top = pending.prompt_spans or [], pending.prompt_top
+        n = max(n_top, 1)
+        total = sum(c for _, _, c in spans)
+        lp, tok = host[:total], host[total : 2 * total].astype(np.int64)
+        off = 2 * total
+        top_ids = host[off : off + total * n].astype(np.int64).reshape(total, n)
+        top_lp = host[off + total * n : off + 2 * total * n].reshape(total, n)
+        out, i = {}, 0
+        for b, first, count in spans:
+            rows = []
+            for _ in range(count):
+                d = {int(top_ids[i, j]): float(top_lp[i, j]) for j in range(n_top)}
+                d[int(tok[i])] = float(lp[i])
+                rows.append(d)
+                i += 1
+            out[b] = (first, rows)
+        return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from typing import Any
 
 from specserve.entrypoints.cli import add_engine_args, engine_kwargs
@@ -54,6 +55,25 @@ def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Fail in a line, before minutes of model loading, when the port is taken."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve: {e}") from e
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As uvicorn binds: SO_REUSEADDR, so a port in TIME_WAIT does not count as busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ValueError(
+                f"cannot listen on {host}:{port}: {e.strerror or e} (is another server running? "
+                "pick another --port)."
+            ) from e
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -61,6 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.entrypoints.openai.server import build_app
 
     config = EngineConfig(**serve_engine_kwargs(args))
+    config.check_device_available()
+    check_port_free(args.host, args.port)
     app = build_app(config, api_key=args.api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     return 0

@@ -3,6 +3,18 @@
 Validation is strict (JSON types as sent: `"temperature": "1"` or `"max_tokens": true` are 400s)
 and rejects NaN/Infinity, so nothing the engine thread cannot handle gets past this file: a bad
 value there would kill the engine loop for every client, not fail one request.
+
+No field is accepted and then ignored: a field this file does not declare is a 400 that names
+it (`tools`, `tool_choice`, `functions`, `function_call`, `parallel_tool_calls`, `audio`,
+`modalities`, `prediction`, `reasoning_effort`, `web_search_options`, `logit_bias` keys that are
+not token ids, vLLM's `guided_*`, `priority`, `lora_request`, ...). The declared fields that
+do not change what is generated, and so are accepted without an effect:
+  - `user`: an end-user id for the provider's abuse monitoring (OpenAI);
+  - `service_tier`: the provider's processing tier; specserve has one;
+  - `store`, `metadata`: whether / with which tags the provider keeps the completion for its
+    dashboards and distillation; specserve keeps nothing.
+`response_format` (json_object, json_schema) and vLLM's `structured_outputs` map onto
+`StructuredOutputsParams`, enforced by the grammar step of verification and sampling.
 """
 
 from __future__ import annotations
@@ -51,21 +63,24 @@ class APIError(Exception):
         }
 
 
+# Bound of OpenAI's logit_bias values.
+MAX_LOGIT_BIAS = 100.0
+
+
 class OpenAIModel(BaseModel):
-    # NOTE: unknown fields are ignored (as vLLM does) so clients sending `user` etc. still work.
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    # NOTE: unknown fields are 400s naming the field (see the module docstring for the
+    # harmless ones declared instead), never silently ignored.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    # vLLM's extension: every chunk carries the usage so far (a chunk may hold several tokens
+    # under speculation; `bench serve` counts tokens with it).
+    continuous_usage_stats: bool = False
 
 
-class StrictModel(OpenAIModel):
-    # Nested option objects name every field they take: an unknown one is a 400, not ignored.
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
-
-
-class JsonSchemaFormat(StrictModel):
+class JsonSchemaFormat(OpenAIModel):
     name: str
     description: str | None = None
     # `schema` in the wire format (a pydantic BaseModel attribute name, hence the alias).
@@ -74,12 +89,12 @@ class JsonSchemaFormat(StrictModel):
     strict: bool | None = None
 
 
-class ResponseFormat(StrictModel):
+class ResponseFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsRequest(StrictModel):
+class StructuredOutputsRequest(OpenAIModel):
     """vLLM's `structured_outputs` request field (StructuredOutputsParams' fields)."""
 
     json_: str | dict[str, Any] | None = Field(None, alias="json")
@@ -112,11 +127,21 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=1e4)
+    # OpenAI: token id (as a JSON object key, so a string) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extension: logprobs of the prompt tokens (the first is null) with the top-N.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Structured outputs, enforced by the grammar step (see structured_outputs_params).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # Harmless: no effect on what is generated (see the module docstring).
+    user: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """`response_format` (json_object, json_schema) or `structured_outputs`, as vLLM maps
@@ -152,14 +177,30 @@ class SamplingRequest(OpenAIModel):
             param = "structured_outputs" if so is not None else "response_format"
             raise APIError(str(e), param=param) from e
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        for name, neutral in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            if getattr(self, name) != neutral:
-                raise APIError(f"{name} is not supported by specserve.", param=name)
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        out: dict[int, float] = {}
+        for key, v in self.logit_bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                tid = -1
+            if tid < 0 or tid > INT64_MAX:
+                raise APIError(
+                    f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias"
+                )
+            if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                raise APIError(
+                    f"logit_bias values must be in [-100, 100], got {v} for {key}.",
+                    param="logit_bias",
+                )
+            out[tid] = float(v)
+        return out
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(s == "" for s in stops):
             raise APIError("stop strings must not be empty.", param="stop")
@@ -177,6 +218,13 @@ class SamplingRequest(OpenAIModel):
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if self.repetition_penalty is None else self.repetition_penalty
+                ),
+                logit_bias=self._logit_bias(),
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 structured_outputs=self.structured_outputs_params(),
@@ -187,6 +235,10 @@ class SamplingRequest(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingRequest):
@@ -216,7 +268,11 @@ class CompletionRequest(SamplingRequest):
         return out
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        # As vLLM: `echo` with `logprobs` returns the prompt tokens' logprobs too.
+        prompt_lp = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_lp = max(prompt_lp or 0, self.logprobs)
+        return self.sampling_params(self.max_tokens, self.logprobs, prompt_lp)
 
 
 class TextPart(OpenAIModel):
@@ -248,9 +304,15 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            # vLLM's chat returns them in the full response only; never accept-and-drop.
+            raise APIError(
+                "prompt_logprobs is not available with stream=true on chat completions.",
+                param="prompt_logprobs",
+            )
         n_top = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self.sampling_params(max_tokens, n_top)
+        return self.sampling_params(max_tokens, n_top, self.prompt_logprobs)
 
     def conversation(self) -> list[dict[str, str]]:
         return [m.to_template() for m in self.messages]
@@ -267,6 +329,10 @@ def parse(model: type[OpenAIModel], body: bytes) -> Any:
             raise APIError(f"Request body is not valid JSON: {err['msg']}") from None
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
+        if err["type"] == "extra_forbidden":
+            raise APIError(
+                f"Unsupported field {where!r}: specserve does not implement it.", param=param
+            ) from None
         raise APIError(f"{where}: {err['msg']}", param=param) from None
 
 

@@ -46,6 +46,9 @@ class Stream:
 class _Choice:
     prompt_idx: int
     echo: str = ""  # the prompt text, for completions with `echo`
+    prompt_token_ids: list[int] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs' result: per prompt token, None for the first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     text: str = ""  # generated text
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -123,7 +126,8 @@ class OpenAIServing:
             param = getattr(e, "param", None) or ("messages" if prefix == "chatcmpl" else "prompt")
             raise APIError(str(e), param=param) from e
         if req.stream:
-            return Stream(self._stream(group, choices, fmt, req.include_usage), group.abort)
+            chunks = self._stream(group, choices, fmt, req.include_usage, req.continuous_usage)
+            return Stream(chunks, group.abort)
         prompt_lens: dict[int, int] = {}
         try:
             async for idx, out in group:
@@ -135,7 +139,12 @@ class OpenAIServing:
         return fmt.response(choices, _usage(prompt_lens, choices))
 
     async def _stream(
-        self, group: RequestGroup, choices: list[_Choice], fmt: _Format, include_usage: bool
+        self,
+        group: RequestGroup,
+        choices: list[_Choice],
+        fmt: _Format,
+        include_usage: bool,
+        continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
         prompt_lens: dict[int, int] = {}
         try:
@@ -144,7 +153,13 @@ class OpenAIServing:
                 first = not c.started
                 n_before = len(c.token_ids)
                 self._apply(c, out, fmt, prompt_lens)
-                yield _sse(fmt.chunk(idx, c, out.delta_text, n_before, first))
+                chunk = fmt.chunk(idx, c, out.delta_text, n_before, first)
+                if continuous_usage:  # vLLM: this choice's usage so far
+                    p = prompt_lens[c.prompt_idx]
+                    n = len(c.token_ids)
+                    chunk["usage"] = {"prompt_tokens": p, "completion_tokens": n,
+                                      "total_tokens": p + n}  # fmt: skip
+                yield _sse(chunk)
             if include_usage:
                 yield _sse(fmt.usage_chunk(_usage(prompt_lens, choices)))
         except EngineDeadError as e:
@@ -160,6 +175,8 @@ class OpenAIServing:
             c.started = True
             if fmt.echo:
                 c.echo = out.prompt if out.prompt is not None else self._decode(out)
+            c.prompt_token_ids = list(out.prompt_token_ids)
+            c.prompt_logprobs = out.prompt_logprobs
         c.text += out.delta_text
         c.token_ids += out.delta_token_ids
         if out.delta_logprobs:
@@ -195,6 +212,26 @@ def _top(d: dict[int, float], n: int) -> list[tuple[int, float]]:
 
 def _lp(x: float) -> float:
     return max(x, MIN_LOGPROB)
+
+
+def prompt_logprobs_json(
+    c: _Choice, n_top: int, token_str: Callable[[int], str]
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob,
+    decoded_token}} holding the prompt token and the top-N."""
+    if c.prompt_logprobs is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tid, d in zip(c.prompt_token_ids, c.prompt_logprobs):
+        if d is None:
+            out.append(None)
+            continue
+        top = dict(_top(d, n_top))
+        top[tid] = d.get(tid, MIN_LOGPROB)
+        out.append(
+            {str(t): {"logprob": _lp(v), "decoded_token": token_str(t)} for t, v in top.items()}
+        )
+    return out
 
 
 class _Format:
@@ -236,11 +273,14 @@ class _CompletionFormat(_Format):
         super().__init__(serving)
         self.n_top = req.logprobs
         self.echo = req.echo
+        self.prompt_n_top = req.prompt_logprobs
 
-    def logprobs(self, c: _Choice, start: int, offset: int) -> dict[str, Any] | None:
+    def logprobs(
+        self, c: _Choice, start: int, offset: int, with_prompt: bool = False
+    ) -> dict[str, Any] | None:
         """OpenAI's legacy logprobs for tokens `start:` of `c`; `offset` is where the first
-        one's text begins in the returned text. (With echo, prompt tokens get no logprobs:
-        the engine does not compute prompt logprobs.)"""
+        one's text begins in the returned text. `with_prompt` (echo): the prompt tokens come
+        first, as in vLLM: the first with null logprob and null top_logprobs."""
         if self.n_top is None:
             return None
         s = self.serving.token_str
@@ -250,6 +290,22 @@ class _CompletionFormat(_Format):
             "tokens": [],
             "top_logprobs": [],
         }
+        if with_prompt:
+            offset -= len(c.echo)
+            for tid, d in zip(c.prompt_token_ids, c.prompt_logprobs or []):
+                tok = s(tid)
+                out["tokens"].append(tok)
+                out["text_offset"].append(offset)
+                offset += len(tok)
+                if d is None:
+                    out["token_logprobs"].append(None)
+                    out["top_logprobs"].append(None)
+                    continue
+                top = {s(t): _lp(v) for t, v in _top(d, self.n_top)}
+                top[tok] = _lp(d.get(tid, MIN_LOGPROB))
+                out["token_logprobs"].append(top[tok])
+                out["top_logprobs"].append(top)
+            offset = len(c.echo)
         for tid, d in zip(c.token_ids[start:], c.logprobs[start:]):
             tok = s(tid)
             lp = d.get(tid, MIN_LOGPROB)
@@ -268,10 +324,16 @@ class _CompletionFormat(_Format):
             "index": idx,
             "text": (c.echo if first else "") + delta,
             # The new tokens' text starts after the echo and the text streamed before.
-            "logprobs": self.logprobs(c, n_before, len(c.echo) + len(c.text) - len(delta)),
+            "logprobs": self.logprobs(
+                c, n_before, len(c.echo) + len(c.text) - len(delta), with_prompt=first and self.echo
+            ),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
+        if first and self.prompt_n_top is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(
+                c, self.prompt_n_top, self.serving.token_str
+            )
         return {**self.head(self.chunk_obj), "choices": [choice]}
 
     def response(self, choices: list[_Choice], usage: dict[str, int]) -> dict[str, Any]:
@@ -279,13 +341,21 @@ class _CompletionFormat(_Format):
             {
                 "index": i,
                 "text": c.echo + c.text,
-                "logprobs": self.logprobs(c, 0, len(c.echo)),
+                "logprobs": self.logprobs(c, 0, len(c.echo), with_prompt=self.echo),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                **self._prompt_part(c),
             }
             for i, c in enumerate(choices)
         ]
         return {**self.head(self.obj), "choices": out, "usage": usage}
+
+    def _prompt_part(self, c: _Choice) -> dict[str, Any]:
+        if self.prompt_n_top is None:
+            return {}
+        return {
+            "prompt_logprobs": prompt_logprobs_json(c, self.prompt_n_top, self.serving.token_str)
+        }
 
 
 class _ChatFormat(_Format):
@@ -294,6 +364,7 @@ class _ChatFormat(_Format):
     def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest) -> None:
         super().__init__(serving)
         self.n_top = (req.top_logprobs or 0) if req.logprobs else None
+        self.prompt_n_top = req.prompt_logprobs
 
     def logprobs(self, c: _Choice, start: int) -> dict[str, Any] | None:
         if self.n_top is None:
@@ -336,4 +407,9 @@ class _ChatFormat(_Format):
             }
             for i, c in enumerate(choices)
         ]
-        return {**self.head(self.obj), "choices": out, "usage": usage}
+        resp = {**self.head(self.obj), "choices": out, "usage": usage}
+        if self.prompt_n_top is not None and choices:
+            # vLLM: one list at the top level (every choice shares the prompt).
+            n = self.prompt_n_top
+            resp["prompt_logprobs"] = prompt_logprobs_json(choices[0], n, self.serving.token_str)
+        return resp
