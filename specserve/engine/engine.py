@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -181,7 +182,23 @@ class LLMEngine:
             return None, [int(t) for t in prompt]
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer: pass prompt_token_ids")
+        if len(prompt) > self.max_prompt_chars:
+            # NOTE: tokenizing 4 MB takes ~20 s; a text this long cannot fit, so say so now.
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {len(prompt)} characters, more than any prompt of that many "
+                f"tokens can hold (at most {self.max_prompt_chars} with this tokenizer). "
+                "Please reduce the length of the input messages."
+            )
         return prompt, self.tokenizer.encode(prompt)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """An upper bound on the characters of a prompt that fits max_model_len: no token
+        covers more characters than its vocabulary string has (byte-level BPE and
+        SentencePiece alike), doubled for normalizers that merge characters."""
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        return 2 * max(longest, 1) * self.max_model_len
 
     def add_request(
         self,

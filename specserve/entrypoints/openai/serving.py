@@ -109,6 +109,15 @@ class OpenAIServing:
         if tok is None:
             raise APIError("this model has no tokenizer, so chat is not available.")
 
+        core = self.engine.engine
+        chars = sum(len(m["content"]) for m in conv)
+        if chars > core.max_prompt_chars:  # cheaper than rendering and tokenizing it
+            raise APIError(
+                f"This model's maximum context length is {core.max_model_len} tokens. However, "
+                f"your messages have {chars} characters, more than that many tokens can hold.",
+                param="messages",
+            )
+
         def make() -> dict[str, Any]:
             ids = tok.apply_chat_template(
                 conv, add_generation_prompt=add_gen, tokenize=True, return_dict=False
