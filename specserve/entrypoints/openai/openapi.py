@@ -111,7 +111,15 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# One server-sent event (Open API before 3.2: `schema` describes each event of a stream).
+_SSE_EVENT = {
+    "type": "object",
+    "description": "`data` holds one JSON chunk (`choices` with a `delta` for chat, `text` for "
+    "completions), or an `error` object if the request fails mid-stream; the last is [DONE].",
+    "properties": {"data": {"type": "string"}},
+    "required": ["data"],
+}
+_SSE = {"text/event-stream": {"schema": _SSE_EVENT}}
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -142,6 +150,13 @@ def body_route(request_model: type[BaseModel], response_model: type[BaseModel]) 
 def models_route() -> dict[str, Any]:
     return {
         "responses": {200: {"model": ModelList, "description": "the served model"}, **_errors(401)}
+    }
+
+
+def health_route() -> dict[str, Any]:
+    return {
+        200: {"description": "the engine loop is running", "content": None},
+        503: {"description": "the engine loop has stopped", "content": None},
     }
 
 

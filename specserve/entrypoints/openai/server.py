@@ -22,7 +22,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -33,6 +33,7 @@ from specserve.entrypoints.openai.openapi import (
     ChatCompletionResponse,
     CompletionResponse,
     body_route,
+    health_route,
     install_openapi,
     models_route,
 )
@@ -139,11 +140,11 @@ def create_app(
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=health_route())
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
