@@ -124,6 +124,7 @@ def test_idle_engine_sleeps(small: LiveServer) -> None:
     time.sleep(2.0)
     engine_cpu, proc_cpu = _thread_cpu(tid) - engine0, time.process_time() - proc0
     t.join()
+    print(f"idle 2 s: engine thread {engine_cpu:.3f} s CPU, process {proc_cpu:.3f} s CPU")
     assert engine_cpu < 0.05, f"engine thread used {engine_cpu:.2f} s CPU in 2 s of idleness"
     assert proc_cpu < 0.2, f"server process used {proc_cpu:.2f} s CPU in 2 s of idleness"
     assert got["r"].status_code == 400
@@ -163,6 +164,7 @@ def test_huge_prompts_do_not_stall_streams(roomy: LiveServer) -> None:
     assert many.status_code == 400 and "maximum context length" in many.json()["error"]["message"]
     assert len(arrivals) == 500 and arrivals[-1] > end, "the stream ended before the test did"
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start and a < end]
+    print(f"huge prompts took {end - start:.2f} s; longest stream gap {max(during):.3f} s")
     assert max(during) < 1.0, f"the stream stalled {max(during):.2f} s"
 
 

@@ -107,6 +107,7 @@ def test_sigterm_drains_then_ends_stuck_stream(serve: Any) -> None:
     tokens_before = len(p.events)
     took = p.wait_exit(15) - t0
     p.reader.join(5)
+    print(f"SIGTERM -> exit {took:.2f} s (--shutdown-timeout 2)")
     assert took < 2.0 + 2.5, f"exit took {took:.1f} s with --shutdown-timeout 2"
     assert took > 1.5, "the in-flight stream was not given its drain time"
     assert len(p.events) > tokens_before + 1, "the stream made no progress while draining"
@@ -126,4 +127,5 @@ def test_second_signal_exits_at_once(serve: Any) -> None:
     assert len(p.events) > n, "the stream stopped while draining"
     t0 = p.signal(signal.SIGINT)
     took = p.wait_exit(15) - t0
+    print(f"second signal -> exit {took:.2f} s")
     assert took < 2.0, f"the second signal took {took:.1f} s to exit"
