@@ -17,7 +17,8 @@ def _save(model: Any, path: str) -> str:
 
 
 def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides: Any) -> str:
-    """Write a tiny random checkpoint of `arch` (llama | qwen2 | qwen3 | mistral) to `path`."""
+    """Write a tiny random checkpoint of `arch` (llama | qwen2 | qwen3 | mistral | qwen3_moe |
+    glm4_moe; MoE archs take their expert settings as overrides) to `path`."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -41,6 +42,8 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides: 
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "glm4_moe": (tf.Glm4MoeConfig, tf.Glm4MoeForCausalLM),
     }[arch]
     cfg = cfg_cls(**common)
     model = model_cls(cfg).eval()

@@ -222,3 +222,102 @@ def paged_kv(runner: Any, layer_index: int, block_ids: list[int], num_tokens: in
     read through the runner's paged cache `layer_index` and the request's blocks."""
     cache = runner.kv_caches[layer_index]
     return cache[:, torch.tensor(block_ids)].flatten(1, 2)[:, :num_tokens]
+
+
+def append_mtp_layers(src: str, path: str, num_layers: int = 1, seed: int = 0) -> str:
+    """Copy a target checkpoint (any architecture) and append `num_layers` MTP layers at
+    model.layers.{L + i} as GLM / DeepSeek checkpoints store them: enorm, hnorm, eh_proj,
+    shared_head.norm and a decoder layer shaped like the target's last one (for an MoE target:
+    router, correction bias, experts, shared experts), its weights the last layer's plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    shutil.copytree(src, path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    n, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    cfg["num_nextn_predict_layers"] = num_layers
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    w = load_file(os.path.join(path, "model.safetensors"))
+    last = f"model.layers.{n - 1}."
+    for i in range(num_layers):
+        p = f"model.layers.{n + i}."
+        for k, t in list(w.items()):
+            if k.startswith(last):
+                noise = torch.randn(t.shape, generator=g) * 0.05
+                w[p + k[len(last) :]] = (t + noise) if t.is_floating_point() else t.clone()
+        w[p + "enorm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+        w[p + "hnorm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+        w[p + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.1
+        w[p + "shared_head.norm.weight"] = torch.ones(hidden)
+    save_file(w, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def write_speculators_eagle3(
+    path: str,
+    seed: int = 0,
+    hidden: int = 64,
+    target_hidden: int = 64,
+    draft_vocab: int = 160,
+    aux: list[int] | None = None,
+    norm_before_residual: bool = True,
+    speculative_tokens: int = 3,
+    with_embed: bool = False,
+    drop: str | None = None,
+) -> str:
+    """An EAGLE-3 head in the `speculators` format (as RedHatAI/*-speculator.eagle3): nested
+    transformer_layer_config, speculators_config, tensors under layers.0.; `drop` removes one
+    top-level config field (or "speculators_config.<field>") to test validation."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv, hd, inter = 4, 2, hidden // 4, 2 * hidden
+    cfg: dict[str, Any] = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.1.0",
+        "draft_vocab_size": draft_vocab,
+        "target_hidden_size": target_hidden,
+        "norm_before_residual": norm_before_residual,
+        "transformer_layer_config": {
+            "model_type": "llama",
+            "vocab_size": VOCAB,
+            "hidden_size": hidden,
+            "intermediate_size": inter,
+            "num_hidden_layers": 1,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "head_dim": hd,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+        },
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": speculative_tokens}
+            ],
+            "verifier": {"name_or_path": "tiny-target", "architectures": ["Qwen3ForCausalLM"]},
+        },
+    }
+    if aux is not None:
+        cfg["eagle_aux_hidden_state_layer_ids"] = aux
+    if drop is not None:
+        outer, _, inner = drop.partition(".")
+        del (cfg[outer] if inner else cfg)[inner or outer]
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    t = _layer("layers.0.", hidden, inter, heads, kv, hd, 2 * hidden, g)
+    t["layers.0.hidden_norm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.1
+    t["fc.weight"] = torch.randn(hidden, 3 * target_hidden, generator=g) * 0.1
+    t["norm.weight"] = torch.ones(hidden)
+    t["lm_head.weight"] = torch.randn(draft_vocab, hidden, generator=g) * 0.1
+    target_ids = torch.arange(draft_vocab) * 2 % VOCAB
+    t["d2t"] = (target_ids - torch.arange(draft_vocab)).long()
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[target_ids] = True
+    t["t2d"] = t2d
+    if with_embed:
+        t["embed_tokens.weight"] = torch.randn(VOCAB, hidden, generator=g) * 0.1
+    save_file(t, os.path.join(path, "model.safetensors"))
+    return path

@@ -93,7 +93,7 @@ def test_unused_drafter_tensor_fails_by_name(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize(
     "field,value",
-    [("hidden_act", "quick_gelu"), ("partial_rotary_factor", 0.5)],
+    [("hidden_act", "quick_gelu"), ("final_logit_softcapping", 30.0)],
 )
 def test_unsupported_config_field_fails_naming_it(tmp_path: Any, field: str, value: Any) -> None:
     path = make_checkpoint(str(tmp_path / "cfg"), "llama", **SMALL)

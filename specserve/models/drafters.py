@@ -11,6 +11,7 @@ Every drafter exposes the same small surface used by the drafting loop:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 from specserve.attention.backend import ForwardContext
 from specserve.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
-from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM
+from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM, make_rope
 
 
 class Drafter(nn.Module):
@@ -80,7 +81,7 @@ class Eagle1Drafter(Drafter):
     ) -> None:
         super().__init__()
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=fc_bias)
-        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
+        rope = make_rope(c, max_position)
         self.layers = nn.ModuleList(DecoderLayer(c, rope, None) for _ in range(c.num_hidden_layers))
         self.layers[0].input_layernorm = nn.Identity()
         # Shared with the target unless the checkpoint brings its own (see loading).
@@ -106,10 +107,15 @@ class Eagle1Drafter(Drafter):
 
 
 class Eagle3Layer(nn.Module):
-    """EAGLE-3's midlayer: attention over [input_norm(embed); hidden_norm(h)] (2x hidden)."""
+    """EAGLE-3's midlayer: attention over [input_norm(embed); hidden_norm(h)] (2x hidden).
+    `norm_before_residual` (speculators / vLLM): the residual branch carries hidden_norm(h)
+    instead of h."""
 
-    def __init__(self, c: ArchConfig, rope: RotaryEmbedding) -> None:
+    def __init__(
+        self, c: ArchConfig, rope: RotaryEmbedding, norm_before_residual: bool = False
+    ) -> None:
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(
@@ -135,8 +141,9 @@ class Eagle3Layer(nn.Module):
         hidden: torch.Tensor,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], -1)
         x = self.self_attn(positions, x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -151,12 +158,16 @@ class Eagle3Drafter(Drafter):
         draft_vocab: int,
         aux_layers: tuple[int, ...],
         target_hidden: int,
+        fc_bias: bool = False,
+        norm_before_residual: bool = False,
     ) -> None:
+        """fc maps the 3 target taps (3 x target_hidden) to the head's hidden size, which may
+        differ from the target's (the head then brings its own embed_tokens)."""
         super().__init__()
         self._aux = aux_layers
-        self.fc = nn.Linear(3 * target_hidden, c.hidden_size, bias=False)
-        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
-        self.midlayer = Eagle3Layer(c, rope)
+        self.fc = nn.Linear(3 * target_hidden, c.hidden_size, bias=fc_bias)
+        rope = make_rope(c, max_position)
+        self.midlayer = Eagle3Layer(c, rope, norm_before_residual)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, draft_vocab, bias=False)
         self.embed_tokens = target.model.embed_tokens
@@ -186,15 +197,25 @@ class Eagle3Drafter(Drafter):
 
 class MTPDrafter(Drafter):
     """DeepSeek-style MTP: eh_proj([enorm(embed(x)); hnorm(h)]) -> decoder layer -> shared head.
-    One module reused for all K steps."""
+    One module reused for all K steps. `make_layer(rope)` builds the decoder layer: the target
+    architecture's own for MTP layers stored in the target checkpoint (an MoE layer for GLM),
+    a dense Llama layer by default."""
 
-    def __init__(self, c: ArchConfig, max_position: int, target: LlamaForCausalLM) -> None:
+    def __init__(
+        self,
+        c: ArchConfig,
+        max_position: int,
+        target: LlamaForCausalLM,
+        make_layer: Callable[[RotaryEmbedding], nn.Module] | None = None,
+        mask_position0: bool = True,
+    ) -> None:
         super().__init__()
+        self.mask_position0 = mask_position0
         self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
-        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
-        self.layer = DecoderLayer(c, rope, None)
+        rope = make_rope(c, max_position)
+        self.layer = make_layer(rope) if make_layer else DecoderLayer(c, rope, None)
         self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.embed_tokens = target.model.embed_tokens
         self.head = target.lm_head
@@ -207,8 +228,10 @@ class MTPDrafter(Drafter):
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.embed_tokens(input_ids)
-        # DeepSeek's MTP sees no token embedding at position 0 (there is no previous token).
-        e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
+        if self.mask_position0:
+            # vLLM's DeepSeek MTP sees no token embedding at position 0; GLM's (transformers,
+            # vLLM) does: the target class says which (`mtp_mask_position0`).
+            e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
         x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], -1))
         x, residual = self.layer(positions, x, None, ctx)
         out = x + residual

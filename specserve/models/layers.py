@@ -58,13 +58,22 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin table."""
+    """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin table.
+
+    `rotary_dim` < head_dim (partial rotary, `partial_rotary_factor`: GLM-4.x MoE): only the
+    first rotary_dim channels of each head rotate; the rest pass through, as in transformers."""
 
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        dim = self.rotary_dim = rotary_dim or head_dim
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind == "llama3":
@@ -77,7 +86,7 @@ class RotaryEmbedding(nn.Module):
                 )
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq).float()
-        # [max_position, head_dim] as cat(cos, cos) / cat(sin, sin), matching HF's layout.
+        # [max_position, rotary_dim] as cat(cos, cos) / cat(sin, sin), matching HF's layout.
         self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], -1), persistent=False)
         self.register_buffer("sin", torch.cat([freqs.sin(), freqs.sin()], -1), persistent=False)
 
@@ -147,7 +156,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         args = (ctx.kv_caches[self.kv_index], ctx.meta(self.sliding_window), self.scale)
-        if ctx.backend.fuses_rope and q.stride(-1) == 1 and k.stride(-1) == 1:
+        rd = self.rope.rotary_dim
+        if rd < self.head_dim:
+            q, k = self._partial_rope(positions, q, k, rd)
+            out = ctx.backend.forward(q, k, v, *args, self.sliding_window)
+        elif ctx.backend.fuses_rope and q.stride(-1) == 1 and k.stride(-1) == 1:
             # RoPE inside the KV write: q rotated in place, rotated k goes to the cache only.
             rope = (positions, self.rope.cos, self.rope.sin)
             out = ctx.backend.forward(q, k, v, *args, self.sliding_window, rope=rope)
@@ -155,6 +168,18 @@ class Attention(nn.Module):
             q, k = ops.rope_(positions, q, k, self.rope.cos, self.rope.sin)
             out = ctx.backend.forward(q, k, v, *args, self.sliding_window)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _partial_rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rd: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE over the first `rd` channels of each head. On CUDA ops.rope_ rotates the views
+        in place (q and k are then done); the CPU reference returns new tensors to splice in."""
+        qr, kr = ops.rope_(positions, q[..., :rd], k[..., :rd], self.rope.cos, self.rope.sin)
+        if qr.data_ptr() != q.data_ptr():
+            q = torch.cat([qr, q[..., rd:]], dim=-1)
+        if kr.data_ptr() != k.data_ptr():
+            k = torch.cat([kr, k[..., rd:]], dim=-1)
+        return q, k
 
 
 # Gate activations of `act(gate) * up` MLPs, by their Hugging Face `hidden_act` names.

@@ -1,7 +1,10 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral): one implementation, config switches."""
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) and the generic decoder other families
+build on: `LlamaModel` stacks whatever layers `LlamaForCausalLM.make_layer` makes, so an MoE
+family (qwen3_moe.py, glm4_moe.py) subclasses the causal LM and overrides the layer's MLP."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,13 +41,17 @@ class ArchConfig:
     rope_scaling: dict[str, Any] | None
     qkv_bias: bool
     qk_norm: bool
-    # Llama / Qwen3 `attention_bias` puts a bias on o_proj too; Qwen2 has q/k/v biases only.
-    o_bias: bool
     mlp_bias: bool
     hidden_act: str
     # One entry per layer: None = full attention.
     sliding_windows: list[int | None]
     raw: dict[str, Any]
+    # Channels of a head that rotate (partial_rotary_factor * head_dim); the rest pass through.
+    rotary_dim: int = 0
+    o_bias: bool = False
+
+    def __post_init__(self) -> None:
+        self.rotary_dim = self.rotary_dim or self.head_dim
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ArchConfig:
@@ -53,7 +60,11 @@ class ArchConfig:
         heads = cfg["num_attention_heads"]
         theta, scaling = rope_parameters(cfg)
         _reject_unsupported_math(cfg)
-        attention_bias = bool(cfg.get("attention_bias", False)) and arch != "MistralForCausalLM"
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        # transformers 5 keeps partial_rotary_factor in rope_parameters, 4 at the top level.
+        factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+        factor = float(factor or cfg.get("partial_rotary_factor") or 1.0)
+        attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -62,7 +73,7 @@ class ArchConfig:
             num_hidden_layers=n_layers,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -70,19 +81,20 @@ class ArchConfig:
             rope_scaling=scaling,
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
-            o_bias=attention_bias and arch != "Qwen2ForCausalLM",
             # transformers reads mlp_bias for Llama only (Qwen and Mistral MLPs have no bias).
             mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
             hidden_act=_hidden_act(cfg),
             sliding_windows=_sliding_windows(cfg, arch, n_layers),
             raw=cfg,
+            rotary_dim=int(head_dim * factor),
+            # Llama and Qwen3 put attention_bias on o_proj too; Qwen2 and Mistral never do.
+            o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
         )
 
 
 # Config fields that change the math, with the value that leaves it unchanged: a checkpoint
 # asking for anything else fails to load instead of giving wrong tokens.
 _NEUTRAL_MATH_FIELDS: dict[str, Any] = {
-    "partial_rotary_factor": 1.0,
     "attn_logit_softcapping": None,
     "final_logit_softcapping": None,
     "embedding_multiplier": 1.0,
@@ -90,7 +102,6 @@ _NEUTRAL_MATH_FIELDS: dict[str, Any] = {
     "attention_multiplier": None,
     "logits_scaling": 1.0,
     "query_pre_attn_scalar": None,
-    "use_qk_norm": False,
 }
 
 
@@ -137,7 +148,10 @@ class DecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         sliding_window: int | None,
         attn_input_size: int | None = None,
+        mlp: nn.Module | None = None,
     ) -> None:
+        """`mlp`: the feed-forward block (default: the dense MLP; an MoE family passes its
+        SparseMoE)."""
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(
@@ -154,7 +168,11 @@ class DecoderLayer(nn.Module):
             c.o_bias,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
+        self.mlp = (
+            mlp
+            if mlp is not None
+            else MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
+        )
 
     def forward(
         self,
@@ -168,19 +186,29 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
         x = attn.attend(positions, qkv, ctx)
+        if not isinstance(mlp, MLP):  # MoE: the router and experts read the normed input
+            x, residual = self.post_attention_layernorm(x, residual)
+            return mlp(x), residual
         act, residual = norm_linear(
             self.post_attention_layernorm, mlp.gate_up_proj, x, residual, True, mlp.act
         )
         return mlp.down_proj(act), residual
 
 
+# (layer index, shared rotary embedding, sliding window) -> decoder layer
+LayerFactory = Callable[[int, RotaryEmbedding, "int | None"], nn.Module]
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, c: ArchConfig, max_position: int) -> None:
+    def __init__(
+        self, c: ArchConfig, max_position: int, make_layer: LayerFactory | None = None
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        rope = RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling)
+        rope = make_rope(c, max_position)
+        make = make_layer or (lambda i, r, w: DecoderLayer(c, r, w))
         self.layers = nn.ModuleList(
-            DecoderLayer(c, rope, c.sliding_windows[i]) for i in range(c.num_hidden_layers)
+            make(i, rope, c.sliding_windows[i]) for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -206,11 +234,22 @@ class LlamaModel(nn.Module):
         return x, [taps[i] for i in aux_layers]
 
 
+def make_rope(c: ArchConfig, max_position: int) -> RotaryEmbedding:
+    return RotaryEmbedding(c.head_dim, max_position, c.rope_theta, c.rope_scaling, c.rotary_dim)
+
+
 class LlamaForCausalLM(nn.Module):
+    """The causal LM every family shares: embed -> layers -> norm -> lm_head. A family
+    subclasses it with its own config parsing (`from_config_dict`) and `make_layer`."""
+
+    # MTP layers stored in this checkpoint zero the token embedding at position 0 (DeepSeek
+    # style, as vLLM); a family whose MTP layers do not (GLM) sets False.
+    mtp_mask_position0 = True
+
     def __init__(self, c: ArchConfig, max_position: int) -> None:
         super().__init__()
         self.config = c
-        self.model = LlamaModel(c, max_position)
+        self.model = LlamaModel(c, max_position, self.make_layer)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -218,6 +257,13 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def from_config_dict(cls, cfg: dict[str, Any], max_position: int) -> LlamaForCausalLM:
         return cls(ArchConfig.from_dict(cfg), max_position)
+
+    def make_layer(
+        self, index: int, rope: RotaryEmbedding, sliding_window: int | None
+    ) -> nn.Module:
+        """Decoder layer `index` (indices past num_hidden_layers: the checkpoint's MTP layers,
+        whose decoder layer an MTP drafter takes from here)."""
+        return DecoderLayer(self.config, rope, sliding_window)
 
     def forward(
         self,

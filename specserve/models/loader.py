@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,9 +29,47 @@ KNOWN_UNUSED_SUFFIXES = (
     "rotary_emb.sin_cached",
 )
 
+# MoE experts (models/moe.py StackedExperts): checkpoints store them per expert, transformers 5
+# holds them fused in memory; both land in the stacked w13 [E, 2I, H] (gate rows, then up) and
+# w2 [E, H, I].
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+
 
 class ModelLoadError(ValueError):
     pass
+
+
+def _expert_target(
+    name: str, params: dict[str, torch.Tensor]
+) -> tuple[str, Callable[[torch.Tensor], torch.Tensor], str] | None:
+    """(stacked parameter, its slice for this tensor, completeness key) for an expert tensor."""
+    m = _PER_EXPERT.match(name)
+    if m is not None:
+        prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+        target = f"{prefix}.{'w2' if kind == 'down_proj' else 'w13'}"
+        if target not in params:
+            return None
+        if kind == "down_proj":
+            return target, lambda p: p[e], f"{target}#{e}"
+        inter = params[target].shape[1] // 2
+        shard = 0 if kind == "gate_proj" else 1
+        return target, lambda p: p[e].narrow(0, shard * inter, inter), f"{target}#{e}.{shard}"
+    m = _FUSED_EXPERTS.match(name)
+    if m is not None:
+        target = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
+        if target in params:
+            return target, lambda p: p, f"{target}#all"
+    return None
+
+
+def _expert_keys(pname: str, param: torch.Tensor) -> list[str] | None:
+    """Completeness keys a stacked expert parameter needs from per-expert tensors."""
+    if pname.endswith(".experts.w13"):
+        return [f"{pname}#{e}.{s}" for e in range(param.shape[0]) for s in (0, 1)]
+    if pname.endswith(".experts.w2"):
+        return [f"{pname}#{e}" for e in range(param.shape[0])]
+    return None
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
@@ -105,6 +144,20 @@ def load_weights(
         name = rename(name) if rename is not None else name
         if name is None or hf_name.endswith(KNOWN_UNUSED_SUFFIXES):
             continue
+        expert = _expert_target(name, params)
+        if expert is not None:
+            target, view, key = expert
+            dst = view(params[target].data)
+            if tensor.dim() == 3 and tensor.shape != dst.shape and tensor.mT.shape == dst.shape:
+                tensor = tensor.mT  # fused experts saved as [E, H, 2I] / [E, I, H]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"{path}: tensor {name} has shape {tuple(tensor.shape)} but the config "
+                    f"implies {tuple(dst.shape)}"
+                )
+            dst.copy_(tensor.to(dst.dtype))
+            loaded.add(key)
+            continue
         target, shard = name, None
         for fused, part, idx in STACKED_PARAMS:
             if part in name:
@@ -137,6 +190,8 @@ def load_weights(
             want = [f"{pname}#{i}" for i in range(3)]
         elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
             want = [f"{pname}#{i}" for i in range(2)]
+        elif (keys := _expert_keys(pname, params[pname])) is not None:
+            want = [] if f"{pname}#all" in loaded else keys
         if any(w not in loaded for w in want) and not pname.startswith(allow_missing):
             missing.append(pname)
     if missing:

@@ -16,6 +16,8 @@ _REGISTRY: dict[str, str] = {
     "Qwen2ForCausalLM": "specserve.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "specserve.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "specserve.models.llama:LlamaForCausalLM",
+    "Qwen3MoeForCausalLM": "specserve.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Glm4MoeForCausalLM": "specserve.models.glm4_moe:Glm4MoeForCausalLM",
 }
 
 

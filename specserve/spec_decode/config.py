@@ -12,7 +12,9 @@ METHODS = ("draft_model", "eagle", "eagle3", "mtp", "ngram")
 class SpeculativeConfig:
     method: str
     model: str | None = None
-    num_speculative_tokens: int = 3
+    # None: the drafter's own default (a speculators-format head's
+    # speculators_config.proposal_methods[0].speculative_tokens), else 3.
+    num_speculative_tokens: int | None = None
     draft_sample_method: str = "greedy"  # greedy | probabilistic
     rejection_sample_method: str = "strict"  # strict | probabilistic | synthetic
     synthetic_acceptance_rate: float = 1.0
@@ -56,6 +58,11 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {', '.join(METHODS)}; got {self.method!r}."
             )
         check_type("model", (str,), allow_none=True)
+        if self.num_speculative_tokens is None:
+            from specserve.models.speculators_format import default_num_speculative_tokens
+
+            k = default_num_speculative_tokens(self.model) if self.method == "eagle3" else None
+            self.num_speculative_tokens = k or 3
         check_type("num_speculative_tokens", (int,))
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(

@@ -26,6 +26,8 @@ from specserve.models.loader import (
     read_config,
 )
 from specserve.models.registry import default_dtype, resolve_architecture
+from specserve.models.speculators_format import eagle3_config as speculators_eagle3_config
+from specserve.models.speculators_format import is_speculators_config
 from specserve.spec_decode.config import SpeculativeConfig
 
 # Methods whose drafter can propose all K tokens in one forward (spec_decode/parallel.py).
@@ -111,7 +113,20 @@ def _construct(
             return None if n.startswith("lm_head") else n
 
         return d, rename, allow
-    # eagle3
+    return _construct_eagle3(spec, cfg, c, tc, target, max_position, names)
+
+
+def _construct_eagle3(
+    spec: SpeculativeConfig,
+    cfg: dict[str, Any],
+    c: ArchConfig,
+    tc: ArchConfig,
+    target: LlamaForCausalLM,
+    max_position: int,
+    names: set[str],
+) -> tuple[Drafter, Any, tuple[str, ...]]:
+    """EAGLE-3 in the EAGLE / vLLM layout (`midlayer.*`) or the speculators one
+    (`layers.0.*`, config mapped by models/speculators_format.py)."""
     draft_vocab = cfg.get("draft_vocab_size") or c.vocab_size
     if draft_vocab > c.vocab_size:
         raise _fit_error(
@@ -128,15 +143,37 @@ def _construct(
     aux = eagle3_aux_layers(cfg, tc.num_hidden_layers)
     if any(not 0 <= i < tc.num_hidden_layers for i in aux):
         raise _fit_error("model", f"aux hidden-state layers {aux} are outside the target's layers")
-    d = Eagle3Drafter(c, max_position, target, draft_vocab, aux, target_hidden)
+    own_embed = _own_or_shared(names, "embed_tokens.weight")
+    if c.hidden_size != tc.hidden_size and not own_embed:
+        raise _fit_error(
+            "model",
+            f"EAGLE-3 head hidden size {c.hidden_size} differs from the target's "
+            f"{tc.hidden_size}, so it needs its own embed_tokens.weight, which it lacks",
+        )
+    d = Eagle3Drafter(
+        c,
+        max_position,
+        target,
+        draft_vocab,
+        aux,
+        target_hidden,
+        fc_bias=_own_or_shared(names, "fc.bias"),
+        norm_before_residual=bool(cfg.get("norm_before_residual", False)),
+    )
     allow = ("t2d",)
-    if _own_or_shared(names, "embed_tokens.weight"):
+    if own_embed:
         d.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
     else:
         allow += ("embed_tokens",)
     if "d2t" not in names:
         allow += ("d2t",)
-    return d, lambda n: n.removeprefix("model."), allow
+
+    def rename(n: str) -> str | None:
+        n = n.removeprefix("model.")
+        # speculators names the single decoder layer layers.0, EAGLE's code midlayer.
+        return "midlayer." + n.removeprefix("layers.0.") if n.startswith("layers.0.") else n
+
+    return d, rename, allow
 
 
 def _construct_mtp(
@@ -154,7 +191,13 @@ def _construct_mtp(
             "the target checkpoint has no MTP layers (num_nextn_predict_layers is 0); "
             "pass the MTP module directory as speculative_config.model",
         )
-    c = ArchConfig.from_dict({**cfg, "architectures": [tc.architecture]})
+    # MTP layers inside the target checkpoint are the target architecture's own layers (an MoE
+    # layer for GLM / DeepSeek); a separate MTP module directory brings a dense Llama layer.
+    c = (
+        tc
+        if spec.model is None
+        else ArchConfig.from_dict({**cfg, "architectures": [tc.architecture]})
+    )
     _check_fit(spec, c, tc, hidden=True)
     layer_ids = sorted({int(n.split(".")[2]) for n in names if n.startswith("model.layers.")})
     # The MTP module is the first layer past the target's decoder layers (or the only one).
@@ -163,16 +206,28 @@ def _construct_mtp(
     )
     if not mtp_ids:
         raise ModelLoadError("no MTP layer weights (model.layers.<N>.eh_proj ...) found")
+    own_layers = spec.model is None
     if n_mtp > 1:
-        return _construct_multi_mtp(spec, c, target, max_position, names, mtp_ids, n_mtp)
-    return _mtp_module(c, max_position, target, names, f"model.layers.{mtp_ids[0]}.")
+        return _construct_multi_mtp(
+            spec, c, target, max_position, names, mtp_ids, n_mtp, own_layers
+        )
+    return _mtp_module(c, max_position, target, names, mtp_ids[0], own_layers)
 
 
 def _mtp_module(
-    c: ArchConfig, max_position: int, target: LlamaForCausalLM, names: set[str], prefix: str
+    c: ArchConfig,
+    max_position: int,
+    target: LlamaForCausalLM,
+    names: set[str],
+    layer_id: int,
+    own_layers: bool,
 ) -> tuple[MTPDrafter, Any, tuple[str, ...]]:
-    """One MTP module from the checkpoint tensors under `prefix` (model.layers.<N>.)."""
-    d = MTPDrafter(c, max_position, target)
+    """One MTP module from the checkpoint tensors under model.layers.<layer_id>.; with
+    `own_layers` its decoder layer is the target's layer <layer_id> by architecture."""
+    prefix = f"model.layers.{layer_id}."
+    make_layer = (lambda rope: target.make_layer(layer_id, rope, None)) if own_layers else None
+    mask0 = getattr(target, "mtp_mask_position0", True) if own_layers else True
+    d = MTPDrafter(c, max_position, target, make_layer, mask0)
     allow: tuple[str, ...] = ()
     if _own_or_shared(names, prefix + "embed_tokens.weight"):
         d.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
@@ -207,6 +262,7 @@ def _construct_multi_mtp(
     names: set[str],
     mtp_ids: list[int],
     n_mtp: int,
+    own_layers: bool,
 ) -> tuple[Drafter, Any, tuple[str, ...]]:
     """N > 1 MTP modules, chained (spec_decode/multi_layer_mtp.py): one draft per module, so
     K <= N; with K < N only the first K modules are loaded (the others get no KV layers)."""
@@ -222,7 +278,7 @@ def _construct_multi_mtp(
             f"num_nextn_predict_layers is {n_mtp} but the checkpoint holds {len(mtp_ids)} MTP "
             "layer(s) (model.layers.<N>.eh_proj ...)"
         )
-    parts = [_mtp_module(c, max_position, target, names, f"model.layers.{i}.") for i in mtp_ids[:k]]
+    parts = [_mtp_module(c, max_position, target, names, i, own_layers) for i in mtp_ids[:k]]
     drafter = MultiLayerMTPDrafter([m for m, _, _ in parts])
 
     def rename(n: str) -> str | None:
@@ -259,6 +315,12 @@ def build_speculator(
         return NgramSpeculator(spec)
     tc = target.config
     draft_dir, cfg = _drafter_config(spec, target_dir)
+    if is_speculators_config(cfg):
+        if spec.method != "eagle3":
+            raise _fit_error(
+                "method", f"{draft_dir} is a speculators-format EAGLE-3 head; use method eagle3"
+            )
+        cfg = speculators_eagle3_config(cfg, draft_dir)
     # A dummy-weight drafter (benchmarks) may be a bare config.json.
     dummy = load_format == "dummy" and not _has_weights(draft_dir)
     names = set() if dummy else {n for n, _, _ in _iter_names(draft_dir)}
