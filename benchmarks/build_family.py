@@ -20,6 +20,13 @@ survives between calls while the machine stays warm.
     # Here, after the embedded run: check and unpack the parts into specserve/data/embedded
     python benchmarks/build_family.py --install DIR_WITH_THE_PARTS
 
+    # The default model's EAGLE-3 head (SmolLM2-135M-Instruct from its GGUF, ~6 min on an H100):
+    # self-distilled replies to data/instruct_prompts.jsonl (+ the chat and code prompts), the
+    # head trained on them, acceptance on the held-out prompts; $OUT gets smollm2_eagle3.tar.partNN
+    python benchmarks/build_family.py --family smollm2 --gguf PATH.gguf
+    # Here: unpack them into specserve/data/smollm2_eagle3
+    python benchmarks/build_family.py --install DIR_WITH_THE_PARTS --family smollm2
+
 Prints a short table last.
 """
 
@@ -53,6 +60,8 @@ DRAFTER_FILES = ("config.json", "model.safetensors")
 
 def package_members(family_dir: str) -> list[tuple[str, str]]:
     """(name in the archive, file on disk) of the embedded package: target + EAGLE-3 head."""
+    if os.path.isfile(os.path.join(family_dir, "smollm2.json")):  # the default model's head
+        return [(f"eagle3/{n}", os.path.join(family_dir, "eagle3", n)) for n in DRAFTER_FILES]
     out = [(f"target/{n}", os.path.join(family_dir, "target", n)) for n in TARGET_FILES]
     out += [
         (f"eagle3/{n}", os.path.join(family_dir, "drafters", "eagle3", n)) for n in DRAFTER_FILES
@@ -63,8 +72,10 @@ def package_members(family_dir: str) -> list[tuple[str, str]]:
     return out
 
 
-def pack(family_dir: str, out_dir: str, part_bytes: int = PART_BYTES) -> dict[str, object]:
-    """Write embedded.tar.partNN files (a reproducible tar, split) and return its manifest."""
+def pack(
+    family_dir: str, out_dir: str, part_bytes: int = PART_BYTES, prefix: str = "embedded"
+) -> dict[str, object]:
+    """Write <prefix>.tar.partNN files (a reproducible tar, split) and return its manifest."""
     members = package_members(family_dir)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -76,7 +87,7 @@ def pack(family_dir: str, out_dir: str, part_bytes: int = PART_BYTES) -> dict[st
     data = buf.getvalue()
     parts = []
     for i in range(0, len(data), part_bytes):
-        name = f"embedded.tar.part{i // part_bytes:02d}"
+        name = f"{prefix}.tar.part{i // part_bytes:02d}"
         with open(os.path.join(out_dir, name), "wb") as f:
             f.write(data[i : i + part_bytes])
         parts.append(name)
@@ -88,17 +99,20 @@ def pack(family_dir: str, out_dir: str, part_bytes: int = PART_BYTES) -> dict[st
         "model_bytes": model_bytes,
         "files": {n: os.path.getsize(p) for n, p in members},
     }
-    with open(os.path.join(out_dir, "embedded_manifest.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{prefix}_manifest.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     if model_bytes > EMBEDDED_LIMIT:
         print(f"WARNING: embedded files are {model_bytes / 1e6:.1f} MB, over the 25 MB limit")
     return manifest
 
 
-def install(src_dir: str, dest: str | None = None) -> str:
-    """Join and check the parts in `src_dir`, then unpack them into specserve/data/embedded."""
-    dest = dest or os.path.join(ROOT, "specserve", "data", "embedded")
-    with open(os.path.join(src_dir, "embedded_manifest.json")) as f:
+def install(src_dir: str, dest: str | None = None, prefix: str = "embedded") -> str:
+    """Join and check the parts in `src_dir`, then unpack them into specserve/data/embedded
+    (prefix "smollm2_eagle3": the default model's head, into specserve/data/smollm2_eagle3)."""
+    if dest is None:
+        sub = "embedded" if prefix == "embedded" else prefix
+        dest = os.path.join(ROOT, "specserve", "data", sub)
+    with open(os.path.join(src_dir, f"{prefix}_manifest.json")) as f:
         manifest = json.load(f)
     chunks = []
     for part in manifest["parts"]:
@@ -114,7 +128,10 @@ def install(src_dir: str, dest: str | None = None) -> str:
             top = m.name.split("/")[0]
             if not m.isfile() or top not in ("target", "eagle3") or ".." in m.name.split("/"):
                 raise ValueError(f"unexpected archive member {m.name!r}")
-            path = os.path.join(tmp, *m.name.split("/"))
+            parts = m.name.split("/")
+            if prefix != "embedded":  # the head alone: its files go straight into dest
+                parts = parts[1:]
+            path = os.path.join(tmp, *parts)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
                 f.write(tar.extractfile(m).read())  # type: ignore[union-attr]
@@ -151,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--family", choices=sorted(FAMILIES))
+    p.add_argument("--family", choices=sorted(FAMILIES) + ["smollm2"])
+    p.add_argument("--gguf", help="smollm2: the target's GGUF file (default: the packaged one)")
+    p.add_argument("--num-prompts", type=int, help="smollm2: distill this many prompts (smoke)")
     p.add_argument("--cache", help="family directory (default /tmp/family-<family>)")
     p.add_argument("--out-dir", default=os.environ.get("OUT"), help="results (default $OUT)")
     p.add_argument("--device", default="cuda")
@@ -164,10 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--install", metavar="DIR", help="unpack embedded parts from DIR (no build)")
     args = p.parse_args(argv)
     if args.install:
-        install(args.install)
+        install(args.install, prefix="smollm2_eagle3" if args.family == "smollm2" else "embedded")
         return 0
     if args.family is None:
         p.error("--family is required (or --install DIR)")
+    if args.family == "smollm2":
+        from build_smollm2 import build_smollm2
+
+        return build_smollm2(args, pack)
     spec = with_overrides(
         FAMILIES[args.family], args.device, args.minutes, args.steps, args.drafter_steps
     )

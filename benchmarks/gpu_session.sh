@@ -21,6 +21,11 @@
 #   bash benchmarks/gpu_session.sh final-engine   # every engine GPU test (test_gpu.py)
 #   bash benchmarks/gpu_session.sh final-tests    # kernel and engine GPU tests side by side
 #   bash benchmarks/gpu_session.sh confirm        # decode.py (batch 1, with transformers) twice
+#   bash benchmarks/gpu_session.sh moe            # MoE GPU tests (models, fused-MoE kernels),
+#                                                 # benchmarks/moe.py --quick, then moe_decode.py
+#                                                 # --quick (batch 1) in the time left (it skips
+#                                                 # the configurations that would not fit)
+#   bash benchmarks/gpu_session.sh moe-decode     # moe_decode.py alone, every configuration
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -166,8 +171,30 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
     timeout 560 python -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
       --durations=10 2>&1 | tee "$OUT/gpu_tests_engine.log" | tail -25
     ;;
+  moe)
+    # 570 s in all: tests <= 200 s, the kernel benchmark <= 90 s, moe_decode.py --quick the rest
+    # (--budget-s: no configuration starts past it; its JSON is saved after each one).
+    tests=(tests/test_moe_gpu.py)
+    [ -f tests/test_moe_ops.py ] && tests+=(tests/test_moe_ops.py)
+    timeout 200 python -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider --durations=8 \
+      2>&1 | tee "$OUT/gpu_tests_moe.log" | tail -14
+    if [ -f benchmarks/moe.py ]; then
+      timeout 90 python benchmarks/moe.py --quick 2>&1 | tee "$OUT/moe_kernels.log" | tail -20
+    fi
+    left=$((570 - SECONDS))
+    if [ "$left" -lt 150 ]; then
+      echo "moe_decode.py not run: $left s left (run the moe-decode stage)"
+    else
+      timeout "$left" python benchmarks/moe_decode.py --quick --budget-s $((left - 90)) 2>&1 \
+        | grep --line-buffered -v tokenizer | tee "$OUT/moe_decode.log" | tail -30
+    fi
+    ;;
+  moe-decode)
+    timeout 570 python benchmarks/moe_decode.py 2>&1 | grep --line-buffered -v tokenizer \
+      | tee "$OUT/moe_decode.log" | tail -30
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode" >&2
     exit 2
     ;;
 esac

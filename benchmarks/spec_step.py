@@ -72,13 +72,18 @@ def make_engine(
     return LLMEngine(cfg)
 
 
-def measure(engine: object, batch: int, steps: int = 24, prompt_len: int = 128) -> dict:
-    """Per-step wall time and drafting time once `batch` requests are all decoding."""
+def measure(
+    engine: object, batch: int, steps: int = 24, prompt_len: int = 128, vocab_size: int = 128000
+) -> dict:
+    """Per-step wall time and drafting time once `batch` requests are all decoding (on CPU,
+    where there are no CUDA events, the drafting time is not measured: 0)."""
     from specserve import SamplingParams
 
+    cuda = engine.config.torch_device.type == "cuda"  # type: ignore[attr-defined]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     sp = SamplingParams(temperature=0.0, max_tokens=600, ignore_eos=True)
     g = torch.Generator().manual_seed(batch)
-    ids = [torch.randint(0, 128000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
+    ids = [torch.randint(0, vocab_size, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     for i, p in enumerate(ids):
         engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": p}, sp)
     while engine.scheduler.waiting or any(  # type: ignore[attr-defined]
@@ -89,16 +94,16 @@ def measure(engine: object, batch: int, steps: int = 24, prompt_len: int = 128) 
     for _ in range(4):
         engine.step()  # type: ignore[attr-defined]
     runner = engine.runner  # type: ignore[attr-defined]
-    runner.draft_events = []
+    runner.draft_events = [] if cuda else None
     gen_before = sum(len(r.output_token_ids) for r in engine.requests.values())  # type: ignore[attr-defined]
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()  # type: ignore[attr-defined]
     dt = time.perf_counter() - t0
     gen = sum(len(r.output_token_ids) for r in engine.requests.values()) - gen_before  # type: ignore[attr-defined]
-    torch.cuda.synchronize()  # async scheduling: a step is still in flight
-    draft_ms = sum(s.elapsed_time(e) for s, e in runner.draft_events[:steps]) / steps
+    sync()  # async scheduling: a step is still in flight
+    draft_ms = sum(s.elapsed_time(e) for s, e in (runner.draft_events or [])[:steps]) / steps
     runner.draft_events = None
     for rid in list(engine.requests):  # type: ignore[attr-defined]
         engine.abort_request(rid)  # type: ignore[attr-defined]

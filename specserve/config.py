@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from specserve.models.gguf import is_gguf, resolve_gguf
 from specserve.spec_decode.config import SpeculativeConfig
 
 _DTYPES = {
@@ -73,6 +74,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to a local Hugging Face model directory.")
+        if is_gguf(self.model):
+            # NOTE: converted once into a cached HF directory (models/gguf.py); the engine then
+            # loads that like any other, and the name served stays the file's.
+            self.served_model_name = self.served_model_name or os.path.basename(self.model)
+            self.model = resolve_gguf(self.model)
         if not os.path.isdir(self.model):
             raise FileNotFoundError(
                 f"model directory {self.model!r} does not exist (specserve loads local "

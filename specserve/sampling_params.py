@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.structured.params import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -21,6 +23,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (JSON schema, regex, choice, EBNF grammar), as vLLM's field.
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_list: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +66,10 @@ class SamplingParams:
             raise bad("logprobs", "must be an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -712,7 +712,11 @@ def fuses_kv_write(
     group = num_heads // num_kv_heads
     block_m = _launch_config(group, max_query_len, head_dim, dtype).block_m
     # At most 32 rows: the unrotated q, its partner and cos / sin tiles all live in registers.
-    return FUSE_ROPE_KV and max_query_len <= block_m // group and block_m <= 32
+    # The kernel walks the q-block's tokens with tl.arange(0, BLOCK_Q): a power of two only
+    # (a GQA group of 3, as SmolLM2's 9 / 3 heads, gives BLOCK_Q = 16 // 3 = 5).
+    block_q = block_m // group
+    pow2 = block_q & (block_q - 1) == 0
+    return FUSE_ROPE_KV and pow2 and max_query_len <= block_q and block_m <= 32
 
 
 # RoPE + KV write inside the attention kernel for decode and verification batches (one launch a

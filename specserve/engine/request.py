@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specserve.outputs import RequestMetrics
 from specserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specserve.structured.matcher import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +62,8 @@ class Request:
         self.start_on_device = False
         # Host-side drafts (n-gram) to upload with the next step's inputs.
         self.host_draft_tokens: list[int] = []
+        # Grammar state of a structured-outputs request (None: unconstrained).
+        self.grammar: RequestGrammar | None = None
         self.block_ids: list[int] = []
         self.row = -1  # row in the runner's persistent request-state tensors
         self.seed = seed

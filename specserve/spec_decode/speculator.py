@@ -204,6 +204,11 @@ def _construct_mtp(
     mtp_ids = (
         [i for i in layer_ids if i >= tc.num_hidden_layers] if spec.model is None else layer_ids
     )
+    if not names:
+        # load_format "dummy" with a bare config.json (benchmarks): no tensors to list, so the
+        # MTP layers sit where checkpoints put them, right after the decoder layers.
+        first = tc.num_hidden_layers if spec.model is None else 0
+        mtp_ids = list(range(first, first + n_mtp))
     if not mtp_ids:
         raise ModelLoadError("no MTP layer weights (model.layers.<N>.eh_proj ...) found")
     own_layers = spec.model is None

@@ -33,6 +33,7 @@ from specserve.ops.spec_kernels import (
 from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import compute_logprobs, sample
 from specserve.spec_decode.drafting import TargetStep
+from specserve.structured.bitmask import apply_grammar_bitmask_, build_grammar_step
 from specserve.worker.input_batch import StepInputs, prepare_inputs
 from specserve.worker.request_states import RequestStates
 
@@ -50,6 +51,8 @@ class PendingStep:
     n_top: int
     # whether `host` holds accept counts after the tokens (else none were drafted: zeros)
     has_acc: bool
+    # columns of next-step drafts at the end of `host` (structured-output steps), else 0
+    n_drafts: int = 0
 
 
 @dataclass
@@ -60,6 +63,9 @@ class StepOutput:
     num_accepted: np.ndarray
     # Per batch row: per valid slot, {token: logprob} of the sampled token and the top-N.
     logprobs: list[list[dict[int, float]]] | None
+    # [B, K] drafts the drafter proposed for the next step, read back only for steps with
+    # structured requests (their grammar walks the drafts on the host); else None
+    next_drafts: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -214,6 +220,9 @@ class ModelRunner:
             common = self.common_metadata(inp, slot_mapping, block_table)
             ctx = self.forward_context(common)
             hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
+        # Structured requests: their masks are filled on the host now, while the device runs
+        # the forward just queued (CUDA), and uploaded asynchronously. None: no grammar here.
+        gs = build_grammar_step(sched.scheduled, k + 1, self.model.config.vocab_size, self.device)
 
         B, k1 = inp.num_reqs, k + 1
         drafted = k > 0 and bool(inp.num_draft_np.any())
@@ -225,6 +234,10 @@ class ModelRunner:
         # In the model dtype: sampling and logprobs convert what they need (argmax needs no
         # fp32 copy of a 128k-vocabulary row: one kernel less per decode step).
         logits = self.model.compute_logits(verified).view(B, k1, -1)
+        if gs is not None:
+            # The grammar step: forbidden tokens -> -inf at every slot, before verification and
+            # sampling read the logits (logprobs too, as in vLLM).
+            apply_grammar_bitmask_(logits, gs)
         rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64, B)
         # Without a speculator only sampling reads the sampling parameters, and greedy
         # sampling reads none: no gathers then.
@@ -277,7 +290,19 @@ class ModelRunner:
             if self.draft_events is not None:
                 ev[1].record()
                 self.draft_events.append(ev)
-        return self._start_copy(inp, logits, out_tokens, num_acc, reqs_logprobs)
+        next_drafts = None
+        if gs is not None and k and self.speculator is not None:
+            if not self.speculator.proposes_on_host:
+                next_drafts = self._next_drafts(inp, num_acc)
+        return self._start_copy(inp, logits, out_tokens, num_acc, reqs_logprobs, next_drafts)
+
+    def _next_drafts(self, inp: StepInputs, num_acc: torch.Tensor) -> torch.Tensor:
+        """[B, K] the drafts just proposed (after each request's newest token): structured
+        requests need them on the host to fill the next step's masks."""
+        k = self.num_spec_tokens
+        tok = self.states.token_ids
+        pos = (inp.out_pos0 + num_acc + 1)[:, None] + torch.arange(k, device=self.device)
+        return tok[inp.idx_mapping[:, None], pos.clamp_max(tok.shape[1] - 1)]
 
     def _place_on_device(self, inp: StepInputs) -> None:
         """Rows scheduled behind a step whose accept counts the host has not read: correct
@@ -300,8 +325,11 @@ class ModelRunner:
         # [B] int64, or None: nothing was drafted
         num_acc: torch.Tensor | None,
         reqs_logprobs: list[int],
+        # [B, K] int64 next-step drafts to read back, or None
+        next_drafts: torch.Tensor | None = None,
     ) -> PendingStep:
         B, k1 = out_tokens.shape
+        n_drafts = next_drafts.shape[1] if next_drafts is not None else 0
         n_top = max(reqs_logprobs) if reqs_logprobs else -1
         has_acc = num_acc is not None
         if n_top >= 0:
@@ -311,21 +339,28 @@ class ModelRunner:
                 logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
             )
             parts = [out_tokens.flatten(), num_acc, lp, top_ids.flatten(), top_lp.flatten()]
+            if n_drafts:
+                parts.append(next_drafts.flatten())
             flat = torch.cat([p.double() for p in parts])
             has_acc = True
-        elif has_acc:  # ids only: one int64 concatenation, no conversions
-            flat = torch.cat([out_tokens.flatten(), num_acc.to(out_tokens.dtype)])
+        elif has_acc or n_drafts:  # ids only: one int64 concatenation, no conversions
+            num_acc = num_acc if has_acc else out_tokens.new_zeros(B)
+            parts = [out_tokens.flatten(), num_acc.to(out_tokens.dtype)]
+            if n_drafts:
+                parts.append(next_drafts.flatten())
+            flat = torch.cat(parts)
+            has_acc = True
         else:  # the tokens alone (the host knows nothing was accepted)
             flat = out_tokens.flatten()
         if flat.device.type != "cuda":
-            return PendingStep(flat.cpu(), None, B, k1, n_top, has_acc)
+            return PendingStep(flat.cpu(), None, B, k1, n_top, has_acc, n_drafts)
         # NOTE: the single device-to-host copy of the step; everything above stayed on device.
         # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile.
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return PendingStep(host, event, B, k1, n_top, has_acc)
+        return PendingStep(host, event, B, k1, n_top, has_acc, n_drafts)
 
     def finish(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's results and unpack them."""
@@ -337,6 +372,11 @@ class ModelRunner:
         num_accepted = np.zeros(B, np.int64)
         if pending.has_acc:
             num_accepted = host[B * k1 : B * k1 + B].astype(np.int64)
+        next_drafts = None
+        if pending.n_drafts:
+            nd = B * pending.n_drafts
+            next_drafts = host[host.shape[0] - nd :].astype(np.int64).reshape(B, -1)
+            host = host[: host.shape[0] - nd]
         logprobs = None
         if n_top >= 0:
             n = max(n_top, 1)
@@ -353,4 +393,4 @@ class ModelRunner:
                     d[int(tokens[b, j])] = float(lp[b, j])
                     rows.append(d)
                 logprobs.append(rows)
-        return StepOutput(tokens, num_accepted, logprobs)
+        return StepOutput(tokens, num_accepted, logprobs, next_drafts)

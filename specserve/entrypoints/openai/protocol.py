@@ -7,11 +7,12 @@ value there would kill the engine loop for every client, not fail one request.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from specserve.sampling_params import SamplingParams
+from specserve.structured.params import StructuredOutputsParams
 
 # Bounds that keep values inside the engine's int64 per-row tensors and its top-k.
 INT64_MAX = 2**63 - 1
@@ -59,6 +60,37 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class StrictModel(OpenAIModel):
+    # Nested option objects name every field they take: an unknown one is a 400, not ignored.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str
+    description: str | None = None
+    # `schema` in the wire format (a pydantic BaseModel attribute name, hence the alias).
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    # xgrammar always enforces the schema strictly, which satisfies both values.
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's `structured_outputs` request field (StructuredOutputsParams' fields)."""
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+
 class SamplingRequest(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -83,6 +115,42 @@ class SamplingRequest(OpenAIModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """`response_format` (json_object, json_schema) or `structured_outputs`, as vLLM maps
+        them; None for plain text."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise APIError(
+                "set either response_format or structured_outputs, not both.",
+                param="structured_outputs",
+            )
+        try:
+            if so is not None:
+                return StructuredOutputsParams(
+                    json=so.json_,
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                    json_object=so.json_object,
+                    disable_any_whitespace=so.disable_any_whitespace,
+                    disable_additional_properties=so.disable_additional_properties,
+                )
+            if rf is None or rf.type == "text":
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError(
+                    "response_format of type json_schema needs json_schema.schema.",
+                    param="response_format",
+                )
+            return StructuredOutputsParams(json=rf.json_schema.schema_)
+        except ValueError as e:
+            param = "structured_outputs" if so is not None else "response_format"
+            raise APIError(str(e), param=param) from e
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         for name, neutral in (
@@ -111,6 +179,7 @@ class SamplingRequest(OpenAIModel):
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                structured_outputs=self.structured_outputs_params(),
             )
         except ValueError as e:
             raise APIError(str(e), param=_param_from_message(str(e))) from e

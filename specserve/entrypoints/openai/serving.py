@@ -153,9 +153,11 @@ class OpenAIServing:
             raise _dead(e) from e
         except Exception as e:  # PromptTooLongError, bad token ids
             # NOTE: adding a request only validates, so any failure is the input's.
+            # (A constraint xgrammar cannot compile names its own field.)
             msg = str(e)
-            param = "messages" if prefix == "chatcmpl" else "prompt"
-            raise APIError(msg, param="stop_token_ids" if msg.startswith("stop_") else param) from e
+            default = "messages" if prefix == "chatcmpl" else "prompt"
+            default = "stop_token_ids" if msg.startswith("stop_token_ids") else default
+            raise APIError(msg, param=getattr(e, "param", None) or default) from e
         if req.stream:
             return Stream(self._stream(group, choices, fmt, req.include_usage), group.abort)
         prompt_lens: dict[int, int] = {}

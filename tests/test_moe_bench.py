@@ -1,0 +1,67 @@
+"""benchmarks/moe_decode.py: its active-weight byte count against a hand count, and the whole
+script at tiny shapes on the CPU (every configuration, the dummy-weight GLM MTP drafter included)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _script() -> Any:
+    path = os.path.join(ROOT, "benchmarks", "moe_decode.py")
+    spec = importlib.util.spec_from_file_location("moe_decode", path)
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def test_step_bytes_counts_the_chosen_experts(tmp_path) -> None:
+    from specserve.models.registry import load_model
+
+    mod = _script()
+    cfg = mod.tiny(mod.QWEN3_30B_A3B, "num_experts")  # 2 layers, hidden 64, 8 experts, top-2
+    mod.write_config(cfg, str(tmp_path))
+    model, _ = load_model(str(tmp_path), torch.float32, torch.device("cpu"), 64, "dummy")
+    h, q, kv, e_inter, v = 64, 4 * 16, 2 * 16, 32, 512
+    # qkv, o, q/k norms, two layer norms, router: every layer reads them whole.
+    per_layer = h * (q + 2 * kv) + q * h + 2 * 16 + 2 * h + 8 * h
+    weights = 4 * (2 * per_layer + h + v * h)  # + final norm + lm_head, float32
+    per_expert = 4 * 3 * h * e_inter
+    for batch, context in ((1, 10), (4, 7)):
+        b = mod.step_bytes(model, batch, context)
+        assert b["weights"] == weights
+        distinct = 8 * (1 - (1 - 2 / 8) ** batch)  # 2 at batch 1
+        assert abs(b["routed_experts"] - 2 * distinct * per_expert) < 1e-6
+        assert b["embed_rows"] == 4 * batch * h
+        assert b["kv"] == 4 * batch * context * 2 * 2 * kv
+        assert b["total"] == sum(b[k] for k in ("weights", "routed_experts", "embed_rows", "kv"))
+    assert mod.expected_distinct(128, 8, 1) == 8
+
+
+def test_cpu_smoke_runs_every_configuration(tmp_path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_decode.py"), "--cpu-smoke"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "check GLM-4.5-Air: greedy eager == eager (CPU): OK" in proc.stdout
+    result = json.load(open(tmp_path / "moe_decode.json"))
+    assert [m["name"] for m in result["models"]] == ["Qwen3-30B-A3B", "GLM-4.5-Air"]
+    for m in result["models"]:
+        assert m["plain"]["status"] == "ok" and m["check"]["check"] == "OK"
+        assert [r["batch"] for r in m["plain"]["rows"]] == [1, 16, 64]
+        assert m["check"]["eager"] == m["plain"]["greedy"] and len(m["plain"]["greedy"]) == 8
+        ks = [(s["drafter"], s["k"]) for s in m["spec"]]
+        assert ks == ([("eagle3", 3)] if m["name"].startswith("Qwen") else [("mtp", 1), ("mtp", 3)])
+        for s in m["spec"]:
+            assert s["status"] == "ok", s
+            assert [r["batch"] for r in s["rows"]] == [1, 16]
+            # Synthetic acceptance: between 1 (all rejected) and K + 1 tokens a step.
+            assert all(1.0 <= r["tokens_per_step"] <= s["k"] + 1 for r in s["rows"])
