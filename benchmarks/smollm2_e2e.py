@@ -121,14 +121,15 @@ def _until_eos(row: list[int], eos: int | None) -> int:
 
 
 def main() -> int:
-    from specserve.data import default_model
+    from specserve.data import DATA_DIR, EMBEDDED_K, default_gguf
     from specserve.models.gguf import resolve_gguf
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gguf", help="the target's GGUF file (default: the packaged one)")
     args = p.parse_args()
-    gguf, eagle3 = default_model()
-    target = resolve_gguf(args.gguf or gguf)
+    head = os.path.join(DATA_DIR, "smollm2_eagle3")
+    eagle3 = {"method": "eagle3", "model": head, "num_speculative_tokens": EMBEDDED_K}
+    target = resolve_gguf(args.gguf or default_gguf())
     b1, b64 = prompt_sets(target)
     batches = {"1": b1, "64": b64}
     specs = {

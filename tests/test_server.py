@@ -33,10 +33,10 @@ MAX_MODEL_LEN = 256
 class LiveServer:
     """`build_app(config)` served by uvicorn in a background thread on a free local port."""
 
-    def __init__(self, config: EngineConfig, api_key: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, api_key: str | None = None, **app_kw: Any) -> None:
         import uvicorn
 
-        self.app = build_app(config, api_key=api_key)
+        self.app = build_app(config, api_key=api_key, **app_kw)
         self.engine = self.app.state.engine
         self.model = config.served_model_name or config.model
         sock = socket.socket()

@@ -76,11 +76,28 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _EndAll:
+    """Abort every open request and fail its caller with `error` (shutdown timeout)."""
+
+    error: BaseException
+
+
+@dataclass
+class _Wake:
+    """Wakes an idle engine thread (shutdown)."""
+
+
+# NOTE: an idle engine thread blocks on its command queue; this bounds only how late it
+# notices a stop flag set without a _Wake.
+IDLE_WAIT_S = 1.0
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, observers: Sequence[OutputObserver] = ()) -> None:
         self.engine = engine
         self.observers = list(observers)
-        self._commands: queue.Queue[_Add | _Abort] = queue.Queue()
+        self._commands: queue.Queue[_Add | _Abort | _EndAll | _Wake] = queue.Queue()
         # Touched only by the engine thread.
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
@@ -103,6 +120,7 @@ class AsyncLLMEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        self._commands.put(_Wake())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -121,12 +139,19 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def end_all(self, error: BaseException) -> None:
+        """Abort every open request; their callers get `error` (the engine keeps running)."""
+        self._commands.put(_EndAll(error))
+
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
         try:
             while not self._stop.is_set():
-                self._drain(block=not eng.has_unfinished_requests())
+                # Sleep on the command queue when there is nothing to run: no requests, or
+                # none the last step could schedule (never spin a core doing nothing).
+                idle = not eng.has_unfinished_requests() or eng.last_step_idle
+                self._drain(block=idle)
                 if eng.has_unfinished_requests():
                     self._dispatch(eng.step())
                 self.snapshot = eng.stats.snapshot(eng)
@@ -140,16 +165,19 @@ class AsyncLLMEngine:
 
     def _drain(self, block: bool) -> None:
         try:
-            # NOTE: the timeout bounds how late an idle thread notices shutdown.
-            cmd = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
             if isinstance(cmd, _Add):
                 self._add(cmd)
-            else:
+            elif isinstance(cmd, _Abort):
                 self.engine.abort_request(cmd.request_id)
                 self._streams.pop(cmd.request_id, None)
+            elif isinstance(cmd, _EndAll):
+                for request_id in list(self._streams):
+                    self.engine.abort_request(request_id)
+                self._fail_streams(cmd.error)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -190,10 +218,13 @@ class AsyncLLMEngine:
         for loop, items in batches.items():
             _call_soon(loop, _deliver, items)
 
-    def _fail_all(self, err: BaseException) -> None:
+    def _fail_streams(self, err: BaseException) -> None:
         for s in self._streams.values():
             _call_soon(s.group.loop, s.group.queue.put_nowait, (s.index, err))
         self._streams.clear()
+
+    def _fail_all(self, err: BaseException) -> None:
+        self._fail_streams(err)
         while True:
             try:
                 cmd = self._commands.get_nowait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -103,6 +104,7 @@ class LLMEngine:
 
             self.decode_matmul_plan = tune_decode_gemv_(models)
         num_blocks = self._num_kv_blocks()
+        self._fit_max_model_len(num_blocks)
         self.runner = ModelRunner(
             config, self.model, self.max_model_len, num_blocks, self.speculator
         )
@@ -127,6 +129,10 @@ class LLMEngine:
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None
         self._rng = np.random.default_rng(config.seed)
         self._last_log = time.monotonic()
+        # Outputs of requests the scheduler ended (they can never fit), for the next step().
+        self._ended: list[RequestOutput] = []
+        # Whether the last step found nothing to run (the engine loop then waits for commands).
+        self.last_step_idle = False
 
     # ---- sizing --------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -156,6 +162,24 @@ class LLMEngine:
             return min(budget // per_block, full)
         return max(1, min(full, (1 << 30) // per_block))
 
+    def _fit_max_model_len(self, num_blocks: int) -> None:
+        """A cache too small for one full-length sequence would admit requests that can never
+        finish: clamp max_model_len to it (vLLM refuses to start instead) and say so."""
+        cap = num_blocks * self.config.block_size
+        if self.max_model_len > cap:
+            logger.warning(
+                "the KV cache holds %d tokens (%d blocks of %d), fewer than max_model_len %d: "
+                "max_model_len is clamped to %d. Give the KV cache more memory "
+                "(gpu_memory_utilization, kv_cache_memory, num_gpu_blocks_override) or pass a "
+                "smaller max_model_len to silence this.",
+                cap,
+                num_blocks,
+                self.config.block_size,
+                self.max_model_len,
+                cap,
+            )
+            self.max_model_len = cap
+
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -166,7 +190,23 @@ class LLMEngine:
             return None, [int(t) for t in prompt]
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer: pass prompt_token_ids")
+        if len(prompt) > self.max_prompt_chars:
+            # NOTE: tokenizing 4 MB takes ~20 s; a text this long cannot fit, so say so now.
+            raise PromptTooLongError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your prompt has {len(prompt)} characters, more than any prompt of that many "
+                f"tokens can hold (at most {self.max_prompt_chars} with this tokenizer). "
+                "Please reduce the length of the input messages."
+            )
         return prompt, self.tokenizer.encode(prompt)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """An upper bound on the characters of a prompt that fits max_model_len: no token
+        covers more characters than its vocabulary string has (byte-level BPE and
+        SentencePiece alike), doubled for normalizers that merge characters."""
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        return 2 * max(longest, 1) * self.max_model_len
 
     def add_request(
         self,
@@ -186,9 +226,16 @@ class LLMEngine:
                 f"your request has {len(ids)} input tokens. Please reduce the length of the "
                 "input messages."
             )
+        c = self.config
+        if not c.enable_chunked_prefill and len(ids) > c.max_num_batched_tokens:
+            raise PromptTooLongError(
+                f"your request has {len(ids)} input tokens, more than max_num_batched_tokens "
+                f"{c.max_num_batched_tokens}, and chunked prefill is off: it could never be "
+                "scheduled. Please reduce the length of the input."
+            )
         vocab = self.hf_config["vocab_size"]
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        _check_token_ids("prompt token id", ids, vocab)
+        _check_token_ids("stop_token_ids", sampling_params.stop_token_ids, vocab)
         bad_bias = [t for t in sampling_params.logit_bias or {} if t >= vocab]
         if bad_bias:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad_bias[0]}.")
@@ -231,12 +278,18 @@ class LLMEngine:
 
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.config.async_scheduling:
-            return self._step_async()
+        self.last_step_idle = False
+        outputs = self._step_async() if self.config.async_scheduling else self._step_sync()
+        if self._ended:
+            outputs, self._ended = self._ended + outputs, []
+        return outputs
+
+    def _step_sync(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         k = self._spec_budget()
         sched = self._schedule(k)
         if sched.is_empty:
+            self.last_step_idle = True
             return []
         # Decode-only steps measure what K costs. NOTE: decided before `_update`, which appends
         # the new tokens and so changes what `samples` computes.
@@ -253,6 +306,15 @@ class LLMEngine:
         for r in sched.preempted:
             self.runner.remove_request(r)
             self.stats.num_preemptions += 1
+        for r in sched.ended:  # already out of the scheduler, blocks freed
+            self.runner.remove_request(r)
+            self.requests.pop(r.request_id, None)
+            r.metrics.finished_time = time.time()
+            delta = ""
+            if r.detokenizer is not None:
+                r.detokenizer.flush()
+                delta = r.detokenizer.get_delta()
+            self._ended.append(self._make_output(r, delta, [], None))
         return sched
 
     @staticmethod
@@ -279,6 +341,7 @@ class LLMEngine:
         if self._inflight is None:
             sched = self._schedule(self._spec_budget())
             if sched.is_empty:
+                self.last_step_idle = True
                 return []
             self._inflight = (sched, self.runner.launch(sched, self._logprobs(sched)))
         sched, pending = self._inflight
@@ -524,3 +587,13 @@ class LLMEngine:
                 req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None
             ),
         )
+
+
+def _check_token_ids(what: str, ids: list[int], vocab: int) -> None:
+    """Token ids must index the vocabulary: say which one does not, and where."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab:
+            raise ValueError(
+                f"{what} {t} (position {i}) is outside this model's vocabulary: "
+                f"token ids must be in [0, {vocab})"
+            )

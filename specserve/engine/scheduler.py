@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.engine.kv_cache import KVCacheManager
 from specserve.engine.request import Request, RequestStatus
+
+logger = logging.getLogger("specserve")
 
 
 @dataclass
@@ -31,6 +34,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that can never fit the whole KV cache: finished with "length", not scheduled.
+    ended: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +84,23 @@ class Scheduler:
     def _kv_tokens(self, req: Request, start: int, n: int) -> int:
         return min(start + n + self.lookahead, self.max_model_len)
 
+    def _fits_alone(self, req: Request, start: int, n: int) -> bool:
+        """Whether `req` could run with every other request preempted. The engine clamps
+        max_model_len to the cache, so this holds for every request it admits; a request that
+        fails it would otherwise preempt itself forever (and block the queue behind it)."""
+        return self.kv.blocks_needed(self._kv_tokens(req, start, n)) <= self.kv.pool.num_blocks
+
+    def _end(self, req: Request, out: SchedulerOutput) -> None:
+        logger.warning(
+            "request %s needs KV for %d tokens but the whole cache holds %d: finished (length)",
+            req.request_id,
+            req.num_scheduling_tokens + self.lookahead,
+            self.kv.pool.num_blocks * self.kv.block_size,
+        )
+        self.remove(req)
+        req.status = RequestStatus.FINISHED_LENGTH
+        out.ended.append(req)
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.kv.free(victim)
@@ -111,6 +133,9 @@ class Scheduler:
                     k = min(k, num_spec_tokens)
                 k = max(0, min(k, budget - 1))
                 n = 1 + k
+            if not self._fits_alone(req, start, n):
+                self._end(req, out)
+                continue
             while not self.kv.allocate(req, self._kv_tokens(req, start, n)):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -129,6 +154,9 @@ class Scheduler:
             if remaining > budget and not self.chunked:
                 break
             n = min(remaining, budget)
+            if not self._fits_alone(req, start, req.num_scheduling_tokens - start):
+                self._end(req, out)  # it would block every request behind it forever
+                continue
             if not self.kv.allocate(req, self._kv_tokens(req, start, n)):
                 break  # new work never preempts running work
             self.waiting.popleft()

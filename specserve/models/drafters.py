@@ -131,9 +131,10 @@ class Eagle3Layer(nn.Module):
             False,
             None,
             input_size=2 * c.hidden_size,
+            o_bias=c.o_bias,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
 
     def forward(
         self,

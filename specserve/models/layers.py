@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specserve import ops
@@ -247,19 +248,37 @@ class Attention(KVCacheLayer):
         return q, k
 
 
+# Gate activations of `act(gate) * up` MLPs, by their Hugging Face `hidden_act` names.
+ACTIVATIONS: dict[str, Any] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": lambda x: F.relu(x).square(),
+}
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
+    ) -> None:
         super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r} ({', '.join(ACTIVATIONS)})")
         self.intermediate_size = intermediate_size
+        self.act = act
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gate_up_act(self.gate_up_proj, x))
+        return self.down_proj(gate_up_act(self.gate_up_proj, x, self.act))
 
 
-def gate_up_act(gate_up: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of an MLP's fused gate_up projection."""
+def gate_up_act(gate_up: nn.Linear, x: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up of an MLP's fused gate_up projection."""
+    if act != "silu":  # NOTE: the fused kernels implement SiLU only: the others run in torch.
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return ACTIVATIONS[act](gate) * up
     cfg = gate_up.config(x, silu_mul=True) if isinstance(gate_up, DecodeLinear) else None
     if cfg is not None:  # decode_matmul triton/auto: gate_up and SiLU-and-mul in one kernel
         return gemv(x, gate_up.weight, gate_up.bias, config=cfg, silu_mul=True)
@@ -274,11 +293,19 @@ def norm_linear(
     # [num_tokens, hidden] or None (the first layer: x is the residual)
     residual: torch.Tensor | None,
     silu_mul: bool = False,
+    act: str = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(norm(x + residual)), x + residual), `silu_mul`: gate_up_act instead of linear.
+    """(linear(norm(x + residual)), x + residual), `silu_mul`: gate_up_act (with `act`) instead
+    of linear.
     Where the decode plan runs `linear` in Triton (decode_matmul triton / auto) the norm runs
     inside the matmul's K loop (`gemv_norm`): one launch instead of two."""
-    if isinstance(linear, DecodeLinear) and isinstance(norm, RMSNorm) and gemv_ops.FUSE_NORM:
+    fusable = not silu_mul or act == "silu"
+    if (
+        fusable
+        and isinstance(linear, DecodeLinear)
+        and isinstance(norm, RMSNorm)
+        and gemv_ops.FUSE_NORM
+    ):
         cfg = linear.config(x, silu_mul)
         if cfg is not None:
             w, b = linear.weight, linear.bias
@@ -287,4 +314,4 @@ def norm_linear(
         x, residual = norm(x), x
     else:
         x, residual = norm(x, residual)
-    return (gate_up_act(linear, x) if silu_mul else linear(x)), residual
+    return (gate_up_act(linear, x, act) if silu_mul else linear(x)), residual

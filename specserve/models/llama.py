@@ -13,6 +13,7 @@ from torch import nn
 
 from specserve.attention.backend import ForwardContext
 from specserve.models.layers import (
+    ACTIVATIONS,
     MLP,
     Attention,
     RMSNorm,
@@ -20,6 +21,7 @@ from specserve.models.layers import (
     norm_linear,
     rope_parameters,
 )
+from specserve.models.loader import ModelLoadError
 
 
 @dataclass
@@ -39,6 +41,8 @@ class ArchConfig:
     rope_scaling: dict[str, Any] | None
     qkv_bias: bool
     qk_norm: bool
+    mlp_bias: bool
+    hidden_act: str
     # One entry per layer: None = full attention.
     sliding_windows: list[int | None]
     raw: dict[str, Any]
@@ -57,6 +61,7 @@ class ArchConfig:
         n_layers = cfg["num_hidden_layers"]
         heads = cfg["num_attention_heads"]
         theta, scaling = rope_parameters(cfg)
+        _reject_unsupported_math(cfg)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         # transformers 5 keeps partial_rotary_factor in rope_parameters, 4 at the top level.
         factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
@@ -78,12 +83,49 @@ class ArchConfig:
             rope_scaling=scaling,
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
+            # transformers reads mlp_bias for Llama only (Qwen and Mistral MLPs have no bias).
+            mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+            hidden_act=_hidden_act(cfg),
             sliding_windows=_sliding_windows(cfg, arch, n_layers),
             raw=cfg,
             rotary_dim=int(head_dim * factor),
             # Llama and Qwen3 put attention_bias on o_proj too; Qwen2 and Mistral never do.
             o_bias=attention_bias and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
         )
+
+
+# Config fields that change the math, with the value that leaves it unchanged: a checkpoint
+# asking for anything else fails to load instead of giving wrong tokens.
+_NEUTRAL_MATH_FIELDS: dict[str, Any] = {
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "embedding_multiplier": 1.0,
+    "residual_multiplier": 1.0,
+    "attention_multiplier": None,
+    "logits_scaling": 1.0,
+    "query_pre_attn_scalar": None,
+}
+
+
+def _reject_unsupported_math(cfg: dict[str, Any]) -> None:
+    for name, neutral in _NEUTRAL_MATH_FIELDS.items():
+        value = cfg.get(name, neutral)
+        if value is not None and value != neutral:
+            raise ModelLoadError(
+                f"config.json: {name} = {value!r} is not supported by specserve "
+                f"(only {neutral!r}); refusing to load a model it would run wrongly"
+            )
+
+
+def _hidden_act(cfg: dict[str, Any]) -> str:
+    field = "hidden_act" if "hidden_act" in cfg else "hidden_activation"
+    act = cfg.get(field, "silu")
+    if act not in ACTIVATIONS:
+        raise ModelLoadError(
+            f"config.json: {field} = {act!r} is not supported by specserve "
+            f"(supported: {', '.join(ACTIVATIONS)})"
+        )
+    return act
 
 
 def _sliding_windows(cfg: dict[str, Any], arch: str, n_layers: int) -> list[int | None]:
@@ -129,7 +171,11 @@ class DecoderLayer(nn.Module):
             c.attn_sinks,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = mlp if mlp is not None else MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = (
+            mlp
+            if mlp is not None
+            else MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
+        )
 
     def forward(
         self,
@@ -147,7 +193,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.post_attention_layernorm(x, residual)
             return mlp(x), residual
         act, residual = norm_linear(
-            self.post_attention_layernorm, mlp.gate_up_proj, x, residual, silu_mul=True
+            self.post_attention_layernorm, mlp.gate_up_proj, x, residual, True, mlp.act
         )
         return mlp.down_proj(act), residual
 

@@ -22,6 +22,13 @@ STACKED_PARAMS = [
 ]
 
 
+# Checkpoint tensors that no model reads: caches some exporters save next to the weights.
+KNOWN_UNUSED_SUFFIXES = (
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
+
 # MoE experts (models/moe.py StackedExperts): checkpoints store them per expert, transformers 5
 # holds them fused in memory; both land in the stacked w13 [E, 2I, H] (gate rows, then up) and
 # w2 [E, H, I].
@@ -128,7 +135,11 @@ def load_weights(
 ) -> None:
     """Copy HF tensors into `model`, fusing stacked params, checking every shape.
 
-    `rename(name) -> str | None` maps a checkpoint name to this model's name (None: skip it).
+    `rename(name) -> str | None` maps a checkpoint name to this model's name (None: the model
+    says the tensor is deliberately not its own, e.g. a tied lm_head or MTP layers that the
+    drafter loads). Strict both ways: a parameter nothing fills, or a checkpoint tensor nothing
+    reads (other than KNOWN_UNUSED_SUFFIXES), fails the load by name; a dropped tensor (an
+    o_proj bias, say) would otherwise give wrong tokens without an error.
     """
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     # Persistent buffers (e.g. EAGLE-3's d2t / t2d) load like parameters.
@@ -137,9 +148,11 @@ def load_weights(
             params[bname] = buf
     modules = dict(model.named_modules())
     loaded: set[str] = set()
+    unused: list[str] = []
     for name, tensor, path in weights:
+        hf_name = name
         name = rename(name) if rename is not None else name
-        if name is None:
+        if name is None or hf_name.endswith(KNOWN_UNUSED_SUFFIXES):
             continue
         expert = _expert_target(name, params)
         if expert is not None:
@@ -162,7 +175,8 @@ def load_weights(
                 target, shard = name.replace(part, fused), idx
                 break
         if target not in params:
-            continue  # e.g. rotary inv_freq buffers or unused heads
+            unused.append(f"{hf_name} ({os.path.basename(path)})")
+            continue
         param = params[target]
         dst = param.data if isinstance(param, nn.Parameter) else param
         if shard is not None:
@@ -174,6 +188,12 @@ def load_weights(
             )
         dst.copy_(tensor.to(dst.dtype))
         loaded.add(target if shard is None else f"{target}#{shard}")
+    if unused:
+        shown = ", ".join(unused[:8]) + (" ..." if len(unused) > 8 else "")
+        raise ModelLoadError(
+            f"checkpoint has {len(unused)} tensor(s) this model does not use: {shown}; "
+            "its config probably asks for something specserve does not implement"
+        )
     missing = []
     for pname in params:
         want = [pname]

@@ -31,6 +31,19 @@ def add_serve_parser(sub: Any) -> None:
         default=os.environ.get("SPECSERVE_API_KEY"),
         help="require `Authorization: Bearer KEY` on /v1 routes (env SPECSERVE_API_KEY)",
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 << 20,
+        help="refuse request bodies larger than this with a 413, before parsing (default 16 MiB)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before ending them "
+        "with an error; a second signal exits at once (default 30)",
+    )
     p.add_argument("--uvicorn-log-level", default="info")
     p.set_defaults(func=cmd_serve)
 
@@ -78,11 +91,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from specserve.config import EngineConfig
-    from specserve.entrypoints.openai.server import build_app
+    from specserve.entrypoints.openai.server import SpecServer, build_app
 
+    if args.max_request_bytes < 1 or args.shutdown_timeout < 0:
+        raise ValueError("--max-request-bytes must be >= 1 and --shutdown-timeout >= 0.")
     config = EngineConfig(**serve_engine_kwargs(args))
     config.check_device_available()
     check_port_free(args.host, args.port)
-    app = build_app(config, api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    app = build_app(config, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    SpecServer(uv, app.state.engine, args.shutdown_timeout).run()
     return 0

@@ -323,17 +323,26 @@ def parse(model: type[OpenAIModel], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(x) for x in err["loc"]]
-        if err["type"] == "json_invalid":
-            raise APIError(f"Request body is not valid JSON: {err['msg']}") from None
+        errors = e.errors()
+        if errors[0]["type"] == "json_invalid":
+            raise APIError(f"Request body is not valid JSON: {errors[0]['msg']}") from None
+        # A value that matched a union member's type but broke its bounds (a negative token id
+        # in a list of ids) says more than "Input should be a valid string" from the str member.
+        err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
+        loc = [str(x) for x in err["loc"] if not _is_union_tag(x)]
         param = loc[0] if loc else None
         where = ".".join(loc) or "body"
         if err["type"] == "extra_forbidden":
             raise APIError(
                 f"Unsupported field {where!r}: specserve does not implement it.", param=param
             ) from None
-        raise APIError(f"{where}: {err['msg']}", param=param) from None
+        got = f" (got {err['input']!r})" if isinstance(err.get("input"), (int, float)) else ""
+        raise APIError(f"{where}: {err['msg']}{got}", param=param) from None
+
+
+def _is_union_tag(loc: Any) -> bool:
+    # pydantic names the union member an error came from in its location: "list[str]", "str".
+    return isinstance(loc, str) and ("[" in loc or loc in ("str", "int", "float", "bool"))
 
 
 def _param_from_message(msg: str) -> str | None:

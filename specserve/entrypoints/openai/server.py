@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server: `create_app(engine, ...)` -> FastAPI app.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Every failure is answered in OpenAI's error shape; nothing a client sends can
-take the process or the engine loop down.
+GET /metrics, GET /openapi.json. Every failure is answered in OpenAI's error shape; nothing a
+client sends can take the process or the engine loop down. Bodies over `max_request_bytes` are
+refused (413) before they are parsed. `SpecServer` adds a drain deadline to uvicorn's shutdown.
 """
 
 from __future__ import annotations
@@ -10,20 +11,32 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from specserve.config import EngineConfig
-from specserve.engine.async_engine import AsyncLLMEngine
+from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from specserve.entrypoints.openai.openapi import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    body_route,
+    health_route,
+    install_openapi,
+    models_route,
+)
 from specserve.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -35,6 +48,11 @@ from specserve.entrypoints.openai.serving import OpenAIServing, Stream
 from specserve.metrics.prometheus import PrometheusMetrics
 
 logger = logging.getLogger("specserve")
+
+# The largest request body accepted: far above any prompt that fits a context window (128k
+# tokens as JSON ids is ~1 MB), small enough that a body is never a memory problem.
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 class SSEResponse(StreamingResponse):
@@ -53,7 +71,10 @@ class SSEResponse(StreamingResponse):
 
 
 def create_app(
-    engine: AsyncLLMEngine, model_name: str | None = None, api_key: str | None = None
+    engine: AsyncLLMEngine,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """Build the app around `engine`; the engine thread starts and stops with the app."""
     core = engine.engine
@@ -73,6 +94,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
     _add_error_handlers(app)
+    install_openapi(app)
 
     def check_auth(request: Request) -> None:
         if api_key is None:
@@ -87,7 +109,7 @@ def create_app(
         handler: Callable[[Any], Awaitable[dict[str, Any] | Stream]],
     ) -> Response:
         check_auth(request)
-        body = await request.body()
+        body = await _read_body(request, max_request_bytes)
         req = parse(model, body)
         result = await _until_disconnect(request, handler(req))
         if result is None:
@@ -96,15 +118,15 @@ def create_app(
             return SSEResponse(result.chunks, result.abort)
         return JSONResponse(result)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **body_route(CompletionRequest, CompletionResponse))
     async def completions(request: Request) -> Response:
         return await serve(request, CompletionRequest, serving.completions)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **body_route(ChatCompletionRequest, ChatCompletionResponse))
     async def chat_completions(request: Request) -> Response:
         return await serve(request, ChatCompletionRequest, serving.chat)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **models_route())
     async def models(request: Request) -> Response:
         check_auth(request)
         card = {
@@ -118,19 +140,86 @@ def create_app(
         }
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=health_route())
     async def health() -> Response:
         return Response(status_code=200 if engine.is_alive else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 
 
-def build_app(config: EngineConfig, api_key: str | None = None) -> FastAPI:
-    return create_app(AsyncLLMEngine.from_config(config), config.served_model_name, api_key)
+def build_app(
+    config: EngineConfig,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    engine = AsyncLLMEngine.from_config(config)
+    return create_app(engine, config.served_model_name, api_key, max_request_bytes)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to exceed `limit` bytes: from
+    Content-Length before reading anything, else while it streams in."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        f"Request body is {size} bytes or more; this server accepts at most {limit} bytes "
+        "(--max-request-bytes).",
+        status=413,
+        code="request_too_large",
+    )
+
+
+class SpecServer(uvicorn.Server):
+    """uvicorn with a drain deadline. The first SIGTERM / SIGINT stops accepting connections
+    and lets in-flight requests finish for up to `shutdown_timeout` seconds; then the engine
+    ends the remaining ones (streams get an error event, others a 503) and the process exits.
+    A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float):
+        # Backstop: connections still open a second after the deadline are cancelled.
+        config.timeout_graceful_shutdown = int(shutdown_timeout) + 1
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            logger.warning("second %s: exiting now", signal.Signals(sig).name)
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+            return
+        super().handle_exit(sig, frame)
+        logger.info(
+            "%s: draining in-flight requests for up to %.1f s (send it again to exit now)",
+            signal.Signals(sig).name,
+            self.shutdown_timeout,
+        )
+        timer = threading.Timer(self.shutdown_timeout, self._end_in_flight)
+        timer.daemon = True
+        timer.start()
+
+    def _end_in_flight(self) -> None:
+        msg = (
+            "the server is shutting down: the request did not finish within the "
+            f"{self.shutdown_timeout:g} s shutdown timeout"
+        )
+        logger.warning("shutdown timeout reached: ending the requests still in flight")
+        self.engine.end_all(EngineDeadError(msg))
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -168,7 +257,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         err = APIError(str(e.detail), status=e.status_code, code=e.status_code)
-        return JSONResponse(err.body(), status_code=e.status_code)
+        # e.g. `Allow` on a 405
+        return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:

@@ -7,10 +7,12 @@ One HTTP request becomes `len(prompts) * n` engine requests in one RequestGroup;
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -62,6 +64,13 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
+        # Prompts are tokenized (and chat templates rendered) here, never on the engine thread:
+        # a 4 MB prompt must not stall every running stream. One worker: the tokenizer's Rust
+        # backend is not meant to be driven from several threads at once.
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenizer")
+
+    async def _off_thread(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -79,7 +88,20 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest) -> dict[str, Any] | Stream:
         self.check_model(req.model)
         sp = req.to_sampling_params()
-        prompts: list[PromptSource] = list(req.prompts())
+        texts = req.prompts()
+        tokenize = self.engine.engine.tokenize
+
+        def make() -> list[PromptSource]:
+            out: list[PromptSource] = []
+            for p in texts:
+                text, ids = tokenize(p)
+                out.append({"prompt": text, "prompt_token_ids": ids})
+            return out
+
+        try:
+            prompts = await self._off_thread(make)
+        except ValueError as e:  # no tokenizer for a text prompt
+            raise APIError(str(e), param="prompt") from e
         return await self._run("cmpl", req, sp, prompts, _CompletionFormat(self, req))
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | Stream:
@@ -90,14 +112,26 @@ class OpenAIServing:
         if tok is None:
             raise APIError("this model has no tokenizer, so chat is not available.")
 
-        # Rendered on the engine thread, which owns the tokenizer; errors come back as 400s.
+        core = self.engine.engine
+        chars = sum(len(m["content"]) for m in conv)
+        if chars > core.max_prompt_chars:  # cheaper than rendering and tokenizing it
+            raise APIError(
+                f"This model's maximum context length is {core.max_model_len} tokens. However, "
+                f"your messages have {chars} characters, more than that many tokens can hold.",
+                param="messages",
+            )
+
         def make() -> dict[str, Any]:
             ids = tok.apply_chat_template(
                 conv, add_generation_prompt=add_gen, tokenize=True, return_dict=False
             )
             return {"prompt_token_ids": list(ids)}
 
-        return await self._run("chatcmpl", req, sp, [make], _ChatFormat(self, req))
+        try:
+            prompt = await self._off_thread(make)
+        except Exception as e:  # a template that rejects the conversation: the input's fault
+            raise APIError(f"chat template: {e}", param="messages") from e
+        return await self._run("chatcmpl", req, sp, [prompt], _ChatFormat(self, req))
 
     # ---- shared driver -------------------------------------------------------------------
     async def _run(
@@ -120,11 +154,13 @@ class OpenAIServing:
             await group.add(children)
         except EngineDeadError as e:
             raise _dead(e) from e
-        except Exception as e:  # PromptTooLongError, bad token ids, chat template errors
-            # NOTE: adding a request only validates and tokenizes, so any failure is the input's.
+        except Exception as e:  # PromptTooLongError, bad token ids
+            # NOTE: adding a request only validates, so any failure is the input's.
             # (A constraint xgrammar cannot compile names its own field.)
-            param = getattr(e, "param", None) or ("messages" if prefix == "chatcmpl" else "prompt")
-            raise APIError(str(e), param=param) from e
+            msg = str(e)
+            default = "messages" if prefix == "chatcmpl" else "prompt"
+            default = "stop_token_ids" if msg.startswith("stop_token_ids") else default
+            raise APIError(msg, param=getattr(e, "param", None) or default) from e
         if req.stream:
             chunks = self._stream(group, choices, fmt, req.include_usage, req.continuous_usage)
             return Stream(chunks, group.abort)

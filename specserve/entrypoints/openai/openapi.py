@@ -1,0 +1,177 @@
+"""/openapi.json for the OpenAI routes: request and response bodies, documented.
+
+The routes read their bodies themselves (`protocol.parse`: strict JSON, OpenAI-shaped 400s), so
+FastAPI sees no body parameter to document. Here the request models are attached to the routes
+as `requestBody` references and the response shapes are declared as pydantic models, so clients
+and fuzzers (schemathesis) see the API; nothing here changes how a body is parsed or validated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from specserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+REF = "#/components/schemas/{model}"
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatMessageOut(BaseModel):
+    role: str
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str
+    data: list[ModelCard]
+
+
+# One server-sent event (Open API before 3.2: `schema` describes each event of a stream).
+_SSE_EVENT = {
+    "type": "object",
+    "description": "`data` holds one JSON chunk (`choices` with a `delta` for chat, `text` for "
+    "completions), or an `error` object if the request fails mid-stream; the last is [DONE].",
+    "properties": {"data": {"type": "string"}},
+    "required": ["data"],
+}
+_SSE = {"text/event-stream": {"schema": _SSE_EVENT}}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: {"model": ErrorResponse, "description": "an OpenAI-shaped error"} for c in codes}
+
+
+def body_route(request_model: type[BaseModel], response_model: type[BaseModel]) -> dict[str, Any]:
+    """Keyword arguments for a POST route whose JSON body is `request_model` and whose answer is
+    `response_model` (or, with `"stream": true`, server-sent events)."""
+    return {
+        "openapi_extra": {
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {
+                        "schema": {"$ref": REF.format(model=request_model.__name__)}
+                    }
+                },
+            }
+        },
+        "responses": {
+            200: {"model": response_model, "content": _SSE, "description": "the completion"},
+            **_errors(400, 401, 404, 413, 503),
+        },
+    }
+
+
+def models_route() -> dict[str, Any]:
+    return {
+        "responses": {200: {"model": ModelList, "description": "the served model"}, **_errors(401)}
+    }
+
+
+def health_route() -> dict[str, Any]:
+    return {
+        200: {"description": "the engine loop is running", "content": None},
+        503: {"description": "the engine loop has stopped", "content": None},
+    }
+
+
+def install_openapi(app: FastAPI) -> None:
+    """Add the request models (and the models they use) to the app's schema components."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                s = model.model_json_schema(ref_template=REF)
+                comps.update(s.pop("$defs", {}))
+                comps[model.__name__] = s
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
