@@ -33,7 +33,7 @@ gpu-test:
 	$(PY) -m pytest -m gpu tests
 
 demo: $(STAMP)
-	$(BIN)/specserve generate --max-tokens 64
+	$(BIN)/specserve generate --max-tokens 160
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -55,19 +55,25 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def default_model_dir() -> str:
-    from specserve.data import embedded_model_dir
-
-    return embedded_model_dir()
+# The demo's question: a held-out instruction (data/instruct_prompts.jsonl), so the acceptance
+# it prints is not on text the EAGLE-3 head was trained on.
+DEMO_CHAT_PROMPT = (
+    "Please write a Python function that checks whether a year is a leap year, and explain "
+    "how it works."
+)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specserve import LLM, SamplingParams
 
     kw = engine_kwargs(args)
-    if kw.get("model") is None:
-        kw["model"], spec = default_model_dir()
+    default = kw.get("model") is None
+    if default:  # the default model: SmolLM2-135M-Instruct (GGUF) with its EAGLE-3 head
+        from specserve.data import default_model
+
+        kw["model"], spec = default_model()
         kw["speculative_config"] = kw.get("speculative_config") or spec
+    chat = args.chat if args.chat is not None else default
     llm = LLM(**kw)
     sp = SamplingParams(
         temperature=args.temperature,
@@ -77,19 +83,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed_request,
         ignore_eos=args.ignore_eos,
     )
-    prompts = args.prompt or [default_prompt()]
-    outs = llm.generate(prompts, sp)
-    for prompt, o in zip(prompts, outs):
-        print(f"--- prompt ---\n{prompt}\n--- completion ---\n{o.outputs[0].text}")
-        m = o.metrics
-        if m is not None and m.num_drafts:
-            print(f"[acceptance length {m.acceptance_length:.2f} over {m.num_drafts} drafts]")
+    if chat:
+        for prompt in args.prompt or [DEMO_CHAT_PROMPT]:
+            stream_chat(llm, prompt, sp)
+    else:
+        _complete(llm, args.prompt or [default_prompt()], sp)
     metrics = llm.get_metrics()
     if llm.config.spec is not None:
         print(llm.engine.stats.spec.log_line())
     if args.json:
         print(json.dumps(metrics))
     return 0
+
+
+def stream_chat(llm: Any, prompt: str, sp: Any) -> None:
+    """One user turn through the model's chat template, the reply printed as it is generated."""
+    tok = llm.get_tokenizer()
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    print(f"--- user ---\n{prompt}\n--- assistant ---", flush=True)
+    engine = llm.engine
+    engine.add_request("chat", {"prompt_token_ids": list(ids)}, sp)
+    shown = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+    print()
+
+
+def _complete(llm: Any, prompts: list[str], sp: Any) -> None:
+    outs = llm.generate(prompts, sp)
+    for prompt, o in zip(prompts, outs):
+        print(f"--- prompt ---\n{prompt}\n--- completion ---\n{o.outputs[0].text}")
+        m = o.metrics
+        if m is not None and m.num_drafts:
+            print(f"[acceptance length {m.acceptance_length:.2f} over {m.num_drafts} drafts]")
 
 
 def default_prompt() -> str:
@@ -104,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text offline")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    g.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="send each prompt as a user turn through the chat template and stream the reply "
+        "(default: on for the default model, off for --model)",
+    )
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

@@ -49,21 +49,21 @@ def add_serve_parser(sub: Any) -> None:
 
 
 def serve_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Engine arguments of `serve`: MODEL_DIR or --model, else the embedded model and its
-    speculative config (unless --speculative-config overrides it)."""
+    """Engine arguments of `serve`: MODEL_DIR or --model, else the default model
+    (SmolLM2-135M-Instruct) and its EAGLE-3 head (unless --speculative-config overrides it)."""
     kw = engine_kwargs(args)
     if args.model_tag is not None and kw.get("model") not in (None, args.model_tag):
         raise ValueError(f"MODEL_DIR {args.model_tag!r} and --model {kw['model']!r} disagree.")
     kw["model"] = args.model_tag or kw.get("model")
     if kw["model"] is None:
         try:
-            from specserve.data import embedded_model_dir
+            from specserve.data import default_model
         except ImportError as e:
             raise ValueError(
-                "no MODEL_DIR given and the embedded model is not available "
-                f"(specserve.data: {e}); pass a model directory."
+                "no MODEL_DIR given and the default model is not available "
+                f"(specserve.data: {e}); pass a model directory or .gguf file."
             ) from e
-        kw["model"], spec = embedded_model_dir()
+        kw["model"], spec = default_model()
         kw["speculative_config"] = kw.get("speculative_config") or spec
     return kw
 

@@ -1,0 +1,118 @@
+"""The default model on the CPU: SmolLM2-135M-Instruct from its GGUF file with its EAGLE-3 head.
+
+Greedy chat replies equal transformers' `generate` on the same converted checkpoint, with and
+without speculation; the head's acceptance on held-out chat prompts; GGUF errors in one line.
+The conversion is cached (models/gguf.py), so only the first test of a fresh machine pays it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.data import default_gguf, default_model, load_prompts
+from specserve.models.gguf import resolve_gguf
+from specserve.models.loader import ModelLoadError
+from specserve.train.distill import chat_prompt_ids
+
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def converted() -> str:
+    return resolve_gguf(default_gguf())
+
+
+@pytest.fixture(scope="module")
+def heldout(converted: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(converted)
+    rows = [r["prompt"] for r in load_prompts("instruct") if r["split"] == "heldout"]
+    return chat_prompt_ids(tok, rows)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(converted: str, heldout: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy replies to three held-out chat prompts (fp32, EOS allowed)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    outs = []
+    with torch.inference_mode():
+        for p in heldout[:3]:
+            gen = model.generate(
+                torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+            )[0, len(p) :].tolist()
+            cut = next((i + 1 for i, t in enumerate(gen) if t in eos), len(gen))
+            outs.append(gen[:cut])
+    return outs
+
+
+@pytest.mark.parametrize("method", ["plain", "eagle3", "ngram"])
+def test_greedy_chat_equals_transformers(
+    method: str, heldout: list[list[int]], hf_greedy: list[list[int]]
+) -> None:
+    gguf, eagle3 = default_model()
+    spec = {"plain": None, "eagle3": eagle3, "ngram": {"method": "ngram"}}[method]
+    llm = LLM(gguf, max_model_len=512, speculative_config=spec)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in heldout[:3]], sp, use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == hf_greedy
+    text = llm.get_tokenizer().decode(got[0])
+    assert "def " in text  # a held-out code question: the reply writes a function
+
+
+def test_eagle3_head_acceptance_on_heldout_chat(heldout: list[list[int]]) -> None:
+    gguf, eagle3 = default_model()
+    llm = LLM(gguf, max_model_len=512, max_num_seqs=len(heldout), speculative_config=eagle3)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    llm.generate([{"prompt_token_ids": p} for p in heldout], sp, use_tqdm=False)
+    m = llm.get_metrics()
+    tau = m["spec_decode_mean_acceptance_length"]
+    print(f"\nEAGLE-3 K=3 on {len(heldout)} held-out chat prompts: acceptance length {tau:.3f}")
+    # Measured 2.10 on the H100 in bf16 (benchmarks/RESULTS.md); published EAGLE-3 heads reach
+    # >= 2 on chat. A head that learned nothing gives ~1.0.
+    assert tau >= 1.9
+
+
+def _tiny_gguf(path: str, arch: str) -> None:
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_unsupported_gguf_architecture_is_one_line(tmp_path) -> None:
+    path = str(tmp_path / "tiny-gemma.gguf")
+    _tiny_gguf(path, "gemma")
+    with pytest.raises(ModelLoadError, match="GGUF architecture 'gemma' is not supported"):
+        LLM(path)
+    env = {**os.environ, "SPECSERVE_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "specserve.entrypoints.cli", "generate", "--model", path]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "GGUF architecture 'gemma' is not supported" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_not_a_gguf_file_is_one_line(tmp_path) -> None:
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        LLM(str(path))
