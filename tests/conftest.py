@@ -65,10 +65,32 @@ def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
-def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_model(path: str, dtype: torch.dtype = torch.float32, **kw: Any) -> Any:
+    """transformers' model of the checkpoint at `path` (the reference), in eval mode."""
     import transformers as tf
 
-    model = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).eval()
+    honour_swiglu_config(model)
+    return model
+
+
+def honour_swiglu_config(model: Any) -> None:
+    """gpt-oss experts take `swiglu_alpha` / `swiglu_limit` from the config, as transformers
+    5.24 does. Older releases (5.17, the GPU image's) hard-code 1.702 / 7.0 in GptOssExperts and
+    ignore the config: the published checkpoints use exactly those, but the tiny test model's
+    limit (0.6, so the clamps matter) then silently became 7.0 in the reference only, and every
+    gpt-oss comparison on that machine failed from the first token."""
+    cfg = model.config
+    if cfg.model_type != "gpt_oss":
+        return
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
+        experts.limit = float(getattr(cfg, "swiglu_limit", 7.0))
+
+
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    model = hf_model(path)
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
 
-from .conftest import hf_greedy, random_prompts
+from .conftest import hf_greedy, hf_model, random_prompts
+from .test_triton_attention import interpreter, needs_interpreter  # noqa: F401 - a fixture
 
 WINDOW = 8
 GPT_OSS = dict(
@@ -128,6 +129,34 @@ def test_yarn_matches_transformers(truncate: bool) -> None:
     torch.testing.assert_close(ours.sin[:, 8:], freqs.sin() * mscale, atol=2e-5, rtol=0)
 
 
+def test_reference_takes_config_swiglu(gpt_oss: dict) -> None:
+    """The reference clamps at the checkpoint's swiglu_limit, not transformers' hard-coded 7.0
+    of releases before 5.24 (conftest.honour_swiglu_config): with 7.0 the reference alone
+    changed, from the first generated token on (the GPU image's 5.17 did)."""
+    hf = hf_model(gpt_oss["path"])
+    for layer in hf.model.layers:
+        assert layer.mlp.experts.limit == GPT_OSS["swiglu_limit"]
+        assert layer.mlp.experts.alpha == pytest.approx(1.702)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}], ids=["plain", "chunk"])
+def test_triton_backend_interpreter(
+    gpt_oss: dict,
+    interpreter: None,  # noqa: F811
+    engine_kw: dict,
+) -> None:
+    """The engine through the Triton attention backend on CPU (interpreter): RoPE + KV write
+    kernel for prefill, RoPE and KV write inside the attention kernel for decode, sinks and
+    per-layer windows at the tiny model's shapes (head_dim 16, GQA 2, window 8)."""
+    llm = LLM(gpt_oss["path"], max_model_len=128, attention_backend="triton", **engine_kw)
+    assert llm.engine.runner.backend.name == "triton"
+    prompts = gpt_oss["prompts"][:2]
+    few = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], few)
+    assert [o.outputs[0].token_ids for o in outs] == [r[:6] for r in gpt_oss["refs"][:2]]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}], ids=["plain", "chunk"])
@@ -178,9 +207,7 @@ def mxfp4(gpt_oss: dict, tmp_path_factory) -> dict:
     import transformers as tf
 
     path = write_mxfp4(gpt_oss["path"], str(tmp_path_factory.mktemp("mxfp4") / "ckpt"))
-    hf = tf.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=tf.Mxfp4Config(dequantize=True)
-    ).eval()
+    hf = hf_model(path, quantization_config=tf.Mxfp4Config(dequantize=True))
     refs = []
     for p in gpt_oss["prompts"]:
         with torch.no_grad():

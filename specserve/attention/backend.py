@@ -8,6 +8,7 @@ call `advance_decode_` (graph-safe, in place) where the backend supports it.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +150,9 @@ def get_backend(
 
         return TorchAttentionBackend()
     if name == "triton":
-        if device.type != "cuda":
+        # TRITON_INTERPRET=1 runs the kernels on CPU tensors (tests: the whole engine through
+        # the Triton attention path without a GPU).
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend=triton needs a CUDA device.")
         from specserve.attention.triton_paged import TritonAttentionBackend
 
