@@ -92,7 +92,7 @@ class SamplingParams:
                 if not isinstance(b, (int, float)) or not -100 <= b <= 100:
                     raise bad("logit_bias", "values must be in [-100, 100]")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
-            raise bad("stop_token_ids", "must be token ids >= 0")
+            raise bad("stop_token_ids", "must be token ids in the vocabulary (>= 0)")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

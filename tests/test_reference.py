@@ -129,7 +129,7 @@ def test_shipped_prompt_files() -> None:
     # Held out under the path rule on every Python version (the files are written once).
     assert all(corpus.is_held_out(r["source"]) for r in code + chat)
     assert default_prompt() == code[0]["prompt"]
-    with pytest.raises(ValueError, match="code or chat"):
+    with pytest.raises(ValueError, match="code, chat or instruct"):
         load_prompts("poetry")
 
 
