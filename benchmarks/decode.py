@@ -157,15 +157,14 @@ def batch1_engine(model_dir: str, prompt_len: int, steps: int, **engine_kw: obje
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
 
-    cfg = EngineConfig(
-        model=model_dir,
+    kw: dict[str, object] = dict(
         dtype="bfloat16",
         load_format="dummy",
         max_model_len=1024,
         max_num_seqs=1,
         gpu_memory_utilization=0.5,
-        **engine_kw,  # type: ignore[arg-type]
     )
+    cfg = EngineConfig(model=model_dir, **(kw | engine_kw))  # type: ignore[arg-type]
     engine = LLMEngine(cfg)
     sp = SamplingParams(temperature=0.0, max_tokens=4 * steps + 20, ignore_eos=True)
     engine.add_request("p", {"prompt_token_ids": list(range(1, prompt_len + 1))}, sp)
@@ -225,15 +224,17 @@ def profile_steps(model_dir: str, prompt_len: int, steps: int = 40, **engine_kw:
     torch.cuda.empty_cache()
 
 
-def timeline(model_dir: str, prompt_len: int, steps: int = 20) -> dict:
+def timeline(
+    model_dir: str, prompt_len: int, steps: int = 20, rows: int = 16, **engine_kw: object
+) -> dict:
     """Device timeline of batch-1 async + decode_matmul=auto steps (torch profiler trace):
     per step, the device time inside the captured target graph, in kernels and copies outside
-    it (by name), and idle; where a step's time over the graph goes."""
+    it (by name), and idle; where a step's time over the graph goes. `rows`: graph kernels
+    printed; `engine_kw` override the engine's arguments (benchmarks/moe_decode.py)."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = batch1_engine(
-        model_dir, prompt_len, steps, async_scheduling=True, decode_matmul="auto"
-    )
+    kw = dict(async_scheduling=True, decode_matmul="auto") | engine_kw
+    engine = batch1_engine(model_dir, prompt_len, steps, **kw)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
         for _ in range(steps):
             engine.step()
@@ -281,9 +282,13 @@ def timeline(model_dir: str, prompt_len: int, steps: int = 20) -> dict:
     out_rows = sorted(((sum(v) / n, len(v) / n, k) for k, v in outside.items()), reverse=True)
     print(f"\n== device timeline, batch 1, async + auto, {n} steps (us a step)")
     print(f"span {span / n:.0f}  busy {busy / n:.0f}  idle {(span - busy) / n:.0f}")
-    print(f"in the target graph (kernel time, summed) {in_graph / n:.0f}; by kernel, end to end:")
     chain_rows = sorted(((sum(v) / n, len(v) / n, k) for k, v in chain.items()), reverse=True)
-    for us, calls, name in chain_rows[:16]:
+    launches = sum(r[1] for r in chain_rows) + 1  # the chain counts each kernel after the first
+    print(
+        f"in the target graph (kernel time, summed) {in_graph / n:.0f}; {launches:.0f} kernels; "
+        "by kernel, end to end:"
+    )
+    for us, calls, name in chain_rows[:rows]:
         print(f"{us:>9.1f} us {calls:>5.1f}x {us / calls:>7.2f} us each  {name}")
     print(f"outside it {sum(r[0] for r in out_rows):.0f}:")
     for us, calls, name in out_rows[:25]:
@@ -295,6 +300,7 @@ def timeline(model_dir: str, prompt_len: int, steps: int = 20) -> dict:
         "span_us": span / n,
         "busy_us": busy / n,
         "graph_kernel_us": in_graph / n,
+        "graph_kernels": launches,
         "graph_chain": [{"us": r[0], "calls": r[1], "name": r[2]} for r in chain_rows],
         "outside": [{"us": r[0], "calls": r[1], "name": r[2]} for r in out_rows],
     }

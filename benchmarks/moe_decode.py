@@ -20,6 +20,9 @@ one process, each configuration caught on its own (an OOM or error is a table ro
     python benchmarks/moe_decode.py            # < 9 min on one H100; $OUT/moe_decode.json
     python benchmarks/moe_decode.py --quick    # batch 1 only, fewer steps and graphs
     python benchmarks/moe_decode.py --cpu-smoke  # tiny shapes on the CPU: the code paths only
+    python benchmarks/moe_decode.py --timeline --models qwen3
+        # then stop: one model's batch-1 device timeline, the captured step's kernels by time
+        # and count (decode.py --timeline); $OUT/moe_timeline.json
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode import copy_bandwidth, time_graph, write_config  # noqa: E402
+from decode import copy_bandwidth, time_graph, timeline, write_config  # noqa: E402
 from spec_step import EAGLE3_HEAD, measure  # noqa: E402
 
 # Published config.json of Qwen/Qwen3-30B-A3B (the keys specserve and transformers read).
@@ -434,6 +437,22 @@ def print_tables(result: dict) -> None:
         print(f"check {m['name']}: greedy {what}: {c.get('check', c['status'])}")
 
 
+def run_timelines(plans: dict, args: argparse.Namespace, out_dir: str) -> None:
+    """decode.py's batch-1 timeline of each model: where the captured step's time goes, by
+    kernel (end-to-end time and launches a step); $OUT/moe_timeline.json."""
+    out = {}
+    for key in args.models.split(","):
+        name, cfg, _, _ = plans[key]
+        model_dir = write_config(cfg, tempfile.mkdtemp(prefix="moe-dummy-"))
+        log(f"{name} timeline: start")
+        out[name] = timeline(
+            model_dir, PROMPT_LEN, steps=args.steps, rows=40, gpu_memory_utilization=0.95
+        )
+        free_memory()
+    with open(os.path.join(out_dir, "moe_timeline.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 12 steps a timing")
@@ -450,8 +469,15 @@ def parse_args() -> argparse.Namespace:
         help="seconds after start past which no configuration starts (default 440: the run "
         "ends inside 9 minutes)",
     )
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="batch-1 device timeline of each model (kernels of the captured step), then stop",
+    )
     args = ap.parse_args()
     quick, smoke = args.quick, args.cpu_smoke
+    if args.timeline and smoke:
+        ap.error("--timeline profiles CUDA kernels: drop --cpu-smoke")
     args.batches = [int(x) for x in (args.batches or ("1" if quick else "1,16,64")).split(",")]
     default_spec = "1" if quick else "1,16"
     args.spec_batches = [int(x) for x in (args.spec_batches or default_spec).split(",")]
@@ -526,6 +552,9 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
+    if args.timeline:
+        run_timelines(plans, args, out_dir)
+        return
     for key in args.models.split(","):
         name, cfg, specs, experts_key = plans[key]
         res = {

@@ -217,7 +217,8 @@ class Attention(KVCacheLayer):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            qn, kn = self.q_norm, self.k_norm
+            q, k = ops.qk_norm_(q, k, qn.weight, kn.weight, qn.eps, kn.eps)
         args = (ctx.kv_caches[self.kv_index], ctx.meta(self.sliding_window), self.scale)
         args = (*args, self.sliding_window)
         # Only sink layers pass `sinks`, so backends without them keep their signature.

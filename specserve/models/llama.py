@@ -22,6 +22,7 @@ from specserve.models.layers import (
     rope_parameters,
 )
 from specserve.models.loader import ModelLoadError
+from specserve.models.moe import SparseMoE
 
 
 @dataclass
@@ -189,7 +190,9 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
         x = attn.attend(positions, qkv, ctx)
-        if not isinstance(mlp, MLP):  # MoE: the router and experts read the normed input
+        if isinstance(mlp, SparseMoE):  # the norm runs inside the router's decode kernel
+            return mlp.norm_forward(self.post_attention_layernorm, x, residual)
+        if not isinstance(mlp, MLP):
             x, residual = self.post_attention_layernorm(x, residual)
             return mlp(x), residual
         act, residual = norm_linear(

@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.layers import MLP
+from specserve.models.layers import MLP, RMSNorm
 from specserve.ops.moe import fused_moe
+from specserve.ops.moe_router import fusable, norm_route, select_experts_ref
 
 
 @dataclass
@@ -77,6 +78,20 @@ class Router(nn.Module):
         bias = torch.zeros(m.num_experts, dtype=torch.float32) if m.correction_bias else None
         self.register_buffer("e_score_correction_bias", bias)
         self.bias = nn.Parameter(torch.empty(m.num_experts, dtype=dtype)) if m.router_bias else None
+        # The fused decode router's completion counter (ops/moe_router.py; reset by the kernel).
+        self.register_buffer("route_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
+
+    def routing(self) -> dict[str, Any]:
+        """select_experts_ref's keywords for this router (softmax and sigmoid scoring)."""
+        m = self.m
+        return dict(
+            scoring=m.scoring,
+            top_k=m.top_k,
+            renormalize=m.norm_topk_prob,
+            scale=m.routed_scaling_factor,
+            n_group=m.n_group,
+            topk_group=m.topk_group,
+        )
 
     def forward(
         self,
@@ -84,41 +99,39 @@ class Router(nn.Module):
         x: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         m = self.m
-        if m.scoring == "softmax":
-            probs = F.linear(x, self.weight, self.bias).softmax(dim=-1, dtype=torch.float32)
-            weights, ids = probs.topk(m.top_k, dim=-1)
-        elif m.scoring == "softmax_topk":
+        if m.scoring == "softmax_topk":
             logits, ids = F.linear(x, self.weight, self.bias).topk(m.top_k, dim=-1)
             weights = logits.softmax(dim=-1, dtype=torch.float32)
+            if m.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            if m.routed_scaling_factor != 1.0:
+                weights = weights * m.routed_scaling_factor
+            return weights, ids
+        if m.scoring == "sigmoid":
+            logits = F.linear(x.float(), self.weight.float())
         else:
-            scores = F.linear(x.float(), self.weight.float()).sigmoid()
-            ids = self._grouped_choice(scores)
-            weights = scores.gather(1, ids)
-        if m.norm_topk_prob:
-            # NOTE: 1e-20 as transformers' sigmoid router (softmax weights never sum to 0).
-            eps = 1e-20 if m.scoring == "sigmoid" else 0.0
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
-        if m.routed_scaling_factor != 1.0:
-            weights = weights * m.routed_scaling_factor
-        return weights, ids
+            logits = F.linear(x, self.weight, self.bias)
+        return select_experts_ref(logits, self.e_score_correction_bias, **self.routing())
 
-    def _grouped_choice(
+    def norm_forward(
         self,
-        # [num_tokens, num_experts] float32
-        scores: torch.Tensor,
-    ) -> torch.Tensor:
+        norm: RMSNorm,
+        # [num_tokens, hidden]: the attention output
+        x: torch.Tensor,
+        # [num_tokens, hidden]
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(topk_weights, topk_ids, norm(x + residual), x + residual). Decode batches on CUDA:
+        norm, router matmul and expert choice in one launch (ops/moe_router.py)."""
         m = self.m
-        choice = scores
-        if self.e_score_correction_bias is not None:
-            choice = scores + self.e_score_correction_bias
-        if m.topk_group < m.n_group:
-            per_group = choice.view(-1, m.n_group, m.num_experts // m.n_group)
-            group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
-            groups = group_scores.topk(m.topk_group, dim=-1, sorted=False)[1]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-            keep = keep[:, :, None].expand_as(per_group).reshape(-1, m.num_experts)
-            choice = choice.masked_fill(~keep, float("-inf"))
-        return choice.topk(m.top_k, dim=-1, sorted=False)[1]
+        if self.bias is None and m.scoring != "softmax_topk":
+            w, b, counter = self.weight, self.e_score_correction_bias, self.route_counter
+            if fusable(x, w, m.scoring, m.n_group, m.topk_group):
+                args = (x, residual, norm.weight, norm.eps, w, b, counter)
+                return norm_route(*args, **self.routing())
+        normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
+        weights, ids = self(normed)
+        return weights, ids, normed, residual
 
 
 class StackedExperts(nn.Module):
@@ -170,6 +183,30 @@ class SparseMoE(nn.Module):
         x: torch.Tensor,
     ) -> torch.Tensor:
         weights, ids = self.gate(x)
+        return self.experts_forward(x, weights, ids)
+
+    def norm_forward(
+        self,
+        norm: RMSNorm,
+        # [num_tokens, hidden]: the attention output
+        x: torch.Tensor,
+        # [num_tokens, hidden]
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(x + residual)), x + residual), the norm fused into the router where
+        the router runs its decode kernel."""
+        weights, ids, x, residual = self.gate.norm_forward(norm, x, residual)
+        return self.experts_forward(x, weights, ids), residual
+
+    def experts_forward(
+        self,
+        # [num_tokens, hidden]: normed
+        x: torch.Tensor,
+        # [num_tokens, top_k] float32
+        weights: torch.Tensor,
+        # [num_tokens, top_k]
+        ids: torch.Tensor,
+    ) -> torch.Tensor:
         e = self.experts
         kw = self.expert_kw
         if e.w13_bias is not None:

@@ -6,6 +6,6 @@ Each op dispatches to Triton only on CUDA tensors outside autograd (training run
 reference, which has a backward), and each has a torch reference the tests compare with.
 """
 
-from specserve.ops.fused import argmax, rms_norm, rope_, silu_and_mul
+from specserve.ops.fused import argmax, qk_norm_, rms_norm, rope_, silu_and_mul
 
-__all__ = ["argmax", "rms_norm", "rope_", "silu_and_mul"]
+__all__ = ["argmax", "qk_norm_", "rms_norm", "rope_", "silu_and_mul"]

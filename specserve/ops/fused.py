@@ -77,6 +77,41 @@ def rope_(
     return rope_ref(positions, q, cos, sin), rope_ref(positions, k, cos, sin)
 
 
+def qk_norm_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (Qwen3's q_norm / k_norm): rms_norm_ref over head_dim."""
+    return rms_norm_ref(q, q_weight, q_eps)[0], rms_norm_ref(k, k_weight, k_eps)[0]
+
+
+def qk_norm_(
+    # [tokens, q_heads, head_dim] (may be a strided view into the fused qkv output)
+    q: torch.Tensor,
+    # [tokens, kv_heads, head_dim]
+    k: torch.Tensor,
+    # [head_dim]
+    q_weight: torch.Tensor,
+    # [head_dim]
+    k_weight: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k; in place on CUDA (one launch for both), returns the normed
+    (q, k). NOTE: rms_norm's kernel takes 2-D rows only; q and k views of the fused qkv output
+    cannot be flattened to 2-D, and the torch fallback costs ~8 launches a norm."""
+    if _use_triton(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+        from specserve.ops.triton_kernels import qk_norm_triton_
+
+        qk_norm_triton_(q, k, q_weight, k_weight, q_eps, k_eps)
+        return q, k
+    return qk_norm_ref(q, k, q_weight, k_weight, q_eps, k_eps)
+
+
 def silu_and_mul(
     # [tokens, 2 * inter]
     x: torch.Tensor,

@@ -75,6 +75,96 @@ def rms_norm_triton(
 
 
 @triton.jit
+def _head_norm_rows(
+    base_ptr,
+    w_ptr,
+    stride_h,
+    num_heads,
+    d,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """RMSNorm of each of `num_heads` rows of HEAD_DIM at base_ptr, in place."""
+    h = tl.arange(0, BLOCK_H)
+    dm = d < HEAD_DIM
+    m = (h < num_heads)[:, None] & dm[None, :]
+    p = base_ptr + h[:, None] * stride_h + d[None, :]
+    xf = tl.load(p, mask=m, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)
+    # Rounded to the model dtype before the weight, as rms_norm_ref.
+    y = (xf * inv[:, None]).to(base_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    tl.store(p, (w[None, :] * y).to(base_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _qk_norm_kernel(
+    q_ptr,
+    k_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    num_q_heads,
+    num_k_heads,
+    q_eps,
+    k_eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One program a token: every q head and every k head normalized in place (Qwen3's
+    # q_norm / k_norm), one launch instead of a torch chain per norm.
+    pdl.start(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    _head_norm_rows(
+        q_ptr + t * stride_qt, q_w_ptr, stride_qh, num_q_heads, d, q_eps, HEAD_DIM, BLOCK_HQ
+    )
+    _head_norm_rows(
+        k_ptr + t * stride_kt, k_w_ptr, stride_kh, num_k_heads, d, k_eps, HEAD_DIM, BLOCK_HK
+    )
+
+
+def qk_norm_triton_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    q_eps: float,
+    k_eps: float,
+) -> None:
+    T, hq, dim = q.shape
+    if T == 0:
+        return
+    _qk_norm_kernel[(T,)](
+        q,
+        k,
+        q_weight,
+        k_weight,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        hq,
+        k.shape[1],
+        q_eps,
+        k_eps,
+        HEAD_DIM=dim,
+        BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_HQ=triton.next_power_of_2(hq),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        num_warps=4,
+        **pdl.launch_kwargs(q.device),
+    )
+
+
+@triton.jit
 def _rope_rows(
     base_ptr,
     stride_h,

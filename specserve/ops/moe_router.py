@@ -1,0 +1,452 @@
+"""MoE routing: the expert choice of a router's logits, and for decode batches one kernel that
+runs a layer's whole path from the attention output to the choice.
+
+`select_experts_ref` is the routing arithmetic every MoE model uses (models/moe.py's Router),
+after transformers' modeling_qwen3_moe.py / modeling_glm4_moe.py:
+  softmax   weights, ids = topk(softmax(logits in float32), k); optionally renormalized over k.
+  sigmoid   s = sigmoid(logits) in float32; the choice ranks s + correction bias among the
+            `topk_group` best of `n_group` groups (a group's score: the sum of its two best);
+            the weights are the chosen s, optionally renormalized (+ 1e-20), times `scale`.
+
+`norm_route` = the post-attention RMSNorm (with the residual add), the router matmul and
+`select_experts_ref`, returning what the experts need: (topk_weights, topk_ids, normed x, new
+residual). At decode batch sizes on CUDA that is ONE Triton launch (`_norm_route_kernel`)
+instead of a norm kernel, a cuBLAS gemv and four or five torch ops (softmax, topk, sum, div).
+Each program computes the logits of BLOCK_E experts for every token (the norm recomputed per
+program from x: T x H elements from L2, next to BLOCK_E x H weights); program 0 also writes the
+normed x and the residual; the last program to finish (an acq_rel counter, reset by that
+program, so a captured graph replays it) reads every logit and makes the choice.
+
+Ties among experts: the kernel takes the lowest expert index first (torch.topk does not promise
+an order among equal values); the choice is otherwise the reference's, the weights equal up to
+float32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specserve.ops import pdl
+from specserve.ops.fused import _use_triton, rms_norm_ref
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference only
+    triton = None
+
+ROUTE_MAX_TOKENS = 8  # decode batches; larger ones run the norm kernel, cuBLAS and torch
+ROUTE_MAX_EXPERTS = 512  # the choice reads all of a token's logits in one tile
+# (BLOCK_E experts a program, BLOCK_K, num_warps): 128 experts -> 32 programs.
+ROUTE_CONFIG = (4, 512, 4)
+SCORINGS = ("softmax", "sigmoid")
+
+
+def select_experts_ref(
+    # [num_tokens, num_experts], any float dtype
+    logits: torch.Tensor,
+    # [num_experts] float32 or None (sigmoid routers' e_score_correction_bias)
+    correction_bias: torch.Tensor | None,
+    *,
+    scoring: str,
+    top_k: int,
+    renormalize: bool,
+    scale: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [T, k], topk_ids int64 [T, k])."""
+    if scoring == "softmax":
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(top_k, dim=-1)
+    elif scoring == "sigmoid":
+        scores = logits.float().sigmoid()
+        ids = _grouped_choice(scores, correction_bias, top_k, n_group, topk_group)
+        weights = scores.gather(1, ids)
+    else:
+        raise ValueError(f"routing scoring must be one of {SCORINGS}, got {scoring!r}")
+    if renormalize:
+        # NOTE: 1e-20 as transformers' sigmoid router (softmax weights never sum to 0).
+        eps = 1e-20 if scoring == "sigmoid" else 0.0
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    if scale != 1.0:
+        weights = weights * scale
+    return weights, ids
+
+
+def _grouped_choice(
+    # [num_tokens, num_experts] float32
+    scores: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+) -> torch.Tensor:
+    choice = scores if correction_bias is None else scores + correction_bias
+    num_experts = scores.shape[-1]
+    if topk_group < n_group:
+        per_group = choice.view(-1, n_group, num_experts // n_group)
+        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)
+        groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        keep = keep[:, :, None].expand_as(per_group).reshape(-1, num_experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    return choice.topk(top_k, dim=-1, sorted=False)[1]
+
+
+def norm_route_ref(
+    # [T, H]: the attention output
+    x: torch.Tensor,
+    # [T, H] or None
+    residual: torch.Tensor | None,
+    # [H]
+    norm_weight: torch.Tensor,
+    eps: float,
+    # [E, H]
+    router_weight: torch.Tensor,
+    # [E] float32 or None
+    correction_bias: torch.Tensor | None,
+    **routing: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(topk_weights, topk_ids, rms_norm(x + residual), x + residual): the norm as
+    ops.rms_norm, logits as the Router's F.linear (softmax routers in the weight's dtype,
+    sigmoid routers in float32), the choice as `select_experts_ref` (`routing`: its keywords)."""
+    normed, new_res = rms_norm_ref(x, norm_weight, eps, residual)
+    new_res = x if new_res is None else new_res
+    if routing["scoring"] == "sigmoid":
+        logits = F.linear(normed.float(), router_weight.float())
+    else:
+        logits = F.linear(normed, router_weight)
+    weights, ids = select_experts_ref(logits, correction_bias, **routing)  # type: ignore[arg-type]
+    return weights, ids, normed, new_res
+
+
+def fusable(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    scoring: str,
+    n_group: int,
+    topk_group: int,
+) -> bool:
+    """Whether `norm_route` runs the Triton kernel for input `x`."""
+    E = router_weight.shape[0]
+    grouped = topk_group < n_group
+    return (
+        triton is not None
+        and _use_triton(x)
+        and x.dim() == 2
+        and 0 < x.shape[0] <= ROUTE_MAX_TOKENS
+        and scoring in SCORINGS
+        and E <= ROUTE_MAX_EXPERTS
+        # The in-kernel group choice views the logits as [n_group, E / n_group] tiles.
+        and (not grouped or (E & (E - 1) == 0 and n_group & (n_group - 1) == 0))
+    )
+
+
+def norm_route(
+    # [T, H]: the attention output
+    x: torch.Tensor,
+    # [T, H] or None
+    residual: torch.Tensor | None,
+    # [H]
+    norm_weight: torch.Tensor,
+    eps: float,
+    # [E, H]
+    router_weight: torch.Tensor,
+    # [E] float32 or None
+    correction_bias: torch.Tensor | None,
+    # [1] int32, zero: the kernel's completion counter (reset by the kernel)
+    counter: torch.Tensor,
+    *,
+    scoring: str,
+    top_k: int,
+    renormalize: bool,
+    scale: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
+    config: tuple[int, int, int] = ROUTE_CONFIG,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm_route_ref`, in one Triton launch where `fusable`."""
+    routing = dict(scoring=scoring, top_k=top_k, renormalize=renormalize, scale=scale)
+    routing.update(n_group=n_group, topk_group=topk_group)
+    if not fusable(x, router_weight, scoring, n_group, topk_group):
+        return norm_route_ref(
+            x, residual, norm_weight, eps, router_weight, correction_bias, **routing
+        )
+    return norm_route_triton(
+        x, residual, norm_weight, eps, router_weight, correction_bias, counter, config, **routing
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _normed_row(
+        x_ptr, res_ptr, res_out_ptr, normed_ptr, g, k, k_ok, rstd, STORE, HAS_RES: tl.constexpr
+    ):
+        """rms_norm of one token's columns k, rounded as the norm kernel (float32 out); STORE:
+        also write it and the residual sum (program 0)."""
+        h = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + k, mask=k_ok, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            if STORE:
+                tl.store(res_out_ptr + k, h, mask=k_ok)
+        y = (h.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        y = (g * y).to(normed_ptr.dtype.element_ty)
+        if STORE:
+            tl.store(normed_ptr + k, y, mask=k_ok)
+        return y.to(tl.float32)
+
+    @triton.jit
+    def _top2_sum(c, j, GROUP: tl.constexpr):
+        """[BLOCK_T, N_GROUP]: the sum of each group's two best (its best alone if GROUP 1)."""
+        best = tl.max(c, axis=2)
+        if GROUP == 1:
+            return best
+        first = tl.min(tl.where(c == best[:, :, None], j[None, None, :], GROUP), axis=2)
+        rest = tl.where(j[None, None, :] == first[:, :, None], float("-inf"), c)
+        return best + tl.max(rest, axis=2)
+
+    @triton.jit
+    def _choose(
+        logits_ptr,
+        bias_ptr,
+        topk_w_ptr,
+        topk_ids_ptr,
+        T,
+        E,
+        scale,
+        SIGMOID: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        RENORM: tl.constexpr,
+        TOP_K: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_TOPK: tl.constexpr,
+        BLOCK_ALL_E: tl.constexpr,
+    ):
+        """The expert choice of every token from the float32 logits (select_experts_ref)."""
+        t = tl.arange(0, BLOCK_T)
+        e = tl.arange(0, BLOCK_ALL_E)
+        ok = (t < T)[:, None] & (e < E)[None, :]
+        # .cg: other programs wrote these; read them from L2, never a stale L1 line.
+        s = tl.load(
+            logits_ptr + t[:, None] * E + e[None, :], mask=ok, other=0.0, cache_modifier=".cg"
+        )
+        s = tl.where((e < E)[None, :], s, float("-inf"))
+        if SIGMOID:
+            val = 1.0 / (1.0 + tl.exp(-s))
+            choice = val
+            if HAS_BIAS:
+                choice += tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :]
+        else:
+            p = tl.exp(s - tl.max(s, axis=1)[:, None])
+            val = p / tl.sum(p, axis=1)[:, None]
+            choice = val
+        choice = tl.where(ok, choice, float("-inf"))
+        if TOPK_GROUP < N_GROUP:
+            GROUP: tl.constexpr = BLOCK_ALL_E // N_GROUP
+            c3 = tl.reshape(choice, (BLOCK_T, N_GROUP, GROUP))
+            gs = _top2_sum(c3, tl.arange(0, GROUP), GROUP)
+            gi = tl.arange(0, N_GROUP)
+            keep = tl.zeros([BLOCK_T, N_GROUP], dtype=tl.int32)
+            for _ in tl.static_range(TOPK_GROUP):
+                best = tl.max(gs, axis=1)
+                pick = tl.min(tl.where(gs == best[:, None], gi[None, :], N_GROUP), axis=1)
+                hit = gi[None, :] == pick[:, None]
+                keep = tl.where(hit, 1, keep)
+                gs = tl.where(hit, float("-inf"), gs)
+            keep3 = tl.broadcast_to(keep[:, :, None], (BLOCK_T, N_GROUP, GROUP))
+            choice = tl.where(tl.reshape(keep3, (BLOCK_T, BLOCK_ALL_E)) != 0, choice, float("-inf"))
+        kk = tl.arange(0, BLOCK_TOPK)
+        weights = tl.zeros([BLOCK_T, BLOCK_TOPK], dtype=tl.float32)
+        ids = tl.zeros([BLOCK_T, BLOCK_TOPK], dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(choice, axis=1)
+            pick = tl.min(tl.where(choice == best[:, None], e[None, :], BLOCK_ALL_E), axis=1)
+            hit = e[None, :] == pick[:, None]
+            weights = tl.where(
+                kk[None, :] == j, tl.sum(tl.where(hit, val, 0.0), axis=1)[:, None], weights
+            )
+            ids = tl.where(kk[None, :] == j, pick[:, None], ids)
+            choice = tl.where(hit, float("-inf"), choice)
+        if RENORM:
+            total = tl.sum(weights, axis=1)[:, None]
+            weights = weights / (total + (1e-20 if SIGMOID else 0.0))
+        out = t[:, None] * TOP_K + kk[None, :]
+        out_ok = (t < T)[:, None] & (kk < TOP_K)[None, :]
+        tl.store(topk_w_ptr + out, weights * scale, mask=out_ok)
+        tl.store(topk_ids_ptr + out, ids.to(tl.int64), mask=out_ok)
+
+    @triton.jit(do_not_specialize=["T"])
+    def _norm_route_kernel(
+        x_ptr,
+        res_ptr,
+        res_out_ptr,
+        normed_ptr,
+        norm_w_ptr,
+        w_ptr,
+        bias_ptr,
+        logits_ptr,
+        counter_ptr,
+        topk_w_ptr,
+        topk_ids_ptr,
+        T,
+        E,
+        H,
+        stride_x,
+        stride_r,
+        stride_we,
+        eps,
+        scale,
+        HAS_RES: tl.constexpr,
+        SIGMOID: tl.constexpr,
+        ROUND_LOGITS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        RENORM: tl.constexpr,
+        TOP_K: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_TOPK: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_ALL_E: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        # logits[t, e] = W[e] @ rms_norm(x[t] + res[t]) for this program's BLOCK_E experts.
+        # normed / res_out rows are [T, H] contiguous (fresh outputs).
+        pdl.start(PDL)
+        pid = tl.program_id(0)
+        rows = tl.arange(0, BLOCK_T)
+        e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        w_rows = w_ptr + e.to(tl.int64)[:, None] * stride_we
+        # Pass 1: each token's sum of squares (x + res rounded to the model dtype first).
+        sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < H
+            for i in tl.static_range(BLOCK_T):
+                m = k_ok & (i < T)
+                h = tl.load(x_ptr + i * stride_x + k, mask=m, other=0.0)
+                if HAS_RES:
+                    r = tl.load(res_ptr + i * stride_r + k, mask=m, other=0.0)
+                    h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                hf = h.to(tl.float32)
+                sum_sq += tl.where(rows == i, tl.sum(hf * hf, axis=0), 0.0)
+        rstd = tl.rsqrt(sum_sq / H + eps)
+        # Pass 2: the normed rows (program 0 stores them) against this program's weight rows.
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < H
+            w = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+            w = w.to(tl.float32)
+            g = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            for i in tl.static_range(BLOCK_T):
+                m = k_ok & (i < T)
+                rstd_i = tl.sum(tl.where(rows == i, rstd, 0.0), axis=0)
+                y = _normed_row(
+                    x_ptr + i * stride_x, res_ptr + i * stride_r, res_out_ptr + i * H,
+                    normed_ptr + i * H, g, k, m, rstd_i, pid == 0, HAS_RES,
+                )  # fmt: skip
+                acc += tl.where(rows[:, None] == i, tl.sum(w * y[None, :], axis=1)[None, :], 0.0)
+        if ROUND_LOGITS:  # softmax routers: F.linear's output, in the router weight's dtype
+            acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+        out_ok = (rows < T)[:, None] & e_ok[None, :]
+        tl.store(logits_ptr + rows[:, None] * E + e[None, :], acc, mask=out_ok)
+        # The last program to get here makes the choice from every program's logits.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.store(counter_ptr, 0)
+            _choose(
+                logits_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, T, E, scale, SIGMOID, HAS_BIAS,
+                RENORM, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK, BLOCK_ALL_E,
+            )  # fmt: skip
+
+
+def route_warps(block_t: int, config: tuple[int, int, int]) -> int:
+    """Warps of a launch for BLOCK_T tokens: at least 8 from 8 tokens on (with 4, the choice's
+    [8, E] tiles spill at E = 128 on sm_90)."""
+    return max(config[2], 8) if block_t > 4 else config[2]
+
+
+def norm_route_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    counter: torch.Tensor,
+    config: tuple[int, int, int] = ROUTE_CONFIG,
+    *,
+    scoring: str,
+    top_k: int,
+    renormalize: bool,
+    scale: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
+    T, H = x.shape
+    E = router_weight.shape[0]
+    if router_weight.shape[1] != H or norm_weight.shape != (H,) or top_k > E:
+        raise ValueError(
+            f"norm_route takes x [T, H], norm [H], router [E, H], top_k <= E; got "
+            f"{tuple(x.shape)}, {tuple(norm_weight.shape)}, {tuple(router_weight.shape)}, {top_k}"
+        )
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    router_weight = router_weight if router_weight.stride(-1) == 1 else router_weight.contiguous()
+    dev = x.device
+    normed = torch.empty(T, H, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=dev)
+    res_out = torch.empty_like(x) if residual is not None else x
+    logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+    topk_w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
+    topk_ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
+    block_e, block_k, _ = config
+    block_t = triton.next_power_of_2(T)
+    sigmoid = scoring == "sigmoid"
+    _norm_route_kernel[(triton.cdiv(E, block_e),)](
+        x,
+        residual if residual is not None else x,
+        res_out,
+        normed,
+        norm_weight,
+        router_weight,
+        correction_bias if correction_bias is not None else logits,
+        logits,
+        counter,
+        topk_w,
+        topk_ids,
+        T,
+        E,
+        H,
+        x.stride(0),
+        residual.stride(0) if residual is not None else x.stride(0),
+        router_weight.stride(0),
+        eps,
+        scale,
+        HAS_RES=residual is not None,
+        SIGMOID=sigmoid,
+        ROUND_LOGITS=not sigmoid,
+        HAS_BIAS=sigmoid and correction_bias is not None,
+        RENORM=renormalize,
+        TOP_K=top_k,
+        N_GROUP=n_group if topk_group < n_group else 1,
+        TOPK_GROUP=topk_group if topk_group < n_group else 1,
+        BLOCK_T=block_t,
+        BLOCK_TOPK=triton.next_power_of_2(top_k),
+        BLOCK_E=block_e,
+        BLOCK_K=block_k,
+        BLOCK_ALL_E=triton.next_power_of_2(E),
+        num_warps=route_warps(block_t, config),
+        **pdl.launch_kwargs(dev),
+    )
+    return topk_w, topk_ids, normed, res_out
