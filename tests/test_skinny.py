@@ -121,6 +121,91 @@ def test_resolve_split() -> None:
     assert resolve_split(SkinnyConfig(64, 128, 3, 4, 4), 4096, 1000, 132) == (3, 384)
 
 
+def test_plan_picks_the_fastest_candidate() -> None:
+    """decode_matmul="auto"'s choice, given injected timings (no GPU): per weight shape and row
+    bucket the fastest candidate wins, ties go to the earlier (cuBLAS first), gate_up gets a
+    plan for the fused SiLU kernel too, every bucket 1..64 is planned, and the candidates per
+    bucket stay few (start-up compiles and times each)."""
+    from torch import nn
+
+    from specserve.models.layers import MLP
+    from specserve.ops.gemv import BUCKETS, DecodeLinear, bucket
+    from specserve.ops.gemv_plan import candidates, tune_decode_gemv_
+    from specserve.ops.skinny import SkinnyConfig
+
+    assert BUCKETS == (1, 2, 4, 8, 16, 32, 64)
+    assert [bucket(m) for m in (1, 3, 5, 9, 12, 20, 36, 40, 64)] == [
+        1,
+        4,
+        8,
+        16,
+        16,
+        32,
+        64,
+        64,
+        64,
+    ]
+    assert all(len(candidates(b)) <= 5 and candidates(b)[0] is None for b in BUCKETS)
+    assert not any(isinstance(c, SkinnyConfig) for c in candidates(1))
+    assert all(isinstance(c, SkinnyConfig) for c in candidates(32)[1:])
+
+    model = nn.Sequential(MLP(32, 48), nn.Linear(32, 80), nn.Linear(80, 32)).half()
+    calls = []
+
+    def timer(layers: list, rows: int, silu: bool, cfg: object) -> float:
+        calls.append((layers[0].weight.shape, rows, silu, cfg))
+        cands = candidates(rows)
+        # cuBLAS wins at 1 row; the last candidate at 4 rows and with the SiLU epilogue; the
+        # second elsewhere; at 64 rows everything ties (cuBLAS stays).
+        if rows == 64:
+            return 10.0
+        if rows == 1:
+            best = 0
+        elif rows == 4 or silu:
+            best = len(cands) - 1
+        else:
+            best = 1
+        return 5.0 if cfg == cands[best] else 7.0 + cands.index(cfg)
+
+    report = tune_decode_gemv_([model], timer=timer)
+    lins = [m for m in model.modules() if isinstance(m, DecodeLinear)]
+    assert len(lins) == 4 and len(report) == (4 + 1) * len(BUCKETS)
+    assert len(calls) == sum(len(r["us"]) for r in report)
+    gate_up = model[0].gate_up_proj
+    for lin in lins:
+        for b in BUCKETS:
+            cands = candidates(b)
+            want = {1: None, 4: cands[-1], 64: None}.get(b, cands[1])
+            assert lin.plan[b] == want, (lin.weight.shape, b)
+            if lin is gate_up:
+                assert lin.silu_plan[b] == ({1: None, 64: None}.get(b, cands[-1])), b
+    # An injected timer caches nothing: a second engine's real timing would not see fakes.
+    from specserve.ops import gemv_plan
+
+    assert not gemv_plan._PLANS
+
+
+@pytest.mark.parametrize("device", modes)
+def test_decode_linear_dispatch(request, device: str) -> None:
+    """planned_matmul runs whichever kernel a plan entry configures (gemv or skinny), with and
+    without the norm prologue, and both give F.linear's result."""
+    if device == "cpu":
+        request.getfixturevalue("interpreter")
+    from specserve.ops.gemv import gemv_norm_ref, planned_matmul, planned_matmul_norm
+    from specserve.ops.skinny import SkinnyConfig
+
+    g = torch.Generator().manual_seed(5)
+    dtype = _dtypes(device)[-1]
+    x = torch.randn(6, 72, generator=g).to(dtype=dtype, device=device)
+    w = (torch.randn(40, 72, generator=g) / 8).to(dtype=dtype, device=device)
+    nw = torch.randn(72, generator=g).to(dtype=dtype, device=device)
+    for cfg in ((8, 32, 4, 2), SkinnyConfig(16, 32, 2, 4, 2)):
+        _close(planned_matmul(x, w, None, cfg), F.linear(x.float(), w.float()), dtype)
+        y, h = planned_matmul_norm(x, w, None, nw, 1e-5, x, cfg)
+        _close(y, gemv_norm_ref(x, w, None, nw, 1e-5, x)[0], dtype)
+        assert torch.equal(h, x + x)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [2, 4, 8, 12, 16, 20, 32, 40, 64])
