@@ -102,10 +102,31 @@ def test_cudagraph_equals_eager(
     llm = cuda_llm(path, **kw)
     if matmul is None:
         assert llm.engine.config.async_scheduling is True
-        assert {p["rows"] for p in llm.engine.decode_matmul_plan} == {1, 2}
+        assert {p["rows"] for p in llm.engine.decode_matmul_plan} == {1, 2, 4, 8, 16, 32, 64}
     graph = llm.generate(batch, [GREEDY, sp] * 3)
     del llm
     eager = cuda_llm(path, enforce_eager=True, **kw).generate(batch, [GREEDY, sp] * 3)
+    for g, e in zip(graph, eager):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("matmul", ["auto", "triton"])
+def test_verification_graphs_equal_eager_skinny(drafters, prompts, matmul: str) -> None:
+    """EAGLE-3 at K = 4, bf16, 8 requests: verification batches of 5-40 rows run the planned
+    kernels (auto: whatever start-up timed fastest; triton: the gemv up to 8 rows, the split-K
+    skinny matmul above, with the norms fused), and captured graphs give eager's tokens bit for
+    bit (the eager engine reuses the plan the graph engine timed)."""
+    spec = {"method": "eagle3", "model": drafters["eagle3"], "num_speculative_tokens": 4}
+    kw = {"dtype": "bfloat16", "decode_matmul": matmul, "speculative_config": spec}
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True)
+    batch = [{"prompt_token_ids": p} for p in prompts + prompts[:2]]
+    params = [GREEDY, sp] * 4
+    llm = cuda_llm(drafters["target"], **kw)
+    if matmul == "auto":
+        assert {p["rows"] for p in llm.engine.decode_matmul_plan} == {1, 2, 4, 8, 16, 32, 64}
+    graph = llm.generate(batch, params)
+    del llm
+    eager = cuda_llm(drafters["target"], enforce_eager=True, **kw).generate(batch, params)
     for g, e in zip(graph, eager):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
 

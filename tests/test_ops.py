@@ -226,27 +226,27 @@ def test_decode_linear_gpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 def test_decode_matmul_auto_gpu() -> None:
-    """`decode_matmul="auto"`: every shape gets a timed plan for 1 and 2 rows (cuBLAS above),
-    the gate_up weights also for the fused SiLU kernel, and outputs match nn.Linear."""
+    """`decode_matmul="auto"`: every shape gets a timed plan for every row bucket 1..64 (cuBLAS,
+    gemv or skinny matmul), the gate_up weights also for the fused SiLU kernel, and outputs
+    match nn.Linear at row counts of every bucket."""
     from torch import nn
 
     from specserve.models.layers import MLP
-    from specserve.ops.gemv import DecodeLinear
-    from specserve.ops.gemv_plan import CANDIDATES, tune_decode_gemv_
+    from specserve.ops.gemv import BUCKETS, DecodeLinear
+    from specserve.ops.gemv_plan import candidates, tune_decode_gemv_
 
     torch.manual_seed(0)
     model = nn.Sequential(MLP(512, 1024), nn.Linear(512, 4096), nn.Linear(4096, 512))
     model = model.cuda().bfloat16()
     with torch.inference_mode():
-        xs = [torch.randn(m, 512, device="cuda", dtype=torch.bfloat16) for m in (1, 2, 5, 40)]
+        xs = [torch.randn(m, 512, device="cuda", dtype=torch.bfloat16) for m in (1, 2, 5, 12, 40)]
         refs = [model[2](model[1](model[0](x))) for x in xs]
     report = tune_decode_gemv_([model])
     lins = [m for m in model.modules() if isinstance(m, DecodeLinear)]
-    assert len(lins) == 4 and len(report) == 2 * 4 + 2  # 4 shapes x 2 buckets, + fused SiLU
+    assert len(lins) == 4 and len(report) == (4 + 1) * len(BUCKETS)  # + fused SiLU
     for lin in lins:
-        assert all(lin.plan[b] in (None, *CANDIDATES) for b in (1, 2))
-        assert lin.plan[4] is None and lin.plan[8] is None
-    assert all(set(r["us"]) == {str(c) for c in (None, *CANDIDATES)} for r in report)
+        assert all(lin.plan[b] in candidates(b) for b in BUCKETS)
+    assert all(set(r["us"]) == {str(c) for c in candidates(r["rows"])} for r in report)
     with torch.inference_mode():
         for x, ref in zip(xs, refs):
             _close(model[2](model[1](model[0](x))), ref, torch.bfloat16)

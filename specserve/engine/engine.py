@@ -262,6 +262,13 @@ class LLMEngine:
         self.stats.prompt_tokens += len(ids)
         return req
 
+    def close(self) -> None:
+        """Free the GPU memory the engine holds beyond its weights (graphs, KV cache, the step
+        in flight) now; the engine is unusable afterwards."""
+        self._inflight = None
+        self.requests.clear()
+        self.runner.close()
+
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is None:

@@ -21,6 +21,18 @@ class LLM:
         self.engine = LLMEngine(self.config)
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Free the engine's CUDA graphs and KV cache now (also on `with LLM(...) as llm:`
+        exit). Not needed before `del llm`: nothing keeps an LLM's engine alive in a cycle, so
+        its GPU memory returns at once (then torch.cuda.empty_cache() hands it to the driver)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

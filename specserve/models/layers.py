@@ -12,7 +12,7 @@ from torch import nn
 from specserve import ops
 from specserve.attention.backend import ForwardContext
 from specserve.ops import gemv as gemv_ops
-from specserve.ops.gemv import DecodeLinear, gemv, gemv_norm
+from specserve.ops.gemv import DecodeLinear
 
 
 class RMSNorm(nn.Module):
@@ -282,7 +282,7 @@ def gate_up_act(gate_up: nn.Linear, x: torch.Tensor, act: str = "silu") -> torch
         return ACTIVATIONS[act](gate) * up
     cfg = gate_up.config(x, silu_mul=True) if isinstance(gate_up, DecodeLinear) else None
     if cfg is not None:  # decode_matmul triton/auto: gate_up and SiLU-and-mul in one kernel
-        return gemv(x, gate_up.weight, gate_up.bias, config=cfg, silu_mul=True)
+        return gate_up.run(x, cfg, silu_mul=True)
     return ops.silu_and_mul(gate_up(x))
 
 
@@ -309,8 +309,7 @@ def norm_linear(
     ):
         cfg = linear.config(x, silu_mul)
         if cfg is not None:
-            w, b = linear.weight, linear.bias
-            return gemv_norm(x, w, b, norm.weight, norm.eps, residual, cfg, silu_mul)
+            return linear.run_norm(x, norm.weight, norm.eps, residual, cfg, silu_mul)
     if residual is None:
         x, residual = norm(x), x
     else:

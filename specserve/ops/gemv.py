@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.ops import pdl
+from specserve.ops import pdl, skinny
 
 try:
     import triton
@@ -334,7 +334,11 @@ def _launch(
     return y
 
 
-BUCKETS = (1, 2, 4, 8)  # decode row counts a plan is made for (CUDA graph sizes up to 8)
+# Decode row counts a plan is made for: the M <= 8 gemv's buckets, then the skinny matmul's row
+# tiles (ops/skinny.py) up to 64 rows: verification batches are B x (K + 1) rows.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# A plan entry: a gemv launch config, a skinny-matmul config, or None (F.linear, cuBLAS).
+PlanConfig = Config | skinny.SkinnyConfig | None
 
 
 def bucket(m: int) -> int:
@@ -342,56 +346,132 @@ def bucket(m: int) -> int:
     return next(b for b in BUCKETS if b >= m)
 
 
+def default_plan(config: Config | None) -> dict[int, PlanConfig]:
+    """`config` (the gemv's) for up to MAX_M rows, the skinny matmul's default above (None:
+    cuBLAS everywhere)."""
+    return {
+        b: None if config is None else config if b <= MAX_M else skinny.DEFAULT_CONFIG
+        for b in BUCKETS
+    }
+
+
+def planned_matmul(
+    # [M, K]
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    cfg: Config | skinny.SkinnyConfig,
+    silu_mul: bool = False,
+    # the skinny matmul's split counters (DecodeLinear.counters) or None
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """gemv or skinny_matmul, whichever `cfg` is a launch config of."""
+    if isinstance(cfg, skinny.SkinnyConfig):
+        return skinny.skinny_matmul(x, w, b, cfg, silu_mul, counters)
+    return gemv(x, w, b, config=cfg, silu_mul=silu_mul)
+
+
+def planned_matmul_norm(
+    # [M, K]: the hidden state before the norm
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    # [M, K] or None
+    residual: torch.Tensor | None,
+    cfg: Config | skinny.SkinnyConfig,
+    silu_mul: bool = False,
+    counters: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv_norm or skinny_norm, whichever `cfg` is a launch config of."""
+    if isinstance(cfg, skinny.SkinnyConfig):
+        return skinny.skinny_norm(x, w, b, norm_weight, eps, residual, cfg, silu_mul, counters)
+    return gemv_norm(x, w, b, norm_weight, eps, residual, cfg, silu_mul)
+
+
 class DecodeLinear(nn.Linear):
-    """nn.Linear whose decode-sized calls (at most MAX_M rows, 16-bit, CUDA, no autograd) run
-    the Triton `gemv` where its plan says so; everything else (prefill, training, CPU, rows
-    the plan gives to cuBLAS) stays F.linear."""
+    """nn.Linear whose decode-sized calls (at most skinny.MAX_M rows, 16-bit, CUDA, no autograd)
+    run the Triton gemv (<= 8 rows) or skinny matmul where its plan says so; everything else
+    (prefill, training, CPU, rows the plan gives to cuBLAS) stays F.linear."""
 
     # row bucket -> Triton launch config, or None for F.linear (cuBLAS)
-    plan: dict[int, Config | None]
+    plan: dict[int, PlanConfig]
     # gate_up_proj of an MLP only: the same for the fused gate_up + SiLU-and-mul kernel
     # (None: F.linear, then the SiLU-and-mul kernel)
-    silu_plan: dict[int, Config | None]
+    silu_plan: dict[int, PlanConfig]
+    # The skinny matmul's split arrival counters (zero between launches), one buffer per layer:
+    # its captured graphs hold the address, and it goes with the layer.
+    counters: torch.Tensor | None
 
     @classmethod
     def sharing(cls, linear: nn.Linear, config: Config | None = DEFAULT_CONFIG) -> DecodeLinear:
-        """A DecodeLinear over `linear`'s own Parameter objects (no copy), every bucket planned
-        to `config`."""
+        """A DecodeLinear over `linear`'s own Parameter objects (no copy), planned to `config`
+        for up to MAX_M rows and the skinny default above (`default_plan`)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
         new.weight = linear.weight
         new.bias = linear.bias
-        new.plan = dict.fromkeys(BUCKETS, config)
-        new.silu_plan = dict.fromkeys(BUCKETS, config)
+        new.plan = default_plan(config)
+        new.silu_plan = default_plan(config)
+        w = linear.weight
+        # Column tiles of the narrowest skinny config (block_n 16), allocated outside any capture
+        new.counters = (
+            skinny.new_counters(w.device, triton.cdiv(w.shape[0], 16)) if w.is_cuda else None
+        )
         return new
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
-        """Whether a call with input `x` may run the Triton kernel."""
+        """Whether a call with input `x` may run a Triton kernel."""
         return (
             x.dim() == 2
-            and x.shape[0] <= MAX_M
+            and x.shape[0] <= skinny.MAX_M
             and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)
             and not torch.is_grad_enabled()
         )
 
-    def config(self, x: torch.Tensor, silu_mul: bool = False) -> Config | None:
+    def config(
+        self, x: torch.Tensor, silu_mul: bool = False
+    ) -> Config | skinny.SkinnyConfig | None:
         """The Triton launch config for input `x`, or None: cuBLAS."""
         if not self.takes(x):
             return None
         return (self.silu_plan if silu_mul else self.plan)[bucket(x.shape[0])]
 
+    def run(
+        self, x: torch.Tensor, cfg: Config | skinny.SkinnyConfig, silu_mul: bool = False
+    ) -> torch.Tensor:
+        """This layer's product with `x` by the planned kernel `cfg` (silu_mul: gate_up's)."""
+        return planned_matmul(x, self.weight, self.bias, cfg, silu_mul, self.counters)
+
+    def run_norm(
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        cfg: Config | skinny.SkinnyConfig,
+        silu_mul: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """planned_matmul_norm with this layer's weights."""
+        w, b = self.weight, self.bias
+        return planned_matmul_norm(
+            x, w, b, norm_weight, eps, residual, cfg, silu_mul, self.counters
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config(x)
         if cfg is not None:
-            return gemv(x, self.weight, self.bias, config=cfg)
+            return self.run(x, cfg)
         return super().forward(x)
 
 
 def use_decode_gemv_(model: nn.Module, config: Config | None = DEFAULT_CONFIG) -> int:
     """Replace every plain nn.Linear child of `model` by a DecodeLinear holding the same
-    parameters (tied weights stay tied), planned to `config`; returns how many."""
+    parameters (tied weights stay tied), planned to `config` (`default_plan`); returns how
+    many."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

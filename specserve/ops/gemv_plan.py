@@ -1,5 +1,6 @@
-"""decode_matmul="auto": per weight shape and decode row count, the faster of cuBLAS and the
-Triton gemv, timed on this GPU at engine start.
+"""decode_matmul="auto": per weight shape and decode row bucket (1, 2, 4, ..., 64: plain decode
+batches and verification batches of B x (K + 1) rows), the fastest of cuBLAS, the Triton gemv
+(ops/gemv.py) and the Triton skinny matmul (ops/skinny.py), timed on this GPU at engine start.
 
 Which one wins depends on the GPU, the shape and the row count (on an H200, Llama-3-8B shapes,
 M = 1: Triton for the o projection, cuBLAS for down; at M >= 4 cuBLAS everywhere). Each
@@ -10,28 +11,55 @@ and launch gaps are those of a captured step.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.ops.gemv import BUCKETS, Config, DecodeLinear, gemv, use_decode_gemv_
+from specserve.ops.gemv import BUCKETS, Config, DecodeLinear, PlanConfig, use_decode_gemv_
+from specserve.ops.skinny import SkinnyConfig
 
-# Launch configs tried (each is one Triton compile per row bucket, paid at start-up): the two
+logger = logging.getLogger("specserve")
+
+# gemv launch configs tried (each is one Triton compile per row bucket, paid at start-up): the two
 # that won some Llama-3-8B shape at M = 1 in benchmarks/gemv.py, and (8, 1024, 4, 3), twice the
 # weight bytes in flight per K step: with it batch-1 decode went from 5.616 to 5.470 ms a step
 # on the H100 (graph 5.225 -> 5.087; benchmarks/RESULTS.md, session 6 call 4).
 CANDIDATES: tuple[Config, ...] = ((8, 512, 4, 4), (8, 1024, 4, 3), (16, 512, 4, 3))
-# Rows the Triton kernel is tried for; larger buckets stay cuBLAS (it lost by 2x or more there).
-TUNED_BUCKETS = (1, 2)
-assert set(TUNED_BUCKETS) <= set(BUCKETS)
+# Skinny-matmul configs tried (split_k 0: two programs per SM), the first few of them per bucket
+# (SKINNY_PER_BUCKET). The same configs at every bucket share compiles: buckets 2-16 all run
+# the 16-row tile.
+SKINNY_CANDIDATES: tuple[SkinnyConfig, ...] = (
+    SkinnyConfig(64, 128, 0, 4, 4),
+    SkinnyConfig(32, 256, 0, 4, 4),
+    SkinnyConfig(128, 128, 0, 8, 3),
+)
+# Per bucket: (gemv candidates, skinny candidates) tried besides cuBLAS. The gemv is the 1-row
+# design (it re-reads nothing but does M dot products per weight tile), the skinny matmul the
+# many-row one; both are timed where either may win. Bounded: start-up compiles and times each.
+GEMV_PER_BUCKET = {1: 3, 2: 3, 4: 1, 8: 1}
+SKINNY_PER_BUCKET = {2: 1, 4: 2, 8: 2, 16: 3, 32: 3, 64: 3}
+TUNED_BUCKETS = BUCKETS
+# A timer: (layers, rows, silu_mul, candidate) -> microseconds for the whole group.
+Timer = Callable[[list[DecodeLinear], int, bool, PlanConfig], float]
 
 # Plans timed in this process, reused by later engines: start-up pays the timing once, and two
 # engines of one process (a graph and an eager one in a test, a benchmark's variants) run the
 # same kernels, so their outputs can be compared bit for bit. Key: device, weight group (shape,
 # dtype, bias, gate_up), layer count, SiLU epilogue, rows, candidate set (benchmarks change it).
-_PLANS: dict[tuple, tuple[Config | None, dict[str, float]]] = {}
+# Holds launch configs and timings only, never tensors.
+_PLANS: dict[tuple, tuple[PlanConfig, dict[str, float]]] = {}
+
+
+def candidates(rows: int) -> tuple[PlanConfig, ...]:
+    """What bucket `rows` chooses among: cuBLAS (None), then Triton configs."""
+    gemv_c = CANDIDATES[: GEMV_PER_BUCKET.get(rows, 0)]
+    if rows > 2:  # (8, 1024, 4, 3): most bytes in flight, the one a few rows need
+        gemv_c = CANDIDATES[1 : 1 + GEMV_PER_BUCKET.get(rows, 0)]
+    return (None, *gemv_c, *SKINNY_CANDIDATES[: SKINNY_PER_BUCKET.get(rows, 0)])
 
 
 def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> float:
@@ -58,42 +86,51 @@ def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> flo
     return sorted(times[2:])[len(times[2:]) // 2]
 
 
-def _fastest(
-    layers: list[DecodeLinear], m: int, silu_mul: bool
-) -> tuple[Config | None, dict[str, float]]:
-    """The fastest of cuBLAS (None) and each candidate for `m` rows over `layers`' weights."""
+def graph_timer(layers: list[DecodeLinear], m: int, silu_mul: bool, cfg: PlanConfig) -> float:
+    """Microseconds of `cfg` for `m` rows over all of `layers`' weights, in one CUDA graph."""
     from specserve.ops import silu_and_mul
 
     w0 = layers[0].weight
     x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype)
 
-    def run(cfg: Config | None) -> None:
+    def run() -> None:
         for lin in layers:
             if cfg is None:
                 y = F.linear(x, lin.weight, lin.bias)
                 if silu_mul:
                     silu_and_mul(y)
             else:
-                gemv(x, lin.weight, lin.bias, config=cfg, silu_mul=silu_mul)
+                lin.run(x, cfg, silu_mul)
 
-    cands = (None, *CANDIDATES)
-    us = [graph_us(lambda c=c: run(c)) for c in cands]
+    return graph_us(run)
+
+
+def fastest(
+    layers: list[DecodeLinear], m: int, silu_mul: bool, timer: Timer = graph_timer
+) -> tuple[PlanConfig, dict[str, float]]:
+    """The fastest of bucket `m`'s candidates over `layers`' weights (ties: the first, cuBLAS
+    before Triton), and every candidate's time."""
+    cands = candidates(m)
+    us = [timer(layers, m, silu_mul, c) for c in cands]
     return cands[us.index(min(us))], {str(c): t for c, t in zip(cands, us)}
 
 
 @torch.inference_mode()
-def tune_decode_gemv_(models: list[nn.Module]) -> list[dict]:
+def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> list[dict]:
     """Turn the models' nn.Linear layers into DecodeLinear (all cuBLAS), then time and plan each
-    weight shape; returns the timings (one row per shape, bucket and kind)."""
+    weight shape and row bucket; returns the timings (one row per shape, bucket and kind).
+    `timer`: None times CUDA weights in CUDA graphs (plans cached per process in _PLANS); a
+    given one plans weights on any device (tests) and caches nothing."""
     from specserve.models.layers import MLP
 
+    t0 = time.perf_counter()
     for m in models:
         use_decode_gemv_(m, config=None)
     gate_up = {id(mod.gate_up_proj) for m in models for mod in m.modules() if isinstance(mod, MLP)}
     groups: dict[tuple, list[DecodeLinear]] = {}
     for m in models:
         for lin in m.modules():
-            if isinstance(lin, DecodeLinear) and lin.weight.is_cuda:
+            if isinstance(lin, DecodeLinear) and (lin.weight.is_cuda or timer is not None):
                 w = lin.weight
                 key = (tuple(w.shape), w.dtype, lin.bias is not None, id(lin) in gate_up)
                 groups.setdefault(key, []).append(lin)
@@ -105,14 +142,22 @@ def tune_decode_gemv_(models: list[nn.Module]) -> list[dict]:
         dev = layers[0].weight.device
         for silu_mul in (False, True) if is_gate_up else (False,):
             for b in TUNED_BUCKETS:
-                pkey = (dev, group, len(layers), silu_mul, b, CANDIDATES)
-                if pkey not in _PLANS:
-                    _PLANS[pkey] = _fastest(layers, b, silu_mul)
-                cfg, times = _PLANS[pkey]
+                if timer is not None:
+                    cfg, times = fastest(layers, b, silu_mul, timer)
+                else:
+                    pkey = (dev, group, len(layers), silu_mul, b, candidates(b))
+                    if pkey not in _PLANS:
+                        _PLANS[pkey] = fastest(layers, b, silu_mul)
+                    cfg, times = _PLANS[pkey]
                 for lin in layers:
                     (lin.silu_plan if silu_mul else lin.plan)[b] = cfg
                 report.append(
                     {"shape": shape, "layers": len(layers), "rows": b, "silu_mul": silu_mul}
                     | {"choice": str(cfg), "us": times}
                 )
+    logger.info(
+        "decode_matmul=auto: planned %d (shape, rows) in %.1f s",
+        len(report),
+        time.perf_counter() - t0,
+    )
     return report

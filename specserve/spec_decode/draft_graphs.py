@@ -21,6 +21,7 @@ or min-p for probabilistic drafting falls back to the eager loop.
 from __future__ import annotations
 
 import gc
+import weakref
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,8 @@ class DraftGraphRunner:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"draft_graph_mode must be one of {', '.join(MODES)}, got {mode!r}")
-        self.runner, self.spec, self.target = runner, spec, target
+        # A weak proxy to the runner, which holds this object (see CudaGraphRunner.__init__).
+        self.runner, self.spec, self.target = weakref.proxy(runner), spec, target
         can_fuse = runner.backend.supports_inplace_advance and getattr(
             spec, "advance_draft_positions", False
         )

@@ -12,6 +12,7 @@ Padded rows are inert: slot -1 (KV goes to the null block), outputs ignored.
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,7 +51,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+        # NOTE: a weak proxy: the runner holds this object, and a strong reference back would make
+        # a cycle that only the garbage collector frees, so `del llm` would leave the KV cache
+        # and the graphs' memory pool allocated until some later collection.
+        self.runner = weakref.proxy(runner)
         self.sizes = capture_sizes(runner.config.max_num_seqs)
         max_b = self.sizes[-1]
         self.query_lens = graph_query_lens(runner.config.spec)

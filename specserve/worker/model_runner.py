@@ -135,6 +135,14 @@ class ModelRunner:
                     self, speculator, self.cudagraphs, config.draft_graph_mode
                 )
 
+    def close(self) -> None:
+        """Drop the captured graphs (and with them their private memory pool), the KV cache and
+        the persistent request buffers now, whoever still holds the runner; it is unusable
+        afterwards. `del llm` frees the same without it (no reference cycles)."""
+        self.draft_graphs = None
+        self.cudagraphs = None
+        self.kv_caches = []
+
     # ---- KV cache -------------------------------------------------------------------------
     def attention_layers(self) -> list[torch.nn.Module]:
         from specserve.models.layers import KVCacheLayer
