@@ -20,9 +20,6 @@ one process, each configuration caught on its own (an OOM or error is a table ro
     python benchmarks/moe_decode.py            # < 9 min on one H100; $OUT/moe_decode.json
     python benchmarks/moe_decode.py --quick    # batch 1 only, fewer steps and graphs
     python benchmarks/moe_decode.py --cpu-smoke  # tiny shapes on the CPU: the code paths only
-    python benchmarks/moe_decode.py --timeline --models qwen3
-        # then stop: one model's batch-1 device timeline, the captured step's kernels by time
-        # and count (decode.py --timeline); $OUT/moe_timeline.json
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode import copy_bandwidth, time_graph, timeline, write_config  # noqa: E402
+from decode import copy_bandwidth, time_graph, write_config  # noqa: E402
 from spec_step import EAGLE3_HEAD, measure  # noqa: E402
 
 # Published config.json of Qwen/Qwen3-30B-A3B (the keys specserve and transformers read).
@@ -134,6 +131,8 @@ PROMPT_LEN = 128
 # less left of --budget-s is skipped and says so.
 MIN_CASE_S = 60
 TARGET = 0.75  # issue 18: batch-1 decode at >= 75% of the active-weight floor
+# MXFP4 (gpt-oss checkpoints): 4-bit values and one 8-bit scale per 32 of them.
+MXFP4_BITS = 4.25
 
 
 def log(msg: str) -> None:
@@ -185,18 +184,24 @@ def expected_distinct(num_experts: int, top_k: int, batch: int) -> float:
 def step_bytes(model: nn.Module, batch: int, context: int) -> dict[str, float]:
     """Bytes one decode step of `batch` requests at `context` tokens each must read: every
     parameter but the routed experts and the embedding table, the routed experts the batch
-    chose (expected distinct ones per layer), one embedding row a token and the KV."""
+    chose (expected distinct ones per layer, biases included), one embedding row a token and
+    the KV. `routed_experts_mxfp4` / `total_mxfp4`: the same with the expert matrices at
+    MXFP4's 4.25 bits a weight (biases as loaded), gpt-oss's checkpoint format."""
     from specserve.models.layers import Attention
     from specserve.models.moe import SparseMoE
 
     routed: set[int] = set()
-    experts = 0.0
+    experts = experts_mxfp4 = 0.0
     for m in model.modules():
         if isinstance(m, SparseMoE):
-            w13, w2 = m.experts.w13, m.experts.w2
-            routed |= {id(w13), id(w2)}
-            per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-            experts += expected_distinct(w13.shape[0], m.gate.m.top_k, batch) * per_expert
+            e = m.experts
+            biases = [b for b in (e.w13_bias, e.w2_bias) if b is not None]
+            routed |= {id(t) for t in (e.w13, e.w2, *biases)}
+            matrix = e.w13[0].numel() + e.w2[0].numel()
+            bias = sum(b[0].numel() * b.element_size() for b in biases)
+            n = expected_distinct(e.w13.shape[0], m.gate.m.top_k, batch)
+            experts += n * (matrix * e.w13.element_size() + bias)
+            experts_mxfp4 += n * (matrix * MXFP4_BITS / 8 + bias)
     embed = model.model.embed_tokens.weight  # type: ignore[union-attr]
     tied = embed is model.lm_head.weight  # type: ignore[union-attr]
     weights = sum(
@@ -217,6 +222,8 @@ def step_bytes(model: nn.Module, batch: int, context: int) -> dict[str, float]:
         "embed_rows": rows,
         "kv": kv,
         "total": weights + experts + rows + kv,
+        "routed_experts_mxfp4": experts_mxfp4,
+        "total_mxfp4": weights + experts_mxfp4 + rows + kv,
     }
 
 
@@ -369,6 +376,7 @@ def add_floors(result: dict, bw: float | None) -> None:
             r["pct_of_floor"] = r["floor_ms"] / r["ms_per_step"] if bw else None
             g = r["graph_ms"]
             r["graph_pct_of_floor"] = r["floor_ms"] / g if bw and g else None
+            r["floor_mxfp4_ms"] = 1e3 * r["bytes"]["total_mxfp4"] / bw if bw else None
 
 
 def _pct(x: float | None) -> str:
@@ -379,15 +387,18 @@ def _ms(x: float | None) -> str:
     return f"{x:.2f}" if x else "-"
 
 
-def print_tables(result: dict) -> None:
+def print_plain_table(result: dict, mxfp4: bool = False) -> None:
+    """Plain decode per model and batch against the floor; `mxfp4`: with the floor the step
+    would have with the experts read at MXFP4's 4.25 bits."""
     bw = result["copy_bandwidth_GBs"]
     print(f"\n{result['device']}; copy bandwidth {_ms(bw)} GB/s (read + write, best of before")
     print("and after the engines); engine defaults (async scheduling, CUDA graphs)")
     for note in result["notes"]:
         print(note)
+    extra = f" {'mxfp4 fl':>9} {'of it':>7}" if mxfp4 else ""
     print(
         f"\n{'model':>14} {'B':>3} {'floor ms':>9} {'step ms':>8} {'of floor':>9} "
-        f"{'graph ms':>9} {'of floor':>9} {'tok/s':>8} {'GB/step':>8} {'experts':>8}"
+        f"{'graph ms':>9} {'of floor':>9} {'tok/s':>8} {'GB/step':>8} {'experts':>8}" + extra
     )
     for m in result["models"]:
         p = m["plain"]
@@ -395,13 +406,19 @@ def print_tables(result: dict) -> None:
             print(f"{m['name']:>14} {'':>3} {p['status']}")
             continue
         for r in p["rows"]:
+            fl = r.get("floor_mxfp4_ms")
+            of_it = _pct(fl / r["ms_per_step"]) if fl else "-"
             print(
                 f"{m['name']:>14} {r['batch']:>3} {_ms(r['floor_ms']):>9} "
                 f"{r['ms_per_step']:>8.2f} {_pct(r['pct_of_floor']):>9} "
                 f"{_ms(r['graph_ms']):>9} {_pct(r['graph_pct_of_floor']):>9} "
                 f"{r['tok_s']:>8.0f} {r['bytes']['total'] / 1e9:>8.2f} "
-                f"{r['experts_per_layer']:>8.1f}"
+                f"{r['experts_per_layer']:>8.1f}" + (f" {_ms(fl):>9} {of_it:>7}" if mxfp4 else "")
             )
+
+
+def print_spec_table(result: dict) -> None:
+    """Speculative step cost per model, drafter, K and batch against the plain step."""
     print(f"(experts: routed experts read per MoE layer; acceptance {result['acceptance']}:")
     print(" tokens/step and speedup = plain ms x tokens/step / spec ms are at that rate)")
     print(
@@ -423,13 +440,17 @@ def print_tables(result: dict) -> None:
                     f"{_ms(p):>9} {r['ms_per_step']:>8.2f} {ratio:>8} "
                     f"{r['draft_ms']:>9.2f} {r['tokens_per_step']:>12.2f} {speedup:>8}"
                 )
+
+
+def print_verdicts(result: dict, target: float = TARGET) -> None:
+    """Batch-1 decode against the floor's target, and the greedy check, per model."""
     for m in result["models"]:
         r1 = next((r for r in m["plain"].get("rows", []) if r["batch"] == 1), None)
         if r1 and r1["pct_of_floor"]:
-            verdict = "meets" if r1["pct_of_floor"] >= TARGET else "SHORT of"
+            verdict = "meets" if r1["pct_of_floor"] >= target else "SHORT of"
             print(
                 f"{m['name']}: batch-1 decode at {_pct(r1['pct_of_floor'])} of the active-weight "
-                f"floor, {verdict} the {100 * TARGET:.0f}% target"
+                f"floor, {verdict} the {100 * target:.0f}% target"
             )
     what = "CUDA graphs == eager" if result["device"] != "cpu" else "eager == eager (CPU)"
     for m in result["models"]:
@@ -437,47 +458,30 @@ def print_tables(result: dict) -> None:
         print(f"check {m['name']}: greedy {what}: {c.get('check', c['status'])}")
 
 
-def run_timelines(plans: dict, args: argparse.Namespace, out_dir: str) -> None:
-    """decode.py's batch-1 timeline of each model: where the captured step's time goes, by
-    kernel (end-to-end time and launches a step); $OUT/moe_timeline.json."""
-    out = {}
-    for key in args.models.split(","):
-        name, cfg, _, _ = plans[key]
-        model_dir = write_config(cfg, tempfile.mkdtemp(prefix="moe-dummy-"))
-        log(f"{name} timeline: start")
-        out[name] = timeline(
-            model_dir, PROMPT_LEN, steps=args.steps, rows=40, gpu_memory_utilization=0.95
-        )
-        free_memory()
-    with open(os.path.join(out_dir, "moe_timeline.json"), "w") as f:
-        json.dump(out, f, indent=1)
+def print_tables(result: dict) -> None:
+    print_plain_table(result)
+    print_spec_table(result)
+    print_verdicts(result)
 
 
-def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_args(ap: argparse.ArgumentParser, budget_s: float = 440.0) -> None:
+    """The flags every MoE decode benchmark shares (this script, gpt_oss_decode.py)."""
     ap.add_argument("--quick", action="store_true", help="batch 1 only, 12 steps a timing")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU")
-    ap.add_argument("--models", default="qwen3,glm", help="qwen3 and/or glm")
     ap.add_argument("--batches", default=None, help="plain decode batches (default 1,16,64)")
     ap.add_argument("--spec-batches", default=None, help="speculative batches (default 1,16)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 24)")
-    ap.add_argument("--glm-layers", type=int, default=None, help="default: as many as fit")
     ap.add_argument(
         "--budget-s",
         type=float,
-        default=440.0,
-        help="seconds after start past which no configuration starts (default 440: the run "
-        "ends inside 9 minutes)",
+        default=budget_s,
+        help=f"seconds after start past which no configuration starts (default {budget_s:.0f})",
     )
-    ap.add_argument(
-        "--timeline",
-        action="store_true",
-        help="batch-1 device timeline of each model (kernels of the captured step), then stop",
-    )
-    args = ap.parse_args()
+
+
+def finish_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The settings `common_args`' flags imply (device, dtype, steps, deadline, ...)."""
     quick, smoke = args.quick, args.cpu_smoke
-    if args.timeline and smoke:
-        ap.error("--timeline profiles CUDA kernels: drop --cpu-smoke")
     args.batches = [int(x) for x in (args.batches or ("1" if quick else "1,16,64")).split(",")]
     default_spec = "1" if quick else "1,16"
     args.spec_batches = [int(x) for x in (args.spec_batches or default_spec).split(",")]
@@ -487,54 +491,42 @@ def parse_args() -> argparse.Namespace:
     args.dtype = "float32" if smoke else "bfloat16"
     args.min_s = 0.0 if smoke else MIN_CASE_S
     args.deadline = T0 + args.budget_s
+    return args
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(ap)
+    ap.add_argument("--models", default="qwen3,glm", help="qwen3 and/or glm")
+    ap.add_argument("--glm-layers", type=int, default=None, help="default: as many as fit")
+    args = finish_args(ap.parse_args())
     unknown = set(args.models.split(",")) - {"qwen3", "glm"}
     if unknown:
         ap.error(f"--models: unknown {', '.join(sorted(unknown))} (choose qwen3 and/or glm)")
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    out_dir = os.environ.get("OUT", "./out")
-    os.makedirs(out_dir, exist_ok=True)
+# (name, config, [(drafter label, speculative_config)], config key of the expert count)
+Plan = tuple[str, dict, list[tuple[str, dict]], str]
+
+
+def start(args: argparse.Namespace) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu-smoke for the CPU code paths")
     torch.backends.cuda.matmul.allow_tf32 = True
-    smoke = args.cpu_smoke
-    qwen = tiny(QWEN3_30B_A3B, "num_experts") if smoke else dict(QWEN3_30B_A3B)
-    glm = tiny(GLM45_AIR, "n_routed_experts") if smoke else dict(GLM45_AIR)
-    head = tiny(QWEN3_MOE_EAGLE3) if smoke else dict(QWEN3_MOE_EAGLE3)
-    notes = []
-    if not smoke:
-        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-        n, note = fit_glm_layers(glm, gpu_bytes)
-        if args.glm_layers:
-            n, note = args.glm_layers, f"{args.glm_layers} of 46 layers (--glm-layers)"
-        glm["num_hidden_layers"] = n
-        notes.append(f"GLM-4.5-Air shape: {note}")
-    else:
-        notes.append("--cpu-smoke: tiny shapes on the CPU (float32); times are not meaningful")
-    notes.append(
-        "floor at batch B: routed experts read = expected distinct experts under uniform "
-        "random routing, E * (1 - (1 - k/E)^B) a layer (dummy routers are near uniform)"
-    )
-    log(f"device {args.device}; {'; '.join(notes[:1])}")
-    bw_before = copy_bandwidth() if args.device == "cuda" else None
-    head_dir = write_config(head, tempfile.mkdtemp(prefix="qwen3-moe-eagle3-"))
-    plans = {
-        "qwen3": (
-            "Qwen3-30B-A3B",
-            qwen,
-            [("eagle3", {"method": "eagle3", "model": head_dir, "num_speculative_tokens": 3})],
-            "num_experts",
-        ),
-        "glm": (
-            "GLM-4.5-Air",
-            glm,
-            [("mtp", {"method": "mtp", "num_speculative_tokens": k}) for k in (1, 3)],
-            "n_routed_experts",
-        ),
-    }
+
+
+def run_plans(
+    args: argparse.Namespace,
+    plans: list[Plan],
+    notes: list[str],
+    json_name: str,
+    bw_before: float | None,
+) -> dict:
+    """Every plan's configurations (run_model), the JSON under $OUT saved after each, the copy
+    bandwidth measured again at the end; the result."""
+    out_dir = os.environ.get("OUT", "./out")
+    os.makedirs(out_dir, exist_ok=True)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -545,18 +537,14 @@ def main() -> None:
         "notes": notes,
         "models": [],
     }
-    path = os.path.join(out_dir, "moe_decode.json")
+    path = os.path.join(out_dir, json_name)
 
     def save() -> None:  # after every configuration: a run cut off keeps what it measured
         add_floors(result, bw_before)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    if args.timeline:
-        run_timelines(plans, args, out_dir)
-        return
-    for key in args.models.split(","):
-        name, cfg, specs, experts_key = plans[key]
+    for name, cfg, specs, experts_key in plans:
         res = {
             "name": name,
             "layers": cfg["num_hidden_layers"],
@@ -579,7 +567,49 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     log(f"wrote {path}")
-    print_tables(result)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    start(args)
+    smoke = args.cpu_smoke
+    qwen = tiny(QWEN3_30B_A3B, "num_experts") if smoke else dict(QWEN3_30B_A3B)
+    glm = tiny(GLM45_AIR, "n_routed_experts") if smoke else dict(GLM45_AIR)
+    head = tiny(QWEN3_MOE_EAGLE3) if smoke else dict(QWEN3_MOE_EAGLE3)
+    notes = []
+    if not smoke:
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory
+        n, note = fit_glm_layers(glm, gpu_bytes)
+        if args.glm_layers:
+            n, note = args.glm_layers, f"{args.glm_layers} of 46 layers (--glm-layers)"
+        glm["num_hidden_layers"] = n
+        notes.append(f"GLM-4.5-Air shape: {note}")
+    else:
+        notes.append("--cpu-smoke: tiny shapes on the CPU (float32); times are not meaningful")
+    notes.append(
+        "floor at batch B: routed experts read = expected distinct experts under uniform "
+        "random routing, E * (1 - (1 - k/E)^B) a layer (dummy routers are near uniform)"
+    )
+    log(f"device {args.device}; {'; '.join(notes[:1])}")
+    bw_before = copy_bandwidth() if args.device == "cuda" else None
+    head_dir = write_config(head, tempfile.mkdtemp(prefix="qwen3-moe-eagle3-"))
+    plans: dict[str, Plan] = {
+        "qwen3": (
+            "Qwen3-30B-A3B",
+            qwen,
+            [("eagle3", {"method": "eagle3", "model": head_dir, "num_speculative_tokens": 3})],
+            "num_experts",
+        ),
+        "glm": (
+            "GLM-4.5-Air",
+            glm,
+            [("mtp", {"method": "mtp", "num_speculative_tokens": k}) for k in (1, 3)],
+            "n_routed_experts",
+        ),
+    }
+    chosen = [plans[key] for key in args.models.split(",")]
+    print_tables(run_plans(args, chosen, notes, "moe_decode.json", bw_before))
 
 
 if __name__ == "__main__":

@@ -65,3 +65,50 @@ def test_cpu_smoke_runs_every_configuration(tmp_path) -> None:
             assert [r["batch"] for r in s["rows"]] == [1, 16]
             # Synthetic acceptance: between 1 (all rejected) and K + 1 tokens a step.
             assert all(1.0 <= r["tokens_per_step"] <= s["k"] + 1 for r in s["rows"])
+
+
+def test_step_bytes_gpt_oss_biases_and_mxfp4(tmp_path) -> None:
+    """gpt-oss: the chosen experts' biases count with them; at MXFP4 the expert matrices take
+    4.25 bits a weight, the biases stay as loaded."""
+    from specserve.models.registry import load_model
+
+    mod = _script()
+    path = os.path.join(ROOT, "benchmarks", "gpt_oss_decode.py")
+    spec = importlib.util.spec_from_file_location("gpt_oss_decode", path)
+    oss = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(oss)  # type: ignore[union-attr]
+    cfg = oss.with_layers({**oss.GPT_OSS_20B, **oss.TINY}, 2)  # H 64, I 32, 8 experts, top-2
+    mod.write_config(cfg, str(tmp_path))
+    model, _ = load_model(str(tmp_path), torch.float32, torch.device("cpu"), 64, "dummy")
+    matrix, bias = 3 * 64 * 32, 2 * 32 + 64  # w13 + w2; w13_bias [2I] + w2_bias [H]
+    b = mod.step_bytes(model, 1, 10)
+    assert b["routed_experts"] == 2 * 2 * 4 * (matrix + bias)  # 2 layers x top-2, float32
+    assert b["routed_experts_mxfp4"] == 2 * 2 * (matrix * 4.25 / 8 + 4 * bias)
+    assert b["total"] - b["total_mxfp4"] == b["routed_experts"] - b["routed_experts_mxfp4"]
+    # Sinks and every bias got random values from the dummy loader (not left at zero/empty).
+    for name, p in model.named_parameters():
+        if name.endswith(("sinks", "_bias", "gate.bias")):
+            assert (p != 0).all() and p.unique().numel() == p.numel(), name
+
+
+def test_gpt_oss_cpu_smoke(tmp_path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "gpt_oss_decode.py"), "--cpu-smoke"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "mxfp4 fl" in proc.stdout
+    result = json.load(open(tmp_path / "gpt_oss_decode.json"))
+    assert [m["name"] for m in result["models"]] == ["gpt-oss-20b", "gpt-oss-120b"]
+    for m in result["models"]:
+        assert m["config"]["layer_types"] == ["sliding_attention", "full_attention"]
+        assert m["plain"]["status"] == "ok" and m["check"]["check"] == "OK"
+        assert [r["batch"] for r in m["plain"]["rows"]] == [1, 16, 64]
+        assert all(r["bytes"]["total_mxfp4"] < r["bytes"]["total"] for r in m["plain"]["rows"])
+        assert [(s["drafter"], s["k"]) for s in m["spec"]] == [
+            ("eagle3", 3),
+            ("ptd", 3),
+            ("ptd", 8),
+        ]
+        for s in m["spec"]:
+            assert s["status"] == "ok", s
+            assert all(1.0 <= r["tokens_per_step"] <= s["k"] + 1 for r in s["rows"])

@@ -1,9 +1,9 @@
 """fused_moe's Triton kernels (ops/moe_triton.py) against the torch reference (ops/moe.py).
 
 Interpreter tests (TRITON_INTERPRET=1 pytest -m interpret) run the kernels on CPU tensors at
-tiny shapes; GPU tests (-m gpu) at Qwen3-30B-A3B's expert shapes and inside a CUDA graph; the
-sm_90 compile test runs everywhere triton is installed (the interpreter accepts code the
-compiler rejects).
+tiny shapes; GPU tests (-m gpu) at Qwen3-30B-A3B's and gpt-oss-20b's expert shapes and inside a
+CUDA graph; the sm_90 compile test runs everywhere triton is installed (the interpreter accepts
+code the compiler rejects).
 """
 
 from __future__ import annotations
@@ -100,6 +100,65 @@ def test_moe_triton_matches_reference(T: int, routing: str, path: str, dtype: to
 
     args = make_moe(T, E=8, H=64, inter=32, top_k=2, dtype=dtype, routing=routing, seed=T)
     _check(fused_moe_triton(*args, path=path), fused_moe_ref(*args))
+
+
+def make_oai_kw(
+    E: int,
+    H: int,
+    inter: int,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    seed: int = 0,
+    limit: float = 0.8,
+    bias: bool = True,
+    activation: str = "swiglu_oai",
+) -> dict:
+    """gpt-oss's expert extras: biases [E, 2I] and [E, H] (scaled like the products, so they
+    matter) and the clamped SwiGLU. The small default limit makes both clamps bite at random
+    weights (gpt-oss's 7.0 would never clamp a unit-scale product)."""
+    g = torch.Generator(device).manual_seed(seed + 100)
+    kw: dict = dict(activation=activation, alpha=1.702, limit=limit)
+    if bias:
+        kw["w13_bias"] = torch.randn(E, 2 * inter, generator=g, device=device).to(dtype)
+        kw["w2_bias"] = (0.5 * torch.randn(E, H, generator=g, device=device)).to(dtype)
+    return kw
+
+
+# (T, path, bias, activation): decode and GEMM paths; biases with each activation, and
+# swiglu_oai without biases.
+OAI_CASES = [
+    (1, "auto", True, "swiglu_oai"),
+    (5, "decode", True, "swiglu_oai"),
+    (37, "gemm", True, "swiglu_oai"),
+    (3, "decode", False, "swiglu_oai"),
+    (3, "gemm", True, "silu"),
+    (6, "decode", True, "silu"),
+]
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, path, bias, activation", OAI_CASES)
+def test_moe_triton_gpt_oss_experts(
+    T: int, path: str, bias: bool, activation: str, dtype: torch.dtype
+) -> None:
+    """Biases and the clamped SwiGLU (gpt-oss) in the decode and GEMM kernels == reference,
+    with the clamps active (some gate products above the limit, some up products outside
+    +-limit)."""
+    from specserve.ops.moe_triton import Epilogue, fused_moe_triton
+
+    args = make_moe(T, E=8, H=64, inter=32, top_k=2, dtype=dtype, seed=T)
+    kw = make_oai_kw(8, 64, 32, dtype, seed=T, bias=bias, activation=activation)
+    x, w13, *_ = args
+    gate_up = x.float() @ w13.float()[0].T
+    assert (gate_up > 0.8).any() and (gate_up < -0.8).any()  # the clamps have work
+    out = fused_moe_triton(*args, path=path, epilogue=Epilogue(**kw))
+    ref = fused_moe_ref(*args, **kw)
+    _check(out, ref)
+    # The extras changed the result: a kernel ignoring them would fail.
+    assert (fused_moe_ref(*args).float() - ref.float()).norm() > 0.1 * ref.float().norm()
 
 
 @pytest.mark.interpret
@@ -221,37 +280,55 @@ def _compile(
 def test_moe_kernels_compile_for_sm90() -> None:
     """Every kernel compiles for sm_90 without spills at the configs the real shapes use; the
     grouped GEMM runs on tensor cores; the decode kernels wait for their predecessor and
-    trigger their successor under PDL, and emit no PDL code without it."""
+    trigger their successor under PDL, and emit no PDL code without it. gpt-oss's epilogue
+    (biases, swiglu_oai) compiles the same way, and the plain SiLU kernels carry none of it."""
     pytest.importorskip("triton")
     from specserve.ops import moe_triton as mt
 
+    silu = mt.PLAIN.consts()
+    oai = mt.Epilogue(activation="swiglu_oai").consts()
     _compile(mt._moe_align_kernel, dict(BLOCK_E=128, BLOCK_P=1024, BLOCK_M=16))
     _compile(mt._moe_sum_kernel, dict(BLOCK_TOPK=8, BLOCK_H=1024))
-    # gate_up (SILU_MUL) at every token density in 16 and 32 bits, down at the extremes: fits
-    # the H100's shared memory (227 KB a block), runs on tensor cores where 16-bit.
+    # gate_up at every token density in 16 and 32 bits, down at the extremes: fits the H100's
+    # shared memory (227 KB a block), runs on tensor cores where 16-bit. gpt-oss (bias +
+    # swiglu_oai on gate_up, bias on down) at the densities it decodes and verifies at.
     gemm_cases = [
-        (silu, per_expert, dtype)
+        (gate_up, per_expert, dtype, False)
         for per_expert in (1, 16, 1000)
         for dtype in ("bf16", "fp32")
-        for silu in (True, False)
-        if silu or (dtype == "bf16" and per_expert != 16)
+        for gate_up in (True, False)
+        if gate_up or (dtype == "bf16" and per_expert != 16)
     ]
-    for silu, per_expert, dtype in gemm_cases:
+    gemm_cases += [(g, pe, "bf16", True) for g, pe, dt, _ in gemm_cases if dt == "bf16"]
+    plain_ptx = {}
+    for gate_up, per_expert, dtype, gpt_oss in gemm_cases:
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         bm, bn, bk, group, warps, stages = mt.gemm_config(per_expert * 8, 8, torch_dtype)
-        consts = dict(SILU_MUL=silu, MUL_WEIGHT=not silu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-        consts.update(GROUP_M=group, DOT_PRECISION="tf32" if dtype == "bf16" else "ieee")
-        types = {name: f"*{dtype}" for name in ("a_ptr", "w_ptr", "c_ptr")}
+        consts = dict(GATE_UP=gate_up, MUL_WEIGHT=not gate_up, HAS_BIAS=gpt_oss)
+        consts.update(oai if gpt_oss and gate_up else silu)
+        consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group)
+        consts.update(DOT_PRECISION="tf32" if dtype == "bf16" else "ieee")
+        types = {name: f"*{dtype}" for name in ("a_ptr", "w_ptr", "b_ptr", "c_ptr")}
         out: list = []
         ptx = _compile(mt._moe_gemm_kernel, consts, warps, stages, types, out)
         assert out[0].metadata.shared <= 227 * 1024, (consts, out[0].metadata.shared)
         if dtype == "bf16":
             assert ("wgmma" if bm >= 64 else "mma.sync") in ptx
-    for kernel, (bn, bk, warps), extra in (
-        (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, {}),
-        (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, dict(BLOCK_TOPK=8, PRELOAD=False)),
-        (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, dict(BLOCK_TOPK=8, PRELOAD=True)),
-    ):
+            key = (gate_up, per_expert)
+            if gpt_oss:  # the extras are there: more loads (biases), more math (clamps)
+                assert ptx.count("ld.global") > plain_ptx[key].count("ld.global")
+                assert (ptx.count("min.f32") > plain_ptx[key].count("min.f32")) == gate_up
+            else:
+                plain_ptx[key] = ptx
+    decode_cases = [
+        (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, dict(HAS_BIAS=False, **silu)),
+        (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, dict(HAS_BIAS=True, **oai)),
+    ] + [
+        (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, dict(BLOCK_TOPK=8, **extra))
+        for bias in (False, True)
+        for extra in (dict(PRELOAD=False, HAS_BIAS=bias), dict(PRELOAD=True, HAS_BIAS=bias))
+    ]
+    for kernel, (bn, bk, warps), extra in decode_cases:
         preload = extra.get("PRELOAD", False)
         for pdl in (True, False) if not preload else (True,):  # preloading is a PDL launch
             ptx = _compile(kernel, dict(BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, **extra), warps)
@@ -289,25 +366,45 @@ def test_moe_gpu_dtypes(dtype: torch.dtype) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("T", [4, 96])
-def test_moe_cuda_graph_replay(T: int) -> None:
-    """fused_moe captures into a CUDA graph (no host sync, fixed shapes) and a replay over new
-    inputs copied in place equals the eager call bit for bit."""
-    x, w13, w2, tw, ids = make_moe(T, 32, 512, 256, 4, torch.bfloat16, device="cuda", seed=1)
+@pytest.mark.parametrize("T", [1, 4, 8, 64, 512])
+def test_moe_gpu_gpt_oss_20b_shape(T: int) -> None:
+    """bf16 at gpt-oss-20b's experts (H=I=2880: tiles overhang K, E=32, top-4) with biases and
+    swiglu_oai (limit 2: the clamps bite at unit-scale products): the default path and, up to
+    64 tokens, the other one too."""
+    E, H, inter = 32, 2880, 2880
+    args = make_moe(T, E, H, inter, 4, torch.bfloat16, device="cuda", seed=T)
+    kw = make_oai_kw(E, H, inter, torch.bfloat16, device="cuda", seed=T, limit=2.0)
     with torch.inference_mode():
-        fused_moe(x, w13, w2, tw, ids)  # compile outside the capture
+        ref = fused_moe_ref(*args, **kw)
+        _check(fused_moe(*args, **kw), ref)
+        if T <= 64:
+            _check(fused_moe(*args, **kw, path="decode" if T > 8 else "gemm"), ref)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("gpt_oss", [False, True])
+@pytest.mark.parametrize("T", [4, 96])
+def test_moe_cuda_graph_replay(T: int, gpt_oss: bool) -> None:
+    """fused_moe captures into a CUDA graph (no host sync, fixed shapes) and a replay over new
+    inputs copied in place equals the eager call bit for bit; gpt-oss's experts (biases,
+    swiglu_oai) too."""
+    x, w13, w2, tw, ids = make_moe(T, 32, 512, 256, 4, torch.bfloat16, device="cuda", seed=1)
+    kw = make_oai_kw(32, 512, 256, torch.bfloat16, "cuda", limit=2.0) if gpt_oss else {}
+    with torch.inference_mode():
+        fused_moe(x, w13, w2, tw, ids, **kw)  # compile outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = fused_moe(x, w13, w2, tw, ids)
+            out = fused_moe(x, w13, w2, tw, ids, **kw)
         for seed in (2, 3):
             x2, _, _, tw2, ids2 = make_moe(T, 32, 512, 256, 4, torch.bfloat16, "cuda", seed=seed)
             x.copy_(x2)
             tw.copy_(tw2)
             ids.copy_(ids2)
             graph.replay()
-            eager = fused_moe(x, w13, w2, tw, ids)
+            eager = fused_moe(x, w13, w2, tw, ids, **kw)
             assert torch.equal(out, eager)
-            _check(out, fused_moe_ref(x, w13, w2, tw, ids))
+            _check(out, fused_moe_ref(x, w13, w2, tw, ids, **kw))
 
 
 @pytest.mark.gpu

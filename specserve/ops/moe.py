@@ -9,9 +9,9 @@ choice (`topk_ids`, `topk_weights`) and runs the chosen SwiGLU experts:
 kernels for a few tokens, a grouped GEMM over expert-sorted pairs above) and to `fused_moe_ref`
 elsewhere; the reference is what CPU and interpreter tests compare the kernels against.
 
-gpt-oss experts (keyword arguments, reference only for now): biases on both projections
-(`w13_bias`, `w2_bias`) and activation "swiglu_oai", the clamped SwiGLU of transformers'
-GptOssExperts._apply_gate:
+gpt-oss experts (keyword arguments; the Triton kernels take them as constexpr switches):
+biases on both projections (`w13_bias`, `w2_bias`) and activation "swiglu_oai", the clamped
+SwiGLU of transformers' GptOssExperts._apply_gate:
     gate = min(gate, limit); up = clamp(up, -limit, limit)
     act  = (up + 1) * gate * sigmoid(alpha * gate)
 """
@@ -111,23 +111,22 @@ def fused_moe(
     "gemm"); the reference ignores it."""
     if path not in PATHS:
         raise ValueError(f"fused_moe path must be one of {', '.join(PATHS)}; got {path!r}")
-    if w13_bias is not None or w2_bias is not None or activation != "silu":
-        # NOTE: biases and swiglu_oai (gpt-oss) take the reference, on CUDA too, until the
-        # Triton kernel (ops/moe_triton.py) learns them.
-        return fused_moe_ref(
-            x,
-            w13,
-            w2,
-            topk_weights,
-            topk_ids,
-            w13_bias=w13_bias,
-            w2_bias=w2_bias,
-            activation=activation,
-            alpha=alpha,
-            limit=limit,
-        )
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe activation must be one of {ACTIVATIONS}, got {activation!r}")
     if _use_triton(x):
-        from specserve.ops.moe_triton import fused_moe_triton
+        from specserve.ops.moe_triton import Epilogue, fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, path=path)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        epilogue = Epilogue(w13_bias, w2_bias, activation, alpha, limit)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, path=path, epilogue=epilogue)
+    return fused_moe_ref(
+        x,
+        w13,
+        w2,
+        topk_weights,
+        topk_ids,
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        activation=activation,
+        alpha=alpha,
+        limit=limit,
+    )

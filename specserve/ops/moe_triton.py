@@ -5,7 +5,7 @@ Two paths, chosen by the token count (known on the host, so one captured graph h
 Decode (T <= DECODE_MAX_TOKENS): no sorting, no padding. Decode is a stream of expert weights,
 so the kernels are gemv-like (ops/gemv.py): each program owns a few weight rows and walks K in
 long contiguous tiles, the few activation rows come from L2.
-  `_moe_decode_gate_up_kernel`  program (pair, column block) -> inter[pair] = silu(g) * u
+  `_moe_decode_gate_up_kernel`  program (pair, column block) -> inter[pair] = act(g, u)
   `_moe_decode_down_kernel`     program (token, column block): the token's top_k experts' rows
                                 as one [top_k, BLOCK_N, BLOCK_K] tile a K step, weighted by the
                                 routing weights and summed in registers: the sum over top_k is
@@ -19,17 +19,23 @@ Grouped GEMM (prefill and verification batches):
                        padded to BLOCK_M with the sentinel P, the expert of every BLOCK_M
                        block, and the padded total (vLLM's moe_align_block_size).
   `_moe_gemm_kernel`   per (block, column block): rows gathered through the sorted pair ids,
-                       tl.dot over K with the expert's weights; gate_up with the SiLU-and-mul
+                       tl.dot over K with the expert's weights; gate_up with the activation
                        epilogue -> inter [P, I]; down with the routing weight -> y [P, H].
   `_moe_sum_kernel`    out[t] = sum_j y[t * top_k + j], in fp32.
   Buffers and grids are sized by the worst case, P + min(E, P) * (BLOCK_M - 1) padded rows;
   programs past the padded total (read on the device) return at once: no host sync.
+
+gpt-oss (`Epilogue`): expert biases (HAS_BIAS) are added to the fp32 accumulators, and the
+activation is a constexpr (ACT "silu" or "swiglu_oai" with ALPHA and LIMIT), so the plain SiLU
+kernels compile as they did without them.
 
 Rounding: products accumulate in fp32; inter and y are rounded to the model dtype once each
 (the reference rounds after each linear, so 16-bit results differ by an ulp or so).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -131,10 +137,22 @@ def _moe_align_kernel(
     tl.store(sorted_ids_ptr + pad, tl.zeros([BLOCK_M], dtype=tl.int32) + P, mask=pad < end)
 
 
+@triton.jit
+def _act(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    """The gate_up epilogue on fp32 accumulators: silu(gate) * up, or gpt-oss's clamped SwiGLU
+    ("swiglu_oai", ops/moe.py's formula)."""
+    if ACT == "swiglu_oai":
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        return (up + 1.0) * (gate / (1.0 + tl.exp(-ALPHA * gate)))
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
 @triton.jit(do_not_specialize=["P", "num_pid_m"])
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
+    b_ptr,
     c_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
@@ -148,9 +166,14 @@ def _moe_gemm_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_be,
     stride_cm,
-    SILU_MUL: tl.constexpr,
+    GATE_UP: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -158,8 +181,9 @@ def _moe_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     # c[pair, n] = (a[pair // a_div] @ W[e, n, :]^T) for the pairs of one expert's block.
-    # gate_up: a = x, a_div = top_k, W = w13 and c = silu(gate) * up (columns n and N + n);
-    # down: a = inter, a_div = 1, W = w2, c = routing weight * product.
+    # gate_up: a = x, a_div = top_k, W = w13 and c = act(gate, up) (columns n and N + n);
+    # down: a = inter, a_div = 1, W = w2, c = routing weight * product. HAS_BIAS: + b[e, n]
+    # (and b[e, N + n] on up) before the epilogue (gpt-oss).
     # Grouped order: GROUP_M consecutive blocks share a column block, so the blocks of one
     # expert read its weight tile from L2 after the first.
     pid = tl.program_id(0)
@@ -187,11 +211,16 @@ def _moe_gemm_kernel(
         w_ok = k_ok[:, None] & n_ok[None, :]
         w = tl.load(w_cols + k[:, None], mask=w_ok, other=0.0)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        if SILU_MUL:
+        if GATE_UP:
             w_up = tl.load(w_cols + N * stride_wn + k[:, None], mask=w_ok, other=0.0)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-    if SILU_MUL:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if HAS_BIAS:
+        b_row = b_ptr + expert * stride_be + n
+        acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:
+            acc_up += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATE_UP:
+        acc = _act(acc, acc_up, ACT, ALPHA, LIMIT)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + n[None, :]
@@ -220,6 +249,7 @@ def _moe_sum_kernel(
 def _moe_decode_gate_up_kernel(
     x_ptr,
     w_ptr,
+    b_ptr,
     topk_ids_ptr,
     inter_ptr,
     N,
@@ -229,12 +259,18 @@ def _moe_decode_gate_up_kernel(
     stride_xm,
     stride_we,
     stride_wn,
+    stride_be,
     stride_im,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # inter[pair, n] = silu(W13[e, n] @ x[t]) * (W13[e, N + n] @ x[t]), e = topk_ids[pair].
+    # inter[pair, n] = act(W13[e, n] @ x[t] (+ b13[e, n]), W13[e, N + n] @ x[t] (+ b13[e, N + n])),
+    # e = topk_ids[pair]; act = silu(gate) * up, or swiglu_oai.
     pid = tl.program_id(0)
     pair = pid % P
     n = (pid // P) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -259,7 +295,11 @@ def _moe_decode_gate_up_kernel(
     # After the weight stream, as the dense gemv: the successor takes no SM slots from this
     # kernel's later waves.
     pdl.trigger(PDL)
-    y = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if HAS_BIAS:
+        b_row = b_ptr + expert * stride_be + n
+        acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
+        acc_up += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)
+    y = _act(acc, acc_up, ACT, ALPHA, LIMIT)
     out = inter_ptr + pair.to(tl.int64) * stride_im + n
     tl.store(out, y.to(inter_ptr.dtype.element_ty), mask=n_ok)
 
@@ -274,6 +314,7 @@ def _down_tile(w_rows, rows_ok, k, K):
 def _moe_decode_down_kernel(
     inter_ptr,
     w_ptr,
+    b_ptr,
     topk_ids_ptr,
     topk_w_ptr,
     out_ptr,
@@ -284,14 +325,16 @@ def _moe_decode_down_kernel(
     stride_im,
     stride_we,
     stride_wn,
+    stride_be,
     stride_om,
+    HAS_BIAS: tl.constexpr,
     BLOCK_TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
 ):
-    # out[t, n] = sum_j topk_weights[t, j] * W2[e_j, n] @ inter[t * top_k + j].
+    # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
     # PRELOAD (under PDL): the routing and the first weight tile are loaded before waiting for
     # the gate_up kernel, so this kernel's weight stream starts during gate_up's tail. Safe
     # because the routing was written before gate_up started (it is gate_up's input too) and
@@ -324,6 +367,9 @@ def _moe_decode_down_kernel(
         h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
     pdl.trigger(PDL)
+    if HAS_BIAS:  # [BLOCK_TOPK, BLOCK_N]: the chosen experts' biases
+        b = b_ptr + expert[:, None] * stride_be + n[None, :]
+        acc += tl.load(b, mask=j_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     y = tl.sum(acc * route_w[:, None], axis=0)
     out = out_ptr + t.to(tl.int64) * stride_om + n
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -380,23 +426,59 @@ def moe_align_ref(
     return torch.tensor(sorted_ids, **as_int), torch.tensor(expert_ids, **as_int), len(sorted_ids)
 
 
+@dataclass(frozen=True)
+class Epilogue:
+    """What the experts add to SwiGLU (gpt-oss): biases on both projections and the
+    activation, "silu" or "swiglu_oai" (ops/moe.py). The default is the plain SwiGLU."""
+
+    # [E, 2I] (gate, then up) or None
+    w13_bias: torch.Tensor | None = None
+    # [E, H] or None
+    w2_bias: torch.Tensor | None = None
+    activation: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def consts(self) -> dict:
+        """The gate_up kernels' activation constexprs. NOTE: alpha and limit are compile-time
+        only under swiglu_oai, so the SiLU kernels are one compiled variant whatever they are."""
+        oai = self.activation == "swiglu_oai"
+        return dict(
+            ACT=self.activation,
+            ALPHA=float(self.alpha) if oai else 0.0,
+            LIMIT=float(self.limit) if oai else 0.0,
+        )
+
+
+PLAIN = Epilogue()
+
+
+def _bias_args(b: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(pointer argument, expert stride): a missing bias passes any tensor, never read."""
+    return (dummy, 0) if b is None else (b, b.stride(0))
+
+
 def _gemm(
     a: torch.Tensor,
     w: torch.Tensor,
+    bias: torch.Tensor | None,
     c: torch.Tensor,
     align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     topk_weights: torch.Tensor,
     a_div: int,
-    silu_mul: bool,
+    gate_up: bool,
+    epilogue: Epilogue,
     config: GemmConfig,
 ) -> None:
     block_m, block_n, block_k, group_m, num_warps, num_stages = config
     sorted_ids, expert_ids, num_post_pad = align
     N = c.shape[1]
     num_pid_m = expert_ids.shape[0]
+    b, stride_be = _bias_args(bias, w)
     _moe_gemm_kernel[(num_pid_m * triton.cdiv(N, block_n),)](
         a,
         w,
+        b,
         c,
         sorted_ids,
         expert_ids,
@@ -410,9 +492,12 @@ def _gemm(
         a.stride(0),
         w.stride(0),
         w.stride(1),
+        stride_be,
         c.stride(0),
-        SILU_MUL=silu_mul,
-        MUL_WEIGHT=not silu_mul,
+        GATE_UP=gate_up,
+        MUL_WEIGHT=not gate_up,
+        HAS_BIAS=bias is not None,
+        **(epilogue.consts() if gate_up else PLAIN.consts()),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -430,6 +515,7 @@ def fused_moe_gemm(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: GemmConfig | None = None,
+    epilogue: Epilogue = PLAIN,
 ) -> torch.Tensor:
     """The grouped-GEMM path (any token count); arguments as `fused_moe`."""
     T, top_k = topk_ids.shape
@@ -438,9 +524,9 @@ def fused_moe_gemm(
     config = config or gemm_config(P, E, x.dtype)
     align = moe_align(topk_ids, E, config[0])
     inter = torch.empty(P, two_i // 2, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, inter, align, topk_weights, top_k, True, config)
+    _gemm(x, w13, epilogue.w13_bias, inter, align, topk_weights, top_k, True, epilogue, config)
     y = torch.empty(P, H, dtype=x.dtype, device=x.device)
-    _gemm(inter, w2, y, align, topk_weights, 1, False, config)
+    _gemm(inter, w2, epilogue.w2_bias, y, align, topk_weights, 1, False, epilogue, config)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)  # the sum writes rows of H
     block_h = 1024
     _moe_sum_kernel[(T, triton.cdiv(H, block_h))](
@@ -456,6 +542,7 @@ def fused_moe_decode(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     configs: tuple[DecodeConfig, DecodeConfig] | None = None,
+    epilogue: Epilogue = PLAIN,
 ) -> torch.Tensor:
     """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`."""
     T, top_k = topk_ids.shape
@@ -463,20 +550,60 @@ def fused_moe_decode(
     inter_size, P = two_i // 2, T * top_k
     (gn, gk, gw), (dn, dk, dw) = configs or (DECODE_GATE_UP_CONFIG, DECODE_DOWN_CONFIG)
     kw = pdl.launch_kwargs(x.device)
+    b13, s13 = _bias_args(epilogue.w13_bias, w13)
+    b2, s2 = _bias_args(epilogue.w2_bias, w2)
     inter = torch.empty(P, inter_size, dtype=x.dtype, device=x.device)
     _moe_decode_gate_up_kernel[(P * triton.cdiv(inter_size, gn),)](
-        x, w13, topk_ids, inter, inter_size, H, P, top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
+        HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
         BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, **kw,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     _moe_decode_down_kernel[(T * triton.cdiv(H, dn),)](
-        inter, w2, topk_ids, topk_weights, out, H, inter_size, T, top_k,
-        inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        inter, w2, b2, topk_ids, topk_weights, out, H, inter_size, T, top_k,
+        inter.stride(0), w2.stride(0), w2.stride(1), s2, out.stride(0),
+        HAS_BIAS=epilogue.w2_bias is not None,
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk, num_warps=dw,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, **kw,
     )  # fmt: skip
     return out
+
+
+def _check_shapes(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    epilogue: Epilogue,
+) -> None:
+    T, top_k = topk_ids.shape
+    E, two_i, H = w13.shape
+    b13, b2 = epilogue.w13_bias, epilogue.w2_bias
+    if (
+        x.shape != (T, H)
+        or two_i % 2
+        or w2.shape != (E, H, two_i // 2)
+        or topk_weights.shape != (T, top_k)
+        or (b13 is not None and b13.shape != (E, two_i))
+        or (b2 is not None and b2.shape != (E, H))
+    ):
+        shapes = [x, w13, w2, topk_weights, topk_ids, b13, b2]
+        raise ValueError(
+            "fused_moe takes x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, top_k], "
+            "w13_bias [E, 2I] or None, w2_bias [E, H] or None; got "
+            + ", ".join(str(None if t is None else tuple(t.shape)) for t in shapes)
+        )
+    if epilogue.activation not in ("silu", "swiglu_oai"):
+        raise ValueError(
+            f"fused_moe activation must be silu or swiglu_oai, got {epilogue.activation!r}"
+        )
+
+
+def _last_dim_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    # Loaded weights are contiguous; only a strided last dim would need a (whole) copy.
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
 def fused_moe_triton(
@@ -491,29 +618,18 @@ def fused_moe_triton(
     # [T, top_k]
     topk_ids: torch.Tensor,
     path: str = "auto",
+    epilogue: Epilogue = PLAIN,
 ) -> torch.Tensor:
     """`fused_moe` in Triton; path "auto" (decode kernels up to DECODE_MAX_TOKENS tokens, the
-    grouped GEMM above), "decode" or "gemm"."""
-    T, top_k = topk_ids.shape
-    E, two_i, H = w13.shape
-    if (
-        x.shape != (T, H)
-        or two_i % 2
-        or w2.shape != (E, H, two_i // 2)
-        or topk_weights.shape != (T, top_k)
-    ):
-        raise ValueError(
-            "fused_moe takes x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk [T, top_k]; got "
-            f"{tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}, "
-            f"{tuple(topk_weights.shape)}, {tuple(topk_ids.shape)}"
-        )
+    grouped GEMM above), "decode" or "gemm"; `epilogue` the gpt-oss biases and activation."""
+    _check_shapes(x, w13, w2, topk_weights, topk_ids, epilogue)
+    T = topk_ids.shape[0]
     if T == 0:
         return torch.empty_like(x)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    # Loaded weights are contiguous; only a strided last dim would need a (whole) copy.
-    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    x, w13, w2 = (_last_dim_contiguous(t) for t in (x, w13, w2))
+    b13, b2 = (_last_dim_contiguous(t) for t in (epilogue.w13_bias, epilogue.w2_bias))
+    epilogue = replace(epilogue, w13_bias=b13, w2_bias=b2)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     if path == "decode" or (path == "auto" and T <= DECODE_MAX_TOKENS):
-        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_gemm(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
+    return fused_moe_gemm(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
