@@ -159,19 +159,22 @@ def model_bytes(cfg: dict, num_layers: int) -> int:
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
-def fit_glm_layers(cfg: dict, gpu_bytes: int) -> tuple[int, str]:
-    """The most layers whose weights, plus one more MoE layer for MTP, take <= 72% of the GPU
-    (the rest: KV cache, activations, logits, the CUDA context)."""
+def fit_layers(
+    cfg: dict, gpu_bytes: int, mtp_layers: int = 1, share: float = 0.72
+) -> tuple[int, str]:
+    """The most layers whose weights, plus `mtp_layers` more MoE layers for MTP, take <= `share`
+    of the GPU (the rest: KV cache, activations, logits, the CUDA context)."""
     dense = cfg["first_k_dense_replace"]
     base = model_bytes(cfg, dense + 1)
     per_moe = model_bytes(cfg, dense + 2) - base
-    full = base + (cfg["num_hidden_layers"] - dense) * per_moe
-    n = dense + 1 + int((0.72 * gpu_bytes - base - per_moe) // per_moe)
-    n = max(dense + 1, min(n, cfg["num_hidden_layers"]))
+    total = cfg["num_hidden_layers"]
+    full = base + (total - dense - 1 + mtp_layers) * per_moe
+    n = dense + 1 + int((share * gpu_bytes - base - mtp_layers * per_moe) // per_moe)
+    n = max(dense + 1, min(n, total))
     note = (
-        f"{n} of {cfg['num_hidden_layers']} layers ({dense} dense), + 1 MTP layer: "
-        f"{(base + (n - dense) * per_moe) / 1e9:.0f} GB of bf16 weights (full model with MTP "
-        f"{full / 1e9:.0f} GB; GPU {gpu_bytes / 1e9:.0f} GB)"
+        f"{n} of {total} layers ({dense} dense), + {mtp_layers} MTP layer(s): "
+        f"{(base + (n - dense - 1 + mtp_layers) * per_moe) / 1e9:.0f} GB of bf16 weights (full "
+        f"model with MTP {full / 1e9:.0f} GB; GPU {gpu_bytes / 1e9:.0f} GB)"
     )
     return n, note
 
@@ -187,7 +190,7 @@ def step_bytes(model: nn.Module, batch: int, context: int) -> dict[str, float]:
     chose (expected distinct ones per layer, biases included), one embedding row a token and
     the KV. `routed_experts_mxfp4` / `total_mxfp4`: the same with the expert matrices at
     MXFP4's 4.25 bits a weight (biases as loaded), gpt-oss's checkpoint format."""
-    from specserve.models.layers import Attention
+    from specserve.models.layers import KVCacheLayer
     from specserve.models.moe import SparseMoE
 
     routed: set[int] = set()
@@ -212,9 +215,9 @@ def step_bytes(model: nn.Module, batch: int, context: int) -> dict[str, float]:
     rows = batch * embed.shape[1] * embed.element_size()
     elem = embed.element_size()
     kv = sum(
-        batch * context * 2 * m.num_kv_heads * m.head_dim * elem
+        batch * context * m.kv_elems_per_token() * elem
         for m in model.modules()
-        if isinstance(m, Attention)
+        if isinstance(m, KVCacheLayer)
     )
     return {
         "weights": weights,
@@ -315,13 +318,18 @@ def eager_check(model_dir: str, cfg: dict, args: argparse.Namespace, ref: list |
     }
 
 
-def spec_case(name: str, model_dir: str, cfg: dict, spec: dict, args: argparse.Namespace) -> dict:
+def spec_case(
+    name: str, model_dir: str, cfg: dict, spec: dict, args: argparse.Namespace, **kw: Any
+) -> dict:
+    """ms per speculative step at each of args.spec_batches; `kw` goes to the engine
+    (enforce_eager, draft_graph_mode)."""
     spec = {
         **spec,
         "rejection_sample_method": "synthetic",
         "synthetic_acceptance_rate": ACCEPTANCE,
     }
-    llm = make_llm(model_dir, args, speculative_config=spec, max_num_seqs=max(args.spec_batches))
+    kw.setdefault("max_num_seqs", max(args.spec_batches))
+    llm = make_llm(model_dir, args, speculative_config=spec, **kw)
     rows = []
     for b in args.spec_batches:
         r = measure(llm.engine, b, args.steps, PROMPT_LEN, cfg["vocab_size"])
@@ -580,7 +588,7 @@ def main() -> None:
     notes = []
     if not smoke:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
-        n, note = fit_glm_layers(glm, gpu_bytes)
+        n, note = fit_layers(glm, gpu_bytes)
         if args.glm_layers:
             n, note = args.glm_layers, f"{args.glm_layers} of 46 layers (--glm-layers)"
         glm["num_hidden_layers"] = n

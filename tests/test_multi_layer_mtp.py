@@ -4,6 +4,7 @@ drafts) equal to a from-scratch recomputation of the accepted sequence after eve
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from specserve import LLM, SamplingParams
 
 from .conftest import random_prompts
+from .draft_utils import drafts_per_step
 from .spec_utils import paged_kv, scratch_context, write_multi_mtp_target
 
 TARGET = ("llama_gqa", "llama")
@@ -188,3 +190,74 @@ def test_seeded_probabilistic_drafting_is_batch_invariant(setup: dict) -> None:
     osp = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     batch = llm.generate(others[:2] + [p] + others[2:], [osp, osp, sp, osp, osp])
     assert batch[2].outputs[0].token_ids == alone
+
+
+def _padded_propose(spec, q_pad: int):  # noqa: ANN001, ANN202
+    """The eager proposal over the batch a captured graph sees: one padded row appended (the
+    scratch row, q_pad tokens at positions 0.., 0 of q_pad - 1 drafts accepted, no samples,
+    random hidden) and max_seq_len = max_model_len."""
+
+    def propose(runner, t, num_drafts=None):  # noqa: ANN001, ANN202
+        inp, dev = t.inp, t.hidden.device
+        B, T = inp.num_reqs, inp.num_tokens
+
+        def cat(x: torch.Tensor, fill: torch.Tensor | int, n: int = 1) -> torch.Tensor:
+            tail = fill if isinstance(fill, torch.Tensor) else x.new_full((n,), fill)
+            return torch.cat([x, tail.to(x.dtype)])
+
+        ar = torch.arange(q_pad, device=dev)
+        padded = SimpleNamespace(
+            idx_mapping=cat(inp.idx_mapping, runner.states.scratch_row),
+            positions=cat(inp.positions, ar),
+            query_start_loc=cat(inp.query_start_loc, T + q_pad),
+            seq_lens=cat(inp.seq_lens, q_pad),
+            num_draft=cat(inp.num_draft, q_pad - 1),
+            samples=cat(inp.samples, 0),
+            token_req=cat(inp.token_req, B, q_pad),
+            num_reqs=B + 1,
+            num_tokens=T + q_pad,
+            max_query_len=max(inp.max_query_len, q_pad),
+            max_seq_len=runner.max_model_len,
+        )
+        # A padded row's hidden states are whatever the target graph left there: not zeros
+        # (with zeros and the pad token a module's K/V would be zeros, hiding stray writes).
+        g = torch.Generator(device=dev).manual_seed(T)
+        noise = torch.randn(q_pad, t.hidden.shape[1], generator=g, device=dev)
+        hidden = torch.cat([t.hidden, noise.to(t.hidden.dtype)])
+        num_acc = cat(t.num_acc, 0)
+        spec.draft_prefill(
+            runner,
+            padded,
+            None,
+            hidden,
+            [],
+            num_acc,
+            t.st.index(
+                torch.cat(
+                    [torch.arange(B, device=dev), torch.zeros(1, dtype=torch.long, device=dev)]
+                )
+            ),
+        )
+
+    return propose
+
+
+@pytest.mark.parametrize("q_pad", [1, 4])
+def test_padded_row_is_inert(setup: dict, q_pad: int) -> None:
+    """What the captured proposal adds to an eager one (a padded scratch row, max_seq_len at
+    max_model_len) changes no draft and no verified token: the padded row writes no KV."""
+    runs = []
+    for pad in (False, True):
+        llm = mtp_llm(setup[3], 3, max_model_len=128)
+        if pad:
+            spec = llm.engine.speculator
+            spec.propose = _padded_propose(spec, q_pad)
+        sp = _params([20])[0]
+        runs.append(drafts_per_step(llm, setup["prompts"][:3], sp))
+    assert runs[0] == runs[1] and len(runs[0]) > 10
+    # The scratch row's pages are the null block: its slots at the padded positions 0.. stay
+    # zero (slot -1 goes to the block's last slot, which padding may overwrite).
+    runner = llm.engine.runner
+    for m in llm.engine.speculator.model.mtp:
+        kv = runner.kv_caches[m.layer.self_attn.kv_index]  # [2, blocks, block_size, heads, dim]
+        assert not kv[:, runner.null_block, :q_pad].any()

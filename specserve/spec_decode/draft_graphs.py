@@ -12,7 +12,10 @@ Three graph kinds per padded batch size b (the target's capture sizes):
                   place between steps by the backend (`advance_context_`); only when the backend
                   supports it (`supports_inplace_advance`)
 PTD (ParallelDraftSpeculator) has no decode steps: its "prefill" graph is the whole proposal, one
-drafter forward over the enlarged batch (b * (q + E) slots).
+drafter forward over the enlarged batch (b * (q + E) slots). Multi-layer MTP
+(MultiLayerMTPSpeculator) has none either: its "prefill" graph is the whole module chain, module k
+over b * (q + k - 1) slots with its metadata built inside the graph (rebuilt between modules on
+every replay), so it needs no in-place advance and every mode but eager captures that one graph.
 Padded rows point at the scratch row of the request state with samples = 0, so all their writes
 are discarded. Sampling parameters are copied into fixed buffers; a batch that needs top-k, top-p
 or min-p for probabilistic drafting falls back to the eager loop.
@@ -31,6 +34,7 @@ from specserve.sample.sampler import SamplingTensors
 
 if TYPE_CHECKING:
     from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
+    from specserve.spec_decode.multi_layer_mtp import MultiLayerMTPSpeculator
     from specserve.spec_decode.parallel import ParallelDraftSpeculator
     from specserve.worker.cudagraph import CudaGraphRunner
     from specserve.worker.input_batch import StepInputs
@@ -43,7 +47,7 @@ class DraftGraphRunner:
     def __init__(
         self,
         runner: ModelRunner,
-        spec: AutoregressiveSpeculator | ParallelDraftSpeculator,
+        spec: AutoregressiveSpeculator | ParallelDraftSpeculator | MultiLayerMTPSpeculator,
         target: CudaGraphRunner,
         mode: str = "auto",
     ) -> None:
@@ -54,7 +58,7 @@ class DraftGraphRunner:
         can_fuse = runner.backend.supports_inplace_advance and getattr(
             spec, "advance_draft_positions", False
         )
-        if mode == "fused" and not can_fuse:
+        if mode == "fused" and not can_fuse and spec.num_decode_steps > 1:
             raise ValueError(
                 f"draft_graph_mode=fused needs an attention backend with in-place metadata "
                 f"advance; {runner.backend.name} has none"

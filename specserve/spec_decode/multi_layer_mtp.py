@@ -34,6 +34,14 @@ from the carry) follow the same rule. No position here ever passes the target's.
 
 K != N: the loader keeps only the first K modules when K < N (the others get no KV layers) and
 refuses K > N (a module past the N-th does not exist).
+
+CUDA graphs: the whole proposal (`draft_prefill`, all K modules) reads only tensors and
+host-known sizes (module k's batch is num_tokens + num_reqs * (k - 1) slots), so
+DraftGraphRunner captures it as one graph per target graph, like PTD's one forward. Each
+module's attention metadata is built inside that graph from its own shifted batch, i.e. REBUILT
+between modules on every replay (no in-place advance needed, so any backend qualifies). Padded
+rows (the persistent scratch row) write no KV (slot -1); their drafts and carry land in the
+scratch row.
 """
 
 from __future__ import annotations
@@ -42,8 +50,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.attention.backend import CommonAttentionMetadata
+from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.models.drafters import MultiLayerMTPDrafter
+from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
 from specserve.spec_decode.drafting import DeviceSpeculator, TargetStep
 from specserve.spec_decode.parallel_inputs import expand_regions
@@ -78,7 +87,8 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
         self,
         runner: ModelRunner,
         inp: StepInputs,
-        common: CommonAttentionMetadata,
+        # [B, max_blocks] int32: the batch's block-table rows
+        block_table: torch.Tensor,
         # [B] last verified slot of each request
         v: torch.Tensor,
         shift: int,
@@ -86,15 +96,16 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
         """Batch of the module shifted back by `shift` positions: (metadata, token ids [N],
         region offset s [N]) with N = num_tokens + num_reqs * shift."""
         B, T = inp.num_reqs, inp.num_tokens
-        qsl = inp.query_start_loc
+        qsl = inp.query_start_loc.long()
         N = T + B * shift
         req, s = expand_regions(qsl, shift, N)
         start = inp.positions[qsl[:-1]][req]
         row = inp.idx_mapping[req]
         pos = start + s - shift
         ids = runner.states.token_ids[row, start + s + 1]
-        # Verified and chain slots write KV; rejected padding and positions below 0 do not.
-        valid = (s <= v[req] + shift) & (pos >= 0)
+        # Verified and chain slots write KV; rejected padding, positions below 0 and a padded
+        # row of a captured batch (the scratch row) do not.
+        valid = (s <= v[req] + shift) & (pos >= 0) & (row != runner.states.scratch_row)
         safe = pos.clamp(min=0)
         bs = runner.block_size
         blk = runner.states.block_table[row, safe // bs].long()
@@ -102,7 +113,7 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
             query_start_loc=(qsl + torch.arange(B + 1, device=qsl.device) * shift).to(torch.int32),
             seq_lens=inp.seq_lens.to(torch.int32),
             positions=safe,
-            block_table=common.block_table,
+            block_table=block_table,
             slot_mapping=torch.where(valid, blk * bs + safe % bs, -1),
             token_req=req,
             num_reqs=B,
@@ -112,13 +123,30 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
         )
         return meta, ids, s
 
-    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
-        """`num_drafts` (dynamic K) is not used: every module runs, so each module's KV stays
-        complete for when K grows again; the scheduler verifies only the first drafts."""
-        inp, common, hidden, num_acc, st = t.inp, t.common, t.hidden, t.num_acc, t.st
+    # ---- the surface DraftGraphRunner captures (see draft_graphs.py) ------------------------
+    num_decode_steps = 0  # every draft comes from draft_prefill's module chain
+
+    def decode_steps_for(self, num_drafts: int | None) -> int:
+        return 0
+
+    def draft_prefill(
+        self,
+        runner: ModelRunner,
+        inp: StepInputs,
+        ctx: ForwardContext | None,
+        # [T, hidden] target hidden states (final norm)
+        hidden: torch.Tensor,
+        aux: list[torch.Tensor],
+        # [B] drafts accepted per request
+        num_acc: torch.Tensor,
+        st: SamplingTensors,
+    ) -> tuple[None, None]:
+        """The whole proposal: every module over its shifted batch, one draft each. Graph-safe:
+        sizes come from the host (`inp`), nothing is read back. `ctx` (the target's) is unused:
+        each module's batch has its own metadata."""
         B = inp.num_reqs
         rows = inp.idx_mapping
-        qsl = inp.query_start_loc
+        qsl = inp.query_start_loc.long()
         ar = torch.arange(B, device=qsl.device)
         # [B] last verified slot, and the position P whose target hidden is the newest verified.
         v = qsl[1:] - qsl[:-1] - 1 - inp.num_draft + num_acc
@@ -126,10 +154,11 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
         carry = self._lazy_carry(runner, hidden)
         # NOTE: read every module's carry before this step overwrites any of it.
         carried = carry[:, rows]
+        block_table = runner.states.block_table[rows]
         scratch = runner.states.token_ids.shape[1] - 1
         prev, prev_first = hidden, qsl[:-1]
         for i, module in enumerate(self.model.mtp):
-            meta, ids, s = self.module_inputs(runner, inp, common, v, i)
+            meta, ids, s = self.module_inputs(runner, inp, block_table, v, i)
             req = meta.token_req
             if i == 0:
                 h_in = hidden
@@ -147,3 +176,10 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
             if i + 1 < self.k:
                 carry[i, rows] = out[first + v]
             prev, prev_first = out, first
+        return None, None
+
+    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
+        """Eager drafting (batches the target ran without a graph). `num_drafts` (dynamic K) is
+        not used: every module runs, so each module's KV stays complete for when K grows
+        again; the scheduler verifies only the first drafts."""
+        self.draft_prefill(runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)

@@ -125,10 +125,12 @@ class ModelRunner:
         self.draft_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         if self.cudagraphs is not None and config.draft_graph_mode != "eager":
             from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
+            from specserve.spec_decode.multi_layer_mtp import MultiLayerMTPSpeculator
             from specserve.spec_decode.parallel import ParallelDraftSpeculator
 
-            # The shared loop and PTD's one forward; multi-layer MTP runs its own loop eagerly.
-            if type(speculator) in (AutoregressiveSpeculator, ParallelDraftSpeculator):
+            # The shared loop, PTD's one forward and the multi-layer MTP module chain.
+            graphed = (AutoregressiveSpeculator, ParallelDraftSpeculator, MultiLayerMTPSpeculator)
+            if type(speculator) in graphed:
                 from specserve.spec_decode.draft_graphs import DraftGraphRunner
 
                 self.draft_graphs = DraftGraphRunner(
