@@ -34,6 +34,8 @@ def heldout(converted: str) -> list[list[int]]:
 
     tok = AutoTokenizer.from_pretrained(converted)
     rows = [r["prompt"] for r in load_prompts("instruct") if r["split"] == "heldout"]
+    # A code question first (the greedy test checks its reply writes a function), then the rest.
+    rows = sorted(rows, key=lambda p: "Python function" not in p)
     return chat_prompt_ids(tok, rows)
 
 
