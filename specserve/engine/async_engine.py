@@ -290,6 +290,9 @@ class RequestGroup:
         while self._unfinished:
             index, item = await self.queue.get()
             if isinstance(item, BaseException):
+                if index not in self._unfinished:
+                    # It ended here (a stop string) before the engine thread saw the abort.
+                    continue
                 self._unfinished.clear()
                 raise item
             if item.finished:
