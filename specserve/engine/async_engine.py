@@ -3,7 +3,13 @@
 The engine is not thread-safe and its steps are blocking torch work, so a single thread owns it:
 
     HTTP handlers (asyncio) --commands (add / abort)--> engine thread
-    engine thread --outputs, via loop.call_soon_threadsafe--> per-request-group asyncio queues
+    engine thread --token ids, via loop.call_soon_threadsafe--> the request group's event loop
+    event loop: RequestState.process (text, stop strings) --> the group's asyncio queue
+
+The engine thread never touches the tokenizer: detokenization and stop strings run on the
+request's event loop (output_processor.py, as vLLM's OutputProcessor). A stop string there ends
+the request for the client at once and aborts it in the engine through the ordinary abort path;
+outputs the engine made for it in the meantime are dropped.
 
 Between two steps the thread drains the command queue: new requests join the running batch at
 once (continuous batching) and aborted ones free their KV blocks before the next step. If a step
@@ -24,6 +30,7 @@ from typing import Any, Protocol
 
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
+from specserve.engine.output_processor import RequestState
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -32,6 +39,10 @@ logger = logging.getLogger("specserve")
 PromptType = str | dict[str, Any] | list[int]
 # A prompt, or a function that makes one on the engine thread (where the tokenizer is used).
 PromptSource = PromptType | Callable[[], PromptType]
+
+
+# (stream, output, ttft, itl, seconds since arrival), timed when the engine thread hands it out.
+_Delivery = tuple["_Stream", RequestOutput, float | None, float | None, float]
 
 
 class EngineDeadError(RuntimeError):
@@ -49,7 +60,8 @@ class OutputTiming:
 
 
 class OutputObserver(Protocol):
-    """Called on the engine thread for every output (Prometheus histograms live behind this)."""
+    """Called for every output, with its text and final finish reason, on the request's event
+    loop (Prometheus histograms live behind this): must be thread-safe."""
 
     def observe(self, output: RequestOutput, timing: OutputTiming) -> None: ...
 
@@ -96,6 +108,8 @@ IDLE_WAIT_S = 1.0
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, observers: Sequence[OutputObserver] = ()) -> None:
         self.engine = engine
+        # Text and stop strings are the serving side's (RequestGroup), not the engine thread's.
+        engine.detokenize = False
         self.observers = list(observers)
         self._commands: queue.Queue[_Add | _Abort | _EndAll | _Wake] = queue.Queue()
         # Touched only by the engine thread.
@@ -196,24 +210,17 @@ class AsyncLLMEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        batches: dict[asyncio.AbstractEventLoop, list[_Delivery]] = {}
         for out in outputs:
             s = self._streams.get(out.request_id)
             if s is None:
                 continue  # aborted while the step ran
-            finish = out.outputs[0].finish_reason
-            timing = OutputTiming(
-                ttft=now - s.arrival if s.last_output is None else None,
-                itl=now - s.last_output if s.last_output is not None else None,
-                e2e=now - s.arrival if out.finished else None,
-                finish_reason=finish,
-            )
+            ttft = now - s.arrival if s.last_output is None else None
+            itl = now - s.last_output if s.last_output is not None else None
             s.last_output = now
-            for obs in self.observers:
-                obs.observe(out, timing)
             if out.finished:
                 del self._streams[out.request_id]
-            batches.setdefault(s.group.loop, []).append((s, out))
+            batches.setdefault(s.group.loop, []).append((s, out, ttft, itl, now - s.arrival))
         # One wake-up per event loop per step, not one per request.
         for loop, items in batches.items():
             _call_soon(loop, _deliver, items)
@@ -243,6 +250,9 @@ class RequestGroup:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self.request_ids: list[str] = []
+        self._params: list[SamplingParams] = []
+        # Per index, made at its first output (the prompt ids come with it).
+        self._states: dict[int, RequestState] = {}
         self._unfinished: set[int] = set()
 
     async def add(self, requests: Sequence[tuple[str, PromptSource, SamplingParams]]) -> None:
@@ -253,6 +263,7 @@ class RequestGroup:
         for request_id, prompt, params in requests:
             index = len(self.request_ids)
             self.request_ids.append(request_id)
+            self._params.append(params)
             self._unfinished.add(index)
             done: asyncio.Future[None] = self.loop.create_future()
             self.engine._commands.put(
@@ -279,6 +290,9 @@ class RequestGroup:
         while self._unfinished:
             index, item = await self.queue.get()
             if isinstance(item, BaseException):
+                if index not in self._unfinished:
+                    # It ended here (a stop string) before the engine thread saw the abort.
+                    continue
                 self._unfinished.clear()
                 raise item
             if item.finished:
@@ -288,6 +302,29 @@ class RequestGroup:
     @property
     def finished(self) -> bool:
         return not self._unfinished
+
+    def _receive(
+        self, index: int, out: RequestOutput, ttft: float | None, itl: float | None, e2e: float
+    ) -> None:
+        """On the event loop: an engine output (token ids) becomes the client's (text, stop
+        strings) and joins the queue."""
+        state = self._states.get(index)
+        if state is None:
+            tokenizer = self.engine.engine.tokenizer
+            state = RequestState(tokenizer, out.prompt_token_ids, self._params[index])
+            self._states[index] = state
+        if state.process(out) is None:
+            return  # a stop string ended it; the engine had not seen the abort yet
+        if state.needs_abort:
+            state.needs_abort = False
+            self.engine.abort(out.request_id)
+        if out.finished:
+            del self._states[index]
+        finish = out.outputs[0].finish_reason
+        timing = OutputTiming(ttft, itl, e2e if out.finished else None, finish)
+        for obs in self.engine.observers:
+            obs.observe(out, timing)
+        self.queue.put_nowait((index, out))
 
     def abort(self) -> None:
         """Abort the requests that have not finished (client gone, or an error)."""
@@ -312,6 +349,6 @@ def _settle(fut: asyncio.Future[None], err: BaseException | None) -> None:
         fut.set_exception(err)
 
 
-def _deliver(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    for s, out in items:
-        s.group.queue.put_nowait((s.index, out))
+def _deliver(items: list[_Delivery]) -> None:
+    for s, out, ttft, itl, e2e in items:
+        s.group._receive(s.index, out, ttft, itl, e2e)

@@ -103,6 +103,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -111,6 +112,12 @@ class IncrementalDetokenizer:
         # An empty stop string would match everywhere; it means nothing.
         self.stop: list[str] = [s for s in (stop or []) if s]
         self.include_stop_str_in_output = include_stop_str_in_output
+        # A stop string counts only once it ends at or after the min_tokens-th output token.
+        self.min_tokens = min_tokens
+        self.num_ids = 0  # generated ids fed so far (up to the stop point once one matched)
+        # Of the ids given to the last `update`, how many it used: all of them, or those up to
+        # and including the one that completed a stop string (the rest are dropped).
+        self.num_ids_used = 0
         self.output_text = ""
         self.stop_reason: str | None = None  # the stop string that ended the text, if any
         self._decode = _make_decode(tokenizer, skip_special_tokens)
@@ -142,12 +149,15 @@ class IncrementalDetokenizer:
         found at the same token whatever the grouping (speculative decoding emits several
         per step). Ids after a matched stop string, or after `flush`, are ignored.
         """
+        self.num_ids_used = 0
         if self._finished:
             return None
         for tid in new_token_ids:
             self._ids.append(tid)
+            self.num_ids += 1
+            self.num_ids_used += 1
             text = self._advance()
-            if text and self._append(text):
+            if text and self._append(text, self.num_ids >= self.min_tokens):
                 return self.stop_reason
         return None
 
@@ -170,10 +180,12 @@ class IncrementalDetokenizer:
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
 
-    def _append(self, text: str) -> bool:
-        """Add decoded text; on a stop string, truncate, finish and return True."""
+    def _append(self, text: str, check_stop: bool = True) -> bool:
+        """Add decoded text; on a stop string, truncate, finish and return True. Before
+        min_tokens (`check_stop` False) the text is only added: a stop string ending in it is
+        never matched later (vLLM's rule)."""
         self.output_text += text
-        if not self.stop:
+        if not self.stop or not check_stop:
             return False
         match = check_stop_strings(
             self.output_text, len(text), self.stop, self.include_stop_str_in_output
@@ -199,7 +211,7 @@ class IncrementalDetokenizer:
             prefix_text = self._decode(ids[self._prefix_offset : self._read_offset])
             text = self._decode(ids[self._prefix_offset :])[len(prefix_text) :]
             self._prefix_offset = self._read_offset = len(ids)
-            if text and self._append(text):
+            if text and self._append(text, self.num_ids >= self.min_tokens):
                 found = self.stop_reason
         self._finished = True
         return found

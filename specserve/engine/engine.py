@@ -15,6 +15,7 @@ import torch
 
 from specserve.config import EngineConfig
 from specserve.engine.kv_cache import KVCacheManager
+from specserve.engine.output_processor import RequestState
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler, SchedulerOutput
 from specserve.metrics.stats import EngineStats
@@ -133,6 +134,10 @@ class LLMEngine:
         self._ended: list[RequestOutput] = []
         # Whether the last step found nothing to run (the engine loop then waits for commands).
         self.last_step_idle = False
+        # Text and stop strings in `step()` (offline use). AsyncLLMEngine turns this off and
+        # does that work on the serving side: outputs then carry token ids only
+        # (output_processor.py).
+        self.detokenize = True
 
     # ---- sizing --------------------------------------------------------------------------
     def _num_kv_blocks(self) -> int:
@@ -242,18 +247,9 @@ class LLMEngine:
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._rng.integers(0, 2**62))
-        detok = None
-        if self.tokenizer is not None:
-            from specserve.engine.detokenizer import IncrementalDetokenizer
-
-            detok = IncrementalDetokenizer(
-                self.tokenizer,
-                ids,
-                sampling_params.skip_special_tokens,
-                sampling_params.stop_strings,
-                sampling_params.include_stop_str_in_output,
-            )
-        req = Request(request_id, ids, sampling_params, text, seed, detok, arrival_time)
+        req = Request(request_id, ids, sampling_params, text, seed, arrival_time)
+        if self.detokenize:
+            req.output_state = RequestState(self.tokenizer, ids, sampling_params)
         if sampling_params.structured_outputs is not None:
             # Compiled here (cached per constraint): a bad schema fails the request at once.
             req.grammar = self.structured.new_request(sampling_params.structured_outputs)
@@ -317,11 +313,7 @@ class LLMEngine:
             self.runner.remove_request(r)
             self.requests.pop(r.request_id, None)
             r.metrics.finished_time = time.time()
-            delta = ""
-            if r.detokenizer is not None:
-                r.detokenizer.flush()
-                delta = r.detokenizer.get_delta()
-            self._ended.append(self._make_output(r, delta, [], None))
+            self._ended.append(self._output(r, [], None))
         return sched
 
     @staticmethod
@@ -520,25 +512,31 @@ class LLMEngine:
         now = time.time()
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        delta_text = ""
-        if req.detokenizer is not None:
-            # Tokens that end the request (eos) are not shown as text.
-            show = added
-            if req.status is RequestStatus.FINISHED_STOPPED and req.stop_reason is None:
-                show = added[:-1]
-            stop = req.detokenizer.update(show)
-            if stop is not None and req.num_output_tokens >= sp.min_tokens:
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-            if req.is_finished():
-                req.detokenizer.flush()
-            delta_text = req.detokenizer.get_delta()
+        output = self._output(req, added, lps[: len(added)] if lps else None)
         if req.is_finished():
             req.metrics.finished_time = now
             self.requests.pop(req.request_id, None)
             self._release(req)
         elif self.speculator is not None:
             self._plan_drafts(req)
-        return self._make_output(req, delta_text, added, lps[: len(added)] if lps else None)
+        return output
+
+    def _output(
+        self, req: Request, delta_ids: list[int], delta_lps: list[dict[int, float]] | None
+    ) -> RequestOutput:
+        """The step's output; with `detokenize`, with its text, and a stop string in it ends
+        the request here (its token ids end at the stop point)."""
+        out = self._make_output(req, delta_ids, delta_lps)
+        state = req.output_state
+        if state is None or state.process(out) is None:
+            return out
+        stop = out.outputs[0].stop_reason
+        if isinstance(stop, str):  # a stop string: the request ends at it, like on EOS
+            state.needs_abort = False
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+            del req.output_token_ids[len(state.token_ids) :]
+            del req.output_logprobs[len(state.token_ids) :]
+        return out
 
     def _plan_drafts(self, req: Request) -> None:
         """How many of the K drafts the next step may verify (never past max_model_len);
@@ -564,15 +562,14 @@ class LLMEngine:
     def _make_output(
         self,
         req: Request,
-        delta_text: str,
         delta_ids: list[int],
         delta_lps: list[dict[int, float]] | None,
     ) -> RequestOutput:
+        """Token ids only: text and stop strings are RequestState's (output_processor.py)."""
         finish = req.status.value if req.is_finished() else None
-        text = req.detokenizer.output_text if req.detokenizer is not None else ""
         comp = CompletionOutput(
             index=0,
-            text=text,
+            text="",
             # NOTE: the request's own list, not a copy (a copy per step is O(length) for every
             # running request); complete once the request finishes. Streaming reads the deltas.
             token_ids=req.output_token_ids,
@@ -587,7 +584,6 @@ class LLMEngine:
             outputs=[comp],
             finished=req.is_finished(),
             metrics=req.metrics,
-            delta_text=delta_text,
             delta_token_ids=delta_ids,
             delta_logprobs=delta_lps,
             prompt_logprobs=(

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from specserve.outputs import RequestMetrics
 from specserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from specserve.engine.output_processor import RequestState
     from specserve.structured.matcher import RequestGrammar
 
 
@@ -40,7 +41,6 @@ class Request:
         sampling_params: SamplingParams,
         prompt: str | None = None,
         seed: int = 0,
-        detokenizer: Any = None,
         arrival_time: float | None = None,
     ) -> None:
         self.request_id = request_id
@@ -70,7 +70,8 @@ class Request:
         self.block_ids: list[int] = []
         self.row = -1  # row in the runner's persistent request-state tensors
         self.seed = seed
-        self.detokenizer = detokenizer
+        # Text and stop strings, when the engine detokenizes inline (offline use).
+        self.output_state: RequestState | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())

@@ -89,12 +89,18 @@ class OpenAIServing:
         self.check_model(req.model)
         sp = req.to_sampling_params()
         texts = req.prompts()
-        tokenize = self.engine.engine.tokenize
+        core = self.engine.engine
+        vocab = core.hf_config["vocab_size"]
 
         def make() -> list[PromptSource]:
             out: list[PromptSource] = []
             for p in texts:
-                text, ids = tokenize(p)
+                text, ids = core.tokenize(p)
+                if text is None and req.echo and core.tokenizer is not None:
+                    # The echo of a token-id prompt is decoded here too, not on the event
+                    # loop; ids outside the vocabulary are refused by add_request instead.
+                    if all(0 <= t < vocab for t in ids):
+                        text = core.tokenizer.decode(ids)
                 out.append({"prompt": text, "prompt_token_ids": ids})
             return out
 
@@ -209,8 +215,8 @@ class OpenAIServing:
         lens[c.prompt_idx] = len(out.prompt_token_ids)
         if not c.started:
             c.started = True
-            if fmt.echo:
-                c.echo = out.prompt if out.prompt is not None else self._decode(out)
+            if fmt.echo:  # decoded with the prompt on the tokenizer thread
+                c.echo = out.prompt or ""
             c.prompt_token_ids = list(out.prompt_token_ids)
             c.prompt_logprobs = out.prompt_logprobs
         c.text += out.delta_text
@@ -220,9 +226,6 @@ class OpenAIServing:
         if out.finished:
             c.finish_reason = out.outputs[0].finish_reason
             c.stop_reason = out.outputs[0].stop_reason
-
-    def _decode(self, out: RequestOutput) -> str:
-        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
 
 def _dead(e: Exception) -> APIError:
