@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -51,6 +52,19 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides: 
     cfg = cfg_cls(**common)
     model = model_cls(cfg).eval()
     return _save(model, path)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op torch thread for a module's tests (`pytestmark = pytest.mark.usefixtures(
+    "one_torch_thread")`)."""
+    # NOTE: these models are tiny (64-wide matmuls gain nothing from a second thread), and on a
+    # busy 2-core machine, where an engine thread and an HTTP thread share the cores with the
+    # test, OpenMP spin-waiting makes each step up to 10x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")
