@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 VOCAB = 384
+
+# The tiny decoder every test checkpoint starts from (families add or override fields).
+TINY_DECODER: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.15,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def _save(model: Any, path: str) -> str:
@@ -22,21 +39,7 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides: 
     import transformers as tf
 
     torch.manual_seed(seed)
-    common: dict[str, Any] = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        initializer_range=0.15,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    common.update(overrides)
+    common = {**TINY_DECODER, **overrides}
     cfg_cls, model_cls = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
@@ -49,6 +52,19 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides: 
     cfg = cfg_cls(**common)
     model = model_cls(cfg).eval()
     return _save(model, path)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op torch thread for a module's tests (`pytestmark = pytest.mark.usefixtures(
+    "one_torch_thread")`)."""
+    # NOTE: these models are tiny (64-wide matmuls gain nothing from a second thread), and on a
+    # busy 2-core machine, where an engine thread and an HTTP thread share the cores with the
+    # test, OpenMP spin-waiting makes each step up to 10x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")
@@ -89,18 +105,24 @@ def honour_swiglu_config(model: Any) -> None:
         experts.limit = float(getattr(cfg, "swiglu_limit", 7.0))
 
 
-def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
-    model = hf_model(path)
+def hf_generate(model: Any, prompt: list[int], max_new_tokens: int, **kw: Any) -> list[int]:
+    """transformers' greedy continuation of `prompt` by `model`: exactly max_new_tokens tokens
+    (no EOS stop); `kw` goes to generate (use_mtp=True, ...)."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
             max_new_tokens=max_new_tokens,
-            do_sample=False,
             min_new_tokens=max_new_tokens,
+            do_sample=False,
             pad_token_id=0,
             eos_token_id=None,
+            **kw,
         )
     return out[0, len(prompt) :].tolist()
+
+
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    return hf_generate(hf_model(path), prompt, max_new_tokens)
 
 
 def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:

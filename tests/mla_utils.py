@@ -8,23 +8,14 @@ from typing import Any
 import pytest
 import torch
 
-from .conftest import VOCAB
+from .conftest import TINY_DECODER
 
 _COMMON: dict[str, Any] = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
+    TINY_DECODER,
     num_hidden_layers=3,
-    num_attention_heads=4,
     # transformers' DeepSeek attention repeats K/V by heads // num_key_value_heads: MLA has
     # one K/V per query head.
     num_key_value_heads=4,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    initializer_range=0.15,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
     moe_intermediate_size=32,
     n_routed_experts=8,
     num_experts_per_tok=2,

@@ -14,7 +14,9 @@ import torch
 
 from specserve.config import EngineConfig
 
-from .test_server import LiveServer, dirs, one_torch_thread  # noqa: F401
+from .test_server import LiveServer, dirs  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPT = "def add(a, b):\n    return a + b\n# the sum of"
 

@@ -14,7 +14,9 @@ import pytest
 from specserve.bench.datasets import DatasetArgs, sample_requests
 from specserve.entrypoints.cli import main
 
-from .test_server import LiveServer, _config, dirs, one_torch_thread  # noqa: F401 - fixtures
+from .test_server import LiveServer, _config, dirs  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 OUTPUT_LEN = 8
 

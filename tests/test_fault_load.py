@@ -20,7 +20,9 @@ import pytest
 from specserve.config import EngineConfig
 
 from .conftest import random_prompts
-from .test_server import NGRAM, LiveServer, _config, dirs, one_torch_thread  # noqa: F401
+from .test_server import NGRAM, LiveServer, _config, dirs  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NUM_REQUESTS, CONCURRENCY, DISCONNECT = 200, 32, 0.2
 MAX_TOKENS = 10

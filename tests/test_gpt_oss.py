@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
 
-from .conftest import hf_greedy, hf_model, random_prompts
+from .conftest import hf_generate, hf_greedy, hf_model, random_prompts
 from .test_triton_attention import interpreter, needs_interpreter  # noqa: F401 - a fixture
 
 WINDOW = 8
@@ -208,18 +208,7 @@ def mxfp4(gpt_oss: dict, tmp_path_factory) -> dict:
 
     path = write_mxfp4(gpt_oss["path"], str(tmp_path_factory.mktemp("mxfp4") / "ckpt"))
     hf = hf_model(path, quantization_config=tf.Mxfp4Config(dequantize=True))
-    refs = []
-    for p in gpt_oss["prompts"]:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=GREEDY.max_tokens,
-                min_new_tokens=GREEDY.max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-        refs.append(out[0, len(p) :].tolist())
+    refs = [hf_generate(hf, p, GREEDY.max_tokens) for p in gpt_oss["prompts"]]
     return {"path": path, "refs": refs, "hf": hf}
 
 

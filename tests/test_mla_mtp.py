@@ -92,43 +92,15 @@ def test_deepseek_mtp_drafts_equal_transformers_use_mtp(mtp: dict, monkeypatch) 
     It embeds the token at position 0 where vLLM (and our DeepSeek default) zeroes it; with
     that one switch aligned, our K = 1 drafts (MLA + MoE MTP layer, its latent KV in the paged
     pool) are the drafts transformers proposes for the same context, step by step."""
-    import transformers as tf
-    from transformers.generation import candidate_generator as cg
-
     from specserve.models.deepseek import DeepseekV3ForCausalLM
 
-    from .draft_utils import drafts_per_step
+    from .draft_utils import assert_same_drafts, drafts_per_step, transformers_mtp_drafts
 
     path, ref = mtp["deepseek_v3", 1]
-    theirs: dict[tuple[int, ...], list[int]] = {}
-    original = cg.MTPCandidateGenerator.get_candidates
-
-    def recording(self, input_ids, *args, **kwargs):  # records, then returns unchanged
-        ids, logits = original(self, input_ids, *args, **kwargs)
-        theirs[tuple(input_ids[0].tolist())] = ids[0, input_ids.shape[1] :].tolist()
-        return ids, logits
-
-    monkeypatch.setattr(cg.MTPCandidateGenerator, "get_candidates", recording)
-    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    n = hf.config.num_hidden_layers  # transformers looks for DeepSeek-V3's layer 61
-    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", [rf"model\.layers\.{n}\..*"])
     prompts = mtp["prompts"][:2]
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=GREEDY.max_tokens,
-                min_new_tokens=GREEDY.max_tokens,
-                do_sample=False,
-                use_mtp=True,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-        assert out[0, len(p) :].tolist() == ref[i]
+    outs, theirs = transformers_mtp_drafts(path, prompts, GREEDY.max_tokens, monkeypatch)
+    assert outs == ref[:2]
     monkeypatch.setattr(DeepseekV3ForCausalLM, "mtp_mask_position0", False)
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     llm = LLM(path, max_model_len=128, speculative_config=spec)
-    ours = drafts_per_step(llm, prompts, GREEDY)
-    common = [(tuple(ctx), d) for ctx, d in ours if tuple(ctx) in theirs]
-    assert len(common) >= len(ours) - 1 and len(common) > 10
-    assert all(theirs[ctx] == d for ctx, d in common)
+    assert_same_drafts(drafts_per_step(llm, prompts, GREEDY), theirs)

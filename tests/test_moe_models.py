@@ -174,44 +174,14 @@ def test_glm_mtp_drafts_equal_transformers_use_mtp(glm_mtp: dict, monkeypatch) -
     """transformers (5.x) drafts with the checkpoint's MTP layer in `generate(use_mtp=True)`
     (batch 1). With K = 1 our drafts, step by step, are the drafts it proposes for the same
     context, so acceptance is the same too."""
-    import transformers as tf
-    from transformers.generation import candidate_generator as cg
+    from .draft_utils import assert_same_drafts, drafts_per_step, transformers_mtp_drafts
 
-    from .draft_utils import drafts_per_step
-
-    theirs: dict[tuple[int, ...], list[int]] = {}
-    original = cg.MTPCandidateGenerator.get_candidates
-
-    def recording(self, input_ids, *args, **kwargs):  # records, then returns unchanged
-        ids, logits = original(self, input_ids, *args, **kwargs)
-        theirs[tuple(input_ids[0].tolist())] = ids[0, input_ids.shape[1] :].tolist()
-        return ids, logits
-
-    monkeypatch.setattr(cg.MTPCandidateGenerator, "get_candidates", recording)
-    hf = tf.AutoModelForCausalLM.from_pretrained(glm_mtp["path"], dtype=torch.float32).eval()
-    # transformers finds MTP tensors by the real checkpoints' layer numbers (46, 92); point it
-    # at this tiny model's MTP layer.
-    n = hf.config.num_hidden_layers
-    monkeypatch.setattr(hf, "_keys_to_ignore_on_load_unexpected", [rf"model\.layers\.{n}\..*"])
     prompts = glm_mtp["prompts"][:2]
-    for p in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=GREEDY.max_tokens,
-                min_new_tokens=GREEDY.max_tokens,
-                do_sample=False,
-                use_mtp=True,
-                pad_token_id=0,
-                eos_token_id=None,
-            )
-        assert out[0, len(p) :].tolist() == glm_mtp["ref"][glm_mtp["prompts"].index(p)]
+    outs, theirs = transformers_mtp_drafts(glm_mtp["path"], prompts, GREEDY.max_tokens, monkeypatch)
+    assert outs == glm_mtp["ref"][:2]
     llm = LLM(
         glm_mtp["path"],
         max_model_len=128,
         speculative_config={"method": "mtp", "num_speculative_tokens": 1},
     )
-    ours = drafts_per_step(llm, prompts, GREEDY)
-    common = [(tuple(ctx), d) for ctx, d in ours if tuple(ctx) in theirs]
-    assert len(common) >= len(ours) - 1 and len(common) > 10
-    assert all(theirs[ctx] == d for ctx, d in common)
+    assert_same_drafts(drafts_per_step(llm, prompts, GREEDY), theirs)

@@ -17,7 +17,9 @@ import pytest
 
 from specserve import LLM, SamplingParams
 
-from .test_server import MAX_MODEL_LEN, LiveServer, _config, dirs, one_torch_thread  # noqa: F401
+from .test_server import MAX_MODEL_LEN, LiveServer, _config, dirs  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 K = 3
 PROMPT = "Hello world"

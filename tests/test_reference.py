@@ -46,14 +46,7 @@ SHAPE = ModelShape(
 TRAIN = TrainConfig(seq_len=32, batch_size=8, max_steps=60, lr=1e-2, warmup_steps=5, seed=3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Any:
-    # NOTE: these models are tiny; intra-op threads only add synchronisation (and on a busy
-    # 2-core machine, 100x slower matmuls).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

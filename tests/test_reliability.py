@@ -22,7 +22,9 @@ from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
 
 from .conftest import VOCAB
-from .test_server import NGRAM, LiveServer, _config, dirs, one_torch_thread  # noqa: F401
+from .test_server import NGRAM, LiveServer, _config, dirs  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # 8 blocks of 16: a 128-token cache under max_model_len 256, which start-up clamps to 128.
 SMALL_CACHE = {"num_gpu_blocks_override": 8, "block_size": 16}

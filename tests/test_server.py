@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve import LLM, SamplingParams
@@ -81,14 +80,7 @@ class LiveServer:
         self.thread.join(10)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # NOTE: the engine thread and the HTTP thread share two cores with the test; torch's
-    # default thread pool spins against them and makes each tiny step ~10x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
 
 from specserve import LLM, SamplingParams, StructuredOutputsParams
 from specserve.config import EngineConfig
@@ -24,12 +23,7 @@ from .test_structured import CHOICES, FAMILY, SCHEMA
 MAX_MODEL_LEN = 512
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

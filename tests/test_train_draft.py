@@ -12,7 +12,6 @@ import os
 import random
 import shutil
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -44,14 +43,7 @@ def corpus(n: int = 40, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(CORPUS) for _ in range(5)) for _ in range(n)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # NOTE: 64-wide matmuls gain nothing from a second thread, and on a busy 2-core machine
-    # OpenMP spin-waiting makes them up to 10x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 from specserve.attention.backend import ForwardContext
-from specserve.models.layers import MLP, RMSNorm, RotaryEmbedding
-from specserve.models.llama import ArchConfig, LlamaForCausalLM
+from specserve.models.layers import RMSNorm, RotaryEmbedding
+from specserve.models.llama import ArchConfig, LlamaForCausalLM, norm_ffn
 from specserve.models.mla import MLAAttention, MLAConfig
-from specserve.models.moe import MoeConfig, SparseMoE, num_experts
+from specserve.models.moe import MoeConfig, moe_or_dense, sigmoid_moe_config
 
 
 @dataclass
@@ -51,19 +51,7 @@ class DeepseekArchConfig(ArchConfig):
             dense = frozenset(i for i, k in enumerate(kinds[:n]) if k == "dense")
         else:
             dense = frozenset(range(int(cfg.get("first_k_dense_replace") or 0)))
-        moe = MoeConfig(
-            num_experts=num_experts(cfg, "n_routed_experts", "num_local_experts"),
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            scoring="sigmoid",
-            n_group=int(cfg.get("n_group") or 1),
-            topk_group=int(cfg.get("topk_group") or 1),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            correction_bias=True,
-            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-            router_fp32=True,
-        )
+        moe = sigmoid_moe_config(cfg)
         mla = MLAConfig.from_dict(cfg, base.rope_scaling)
         return cls(**vars(base), mla=mla, moe=moe, dense_layers=dense)
 
@@ -93,10 +81,7 @@ class MLADecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, ctx)
-        if isinstance(self.mlp, SparseMoE):  # the norm runs inside the router's decode kernel
-            return self.mlp.norm_forward(self.post_attention_layernorm, x, residual)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return norm_ffn(self.post_attention_layernorm, self.mlp, x, residual)
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
@@ -110,10 +95,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self, index: int, rope: RotaryEmbedding, sliding_window: int | None
     ) -> nn.Module:
         c = self.config
-        if index in c.dense_layers:
-            mlp: nn.Module = MLP(c.hidden_size, c.intermediate_size)
-        else:
-            mlp = SparseMoE(c.moe, c.hidden_size)
+        mlp = moe_or_dense(c.moe, index not in c.dense_layers, c.hidden_size, c.intermediate_size)
         return MLADecoderLayer(c, rope, mlp)
 
 

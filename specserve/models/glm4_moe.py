@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from specserve.models.layers import MLP, RotaryEmbedding
+from specserve.models.layers import RotaryEmbedding
 from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM
-from specserve.models.moe import MoeConfig, SparseMoE, num_experts
+from specserve.models.moe import MoeConfig, moe_or_dense, sigmoid_moe_config
 
 
 @dataclass
@@ -33,19 +33,7 @@ class Glm4MoeArchConfig(ArchConfig):
         base = ArchConfig.from_dict({**cfg, "sliding_window": None})
         base.qk_norm = bool(cfg.get("use_qk_norm", False))
         base.o_bias = False
-        moe = MoeConfig(
-            num_experts=num_experts(cfg, "n_routed_experts", "num_local_experts"),
-            top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            scoring="sigmoid",
-            n_group=int(cfg.get("n_group") or 1),
-            topk_group=int(cfg.get("topk_group") or 1),
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-            correction_bias=True,
-            n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-            router_fp32=True,
-        )
+        moe = sigmoid_moe_config(cfg)
         return cls(
             **vars(base), moe=moe, first_k_dense_replace=int(cfg.get("first_k_dense_replace", 1))
         )
@@ -65,9 +53,6 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         self, index: int, rope: RotaryEmbedding, sliding_window: int | None
     ) -> nn.Module:
         c = self.config
-        mlp = (
-            SparseMoE(c.moe, c.hidden_size)
-            if index >= c.first_k_dense_replace
-            else MLP(c.hidden_size, c.intermediate_size)
-        )
+        is_moe = index >= c.first_k_dense_replace
+        mlp = moe_or_dense(c.moe, is_moe, c.hidden_size, c.intermediate_size)
         return DecoderLayer(c, rope, sliding_window, mlp=mlp)

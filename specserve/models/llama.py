@@ -190,15 +190,28 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
         x = attn.attend(positions, qkv, ctx)
-        if isinstance(mlp, SparseMoE):  # the norm runs inside the router's decode kernel
-            return mlp.norm_forward(self.post_attention_layernorm, x, residual)
         if not isinstance(mlp, MLP):
-            x, residual = self.post_attention_layernorm(x, residual)
-            return mlp(x), residual
+            return norm_ffn(self.post_attention_layernorm, mlp, x, residual)
         act, residual = norm_linear(
             self.post_attention_layernorm, mlp.gate_up_proj, x, residual, True, mlp.act
         )
         return mlp.down_proj(act), residual
+
+
+def norm_ffn(
+    norm: RMSNorm,
+    mlp: nn.Module,
+    # [num_tokens, hidden]: the attention output
+    x: torch.Tensor,
+    # [num_tokens, hidden]
+    residual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mlp(norm(x + residual)), x + residual) for a feed-forward block other than the dense
+    MLP (whose norm DecoderLayer fuses into gate_up)."""
+    if isinstance(mlp, SparseMoE):  # the norm runs inside the router's decode kernel
+        return mlp.norm_forward(norm, x, residual)
+    x, residual = norm(x, residual)
+    return mlp(x), residual
 
 
 # (layer index, shared rotary embedding, sliding window) -> decoder layer

@@ -217,6 +217,30 @@ class SparseMoE(nn.Module):
         return out
 
 
+def sigmoid_moe_config(cfg: dict[str, Any]) -> MoeConfig:
+    """The DeepSeek-V3 / GLM-4.x MoE block from config.json: sigmoid group-limited routing with
+    a correction bias, routed_scaling_factor, shared experts, a float32 router."""
+    return MoeConfig(
+        num_experts=num_experts(cfg, "n_routed_experts", "num_local_experts"),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        scoring="sigmoid",
+        n_group=int(cfg.get("n_group") or 1),
+        topk_group=int(cfg.get("topk_group") or 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        correction_bias=True,
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        router_fp32=True,
+    )
+
+
+def moe_or_dense(m: MoeConfig, is_moe: bool, hidden_size: int, intermediate_size: int) -> nn.Module:
+    """A layer's feed-forward block: SparseMoE, or the dense SwiGLU MLP of `intermediate_size`
+    in the layers a family keeps dense."""
+    return SparseMoE(m, hidden_size) if is_moe else MLP(hidden_size, intermediate_size)
+
+
 def num_experts(cfg: dict[str, Any], *keys: str) -> int:
     """The routed-expert count under the first of `keys` present (configs disagree on the
     name: `num_experts`, `num_local_experts` as transformers 5 writes, `n_routed_experts`)."""

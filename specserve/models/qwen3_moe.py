@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
-from specserve.models.layers import MLP, RotaryEmbedding
+from specserve.models.layers import RotaryEmbedding
 from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM
-from specserve.models.moe import MoeConfig, SparseMoE, num_experts
+from specserve.models.moe import MoeConfig, moe_or_dense, num_experts
 
 
 @dataclass
@@ -58,9 +58,5 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         self, index: int, rope: RotaryEmbedding, sliding_window: int | None
     ) -> nn.Module:
         c = self.config
-        mlp = (
-            SparseMoE(c.moe, c.hidden_size)
-            if c.is_moe_layer(index)
-            else MLP(c.hidden_size, c.intermediate_size)
-        )
+        mlp = moe_or_dense(c.moe, c.is_moe_layer(index), c.hidden_size, c.intermediate_size)
         return DecoderLayer(c, rope, sliding_window, mlp=mlp)

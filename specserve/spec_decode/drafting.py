@@ -3,7 +3,8 @@ sampler reads, and the one way a sampled draft lands in the persistent token buf
 
 Autoregressive drafting (one draft per call, at the device scalar `current_draft_step`), PTD
 (all K drafts from one forward) and multi-layer MTP (one draft per module) differ only in how
-they run the drafter; they subclass `DeviceSpeculator` and call `store_drafts`.
+they run the drafter; they subclass `DeviceSpeculator` (PTD and multi-layer MTP through
+`OneShotSpeculator`, no decode steps) and call `store_drafts`.
 """
 
 from __future__ import annotations
@@ -126,3 +127,21 @@ class DeviceSpeculator:
         if J > 1:
             idx = (idx[:, None] + torch.arange(J, device=idx.device)).reshape(-1)
         buf.view(-1, buf.shape[2]).index_copy_(0, idx, probs)
+
+
+class OneShotSpeculator(DeviceSpeculator):
+    """A speculator whose whole proposal is its `draft_prefill` (PTD's one forward, multi-layer
+    MTP's module chain; the signature of AutoregressiveSpeculator.draft_prefill, returning
+    (None, None)): DraftGraphRunner captures no decode steps for it."""
+
+    num_decode_steps = 0
+
+    def decode_steps_for(self, num_drafts: int | None) -> int:
+        return 0
+
+    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
+        """Eager drafting (batches the target ran without a graph). `num_drafts` (dynamic K) is
+        not used: all K drafts come from the one proposal (multi-layer MTP: every module runs, so
+        each module's KV stays complete for when K grows again); the scheduler verifies only
+        the first drafts."""
+        self.draft_prefill(runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)

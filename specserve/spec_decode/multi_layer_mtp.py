@@ -54,7 +54,7 @@ from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.models.drafters import MultiLayerMTPDrafter
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
-from specserve.spec_decode.drafting import DeviceSpeculator, TargetStep
+from specserve.spec_decode.drafting import OneShotSpeculator
 from specserve.spec_decode.parallel_inputs import expand_regions
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from specserve.worker.model_runner import ModelRunner
 
 
-class MultiLayerMTPSpeculator(DeviceSpeculator):
+class MultiLayerMTPSpeculator(OneShotSpeculator):
     model: MultiLayerMTPDrafter
 
     def __init__(
@@ -124,11 +124,6 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
         return meta, ids, s
 
     # ---- the surface DraftGraphRunner captures (see draft_graphs.py) ------------------------
-    num_decode_steps = 0  # every draft comes from draft_prefill's module chain
-
-    def decode_steps_for(self, num_drafts: int | None) -> int:
-        return 0
-
     def draft_prefill(
         self,
         runner: ModelRunner,
@@ -177,9 +172,3 @@ class MultiLayerMTPSpeculator(DeviceSpeculator):
                 carry[i, rows] = out[first + v]
             prev, prev_first = out, first
         return None, None
-
-    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
-        """Eager drafting (batches the target ran without a graph). `num_drafts` (dynamic K) is
-        not used: every module runs, so each module's KV stays complete for when K grows
-        again; the scheduler verifies only the first drafts."""
-        self.draft_prefill(runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)

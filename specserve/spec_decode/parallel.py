@@ -41,7 +41,7 @@ from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.models.drafters import Drafter, DraftModelDrafter
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.config import SpeculativeConfig
-from specserve.spec_decode.drafting import DeviceSpeculator, TargetStep
+from specserve.spec_decode.drafting import OneShotSpeculator
 from specserve.spec_decode.parallel_inputs import (
     ParallelDraftBuffers,
     ParallelDraftInputs,
@@ -91,7 +91,7 @@ def configure_parallel_drafter(
     drafter.mask_hidden = torch.zeros(hidden, dtype=torch.get_default_dtype())
 
 
-class ParallelDraftSpeculator(DeviceSpeculator):
+class ParallelDraftSpeculator(OneShotSpeculator):
     """PTD speculator: same surface as AutoregressiveSpeculator, one drafter forward per step."""
 
     def __init__(self, spec: SpeculativeConfig, drafter: Drafter, device: torch.device) -> None:
@@ -147,11 +147,6 @@ class ParallelDraftSpeculator(DeviceSpeculator):
         return prepare_parallel_inputs_ref(*args, **kw)
 
     # ---- the surface DraftGraphRunner captures (see draft_graphs.py) ------------------------
-    num_decode_steps = 0  # every draft comes from the one forward below
-
-    def decode_steps_for(self, num_drafts: int | None) -> int:
-        return 0
-
     def draft_prefill(
         self,
         runner: ModelRunner,
@@ -195,7 +190,3 @@ class ParallelDraftSpeculator(DeviceSpeculator):
         draft_pos = inp.positions[last][:, None] + 2 + jj
         self.store_drafts(runner, d, logits, st, inp.idx_mapping, draft_pos, pin.draft_col, 0)
         return None, None
-
-    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
-        """Eager drafting (batches the target ran without a graph)."""
-        self.draft_prefill(runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)
