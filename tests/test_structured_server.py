@@ -5,7 +5,9 @@ endpoints equal the offline engine's output; bad constraints are 400s naming the
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -21,6 +23,25 @@ from .test_server import LiveServer
 from .test_structured import CHOICES, FAMILY, SCHEMA
 
 MAX_MODEL_LEN = 512
+ENGINE_THREAD = "specserve-engine"
+
+
+class _CompileRecorder:
+    """Wraps the server's grammar compiler: records each call's thread and time span, and
+    sleeps `delay` seconds inside it (a schema that is slow to compile)."""
+
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner = inner
+        self.delay = 0.0
+        self.calls: list[tuple[str, float, float]] = []  # (thread name, start, end)
+
+    def __call__(self, *args: Any) -> Any:
+        t0 = time.monotonic()
+        time.sleep(self.delay)
+        try:
+            return self.inner(*args)
+        finally:
+            self.calls.append((threading.current_thread().name, t0, time.monotonic()))
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -38,6 +59,9 @@ def server(family: tuple[str, dict[str, Any]]) -> Iterator[LiveServer]:
         model=target, speculative_config=eagle3, max_model_len=MAX_MODEL_LEN, max_num_seqs=8
     )
     s = LiveServer(cfg)
+    structured = s.engine.engine.structured
+    # Before any request: every compile of this module is recorded.
+    structured.compile = _CompileRecorder(structured.compile)  # type: ignore[method-assign]
     yield s
     s.close()
 
@@ -154,3 +178,42 @@ def test_bad_constraints_are_400(
         server.client().completions.create(
             model=server.model, prompt="x", max_tokens=4, extra_body=body
         )
+
+
+def test_grammar_compiles_off_the_engine_thread(server: LiveServer) -> None:
+    """A slow compile (1.5 s) runs beside the engine: a running stream keeps its pace, and the
+    engine thread never calls the compiler (nor builds xgrammar's tokenizer info)."""
+    rec: _CompileRecorder = server.engine.engine.structured.compile  # type: ignore[assignment]
+    c = server.client()
+    stream = c.completions.create(
+        model=server.model, prompt="Once upon a time", max_tokens=MAX_MODEL_LEN - 32,
+        temperature=0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    # A new constraint (not in xgrammar's cache), compiled while the stream runs.
+    so = {"structured_outputs": {"regex": "(yes|no|maybe) [0-9]{2}"}}
+    result: list[str] = []
+
+    def structured() -> None:
+        r = c.completions.create(
+            model=server.model, prompt="Answer:", max_tokens=8, temperature=0, extra_body=so
+        )
+        result.append(r.choices[0].text)
+
+    rec.delay = 1.5
+    times: list[float] = []
+    worker = threading.Thread(target=structured)
+    try:
+        for _ in stream:
+            times.append(time.monotonic())
+            if len(times) == 1:
+                worker.start()
+        worker.join(30)
+    finally:
+        rec.delay = 0.0
+    assert result and result[0].split(" ")[0] in ("yes", "no", "maybe"), result
+    (thread, start, end), *_ = [c for c in rec.calls if c[1] >= times[0]]
+    assert times[0] < start and end < times[-1], "the stream ended before the compile did"
+    gap = max(b - a for a, b in zip(times, times[1:]))
+    assert gap < 0.5, f"a {gap:.2f} s gap in the running stream"
+    assert thread != ENGINE_THREAD and rec.calls
+    assert ENGINE_THREAD not in {t for t, _, _ in rec.calls}, rec.calls

@@ -6,6 +6,10 @@ The engine is not thread-safe and its steps are blocking torch work, so a single
     engine thread --token ids, via loop.call_soon_threadsafe--> the request group's event loop
     event loop: RequestState.process (text, stop strings) --> the group's asyncio queue
 
+Structured-output grammars are compiled before a request reaches the engine thread, on a
+worker thread of their own (RequestGroup.add): a schema that takes seconds to compile (or the
+xgrammar tokenizer info built at the first one) never stalls the running streams.
+
 The engine thread never touches the tokenizer: detokenization and stop strings run on the
 request's event loop (output_processor.py, as vLLM's OutputProcessor). A stop string there ends
 the request for the client at once and aborts it in the engine through the ordinary abort path;
@@ -25,6 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -81,6 +86,8 @@ class _Add:
     params: SamplingParams
     stream: _Stream
     done: asyncio.Future[None]
+    # The compiled grammar of params.structured_outputs (None: unconstrained).
+    grammar: Any | None = None
 
 
 @dataclass
@@ -117,6 +124,9 @@ class AsyncLLMEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # Grammar compilation, off the engine thread. One worker: xgrammar's compiler (and the
+        # tokenizer info it builds at the first structured request) is driven by one thread.
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-grammar")
         # Engine counters, refreshed by the engine thread after every step; readers (/metrics)
         # get a consistent dict without touching the engine from another thread.
         self.snapshot: dict[str, Any] = engine.stats.snapshot(engine)
@@ -137,6 +147,7 @@ class AsyncLLMEngine:
         self._commands.put(_Wake())
         if self._thread is not None:
             self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_alive(self) -> bool:
@@ -201,7 +212,9 @@ class AsyncLLMEngine:
         loop = cmd.stream.group.loop
         try:
             prompt = cmd.prompt() if callable(cmd.prompt) else cmd.prompt
-            self.engine.add_request(cmd.request_id, prompt, cmd.params, time.time())
+            self.engine.add_request(
+                cmd.request_id, prompt, cmd.params, time.time(), grammar=cmd.grammar
+            )
         except Exception as e:  # bad input: the caller answers 400, the loop goes on
             _call_soon(loop, _settle, cmd.done, e)
             return
@@ -258,6 +271,7 @@ class RequestGroup:
     async def add(self, requests: Sequence[tuple[str, PromptSource, SamplingParams]]) -> None:
         """Add all requests; if any is rejected, abort the others and raise its error."""
         self.engine.check_alive()
+        grammars = await self._compile_grammars([params for _, _, params in requests])
         futures = []
         now = time.monotonic()
         for request_id, prompt, params in requests:
@@ -266,9 +280,9 @@ class RequestGroup:
             self._params.append(params)
             self._unfinished.add(index)
             done: asyncio.Future[None] = self.loop.create_future()
-            self.engine._commands.put(
-                _Add(request_id, prompt, params, _Stream(self, index, now), done)
-            )
+            stream = _Stream(self, index, now)
+            grammar = grammars.get(id(params.structured_outputs))
+            self.engine._commands.put(_Add(request_id, prompt, params, stream, done, grammar))
             futures.append(done)
         if self.engine.error is not None:
             # The thread died after check_alive and may have drained the queue already.
@@ -285,6 +299,21 @@ class RequestGroup:
         if errors:
             self.abort()
             raise errors[0]
+
+    async def _compile_grammars(self, params: Sequence[SamplingParams]) -> dict[int, Any]:
+        """{id(structured_outputs): compiled grammar}, compiled on the grammar thread (the `n`
+        choices of one request share one constraint object: it compiles once)."""
+        todo = {
+            id(p.structured_outputs): p.structured_outputs
+            for p in params
+            if p.structured_outputs is not None
+        }
+        compiler = self.engine.engine.structured
+        pool = self.engine._grammar_pool
+        return {
+            key: await self.loop.run_in_executor(pool, compiler.compile, so)
+            for key, so in todo.items()
+        }
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         while self._unfinished:

@@ -219,7 +219,10 @@ class LLMEngine:
         prompt: str | dict[str, Any] | list[int],
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
+        grammar: Any | None = None,
     ) -> Request:
+        """`grammar`: the compiled grammar of `sampling_params.structured_outputs`, where the
+        caller compiled it off this thread (the server); None compiles it here."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
         text, ids = self.tokenize(prompt)
@@ -251,8 +254,8 @@ class LLMEngine:
         if self.detokenize:
             req.output_state = RequestState(self.tokenizer, ids, sampling_params)
         if sampling_params.structured_outputs is not None:
-            # Compiled here (cached per constraint): a bad schema fails the request at once.
-            req.grammar = self.structured.new_request(sampling_params.structured_outputs)
+            # Compiled here unless given (cached per constraint): a bad schema fails at once.
+            req.grammar = self.structured.new_request(sampling_params.structured_outputs, grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(ids)

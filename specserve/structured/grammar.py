@@ -4,6 +4,10 @@
 `TokenizerInfo`, the `GrammarCompiler`) are built at the first structured request, so engines
 that never see one pay nothing. Compiled grammars are cached by xgrammar's compiler, keyed by
 the constraint's text and options: 50 requests under one schema compile it once.
+
+Where it runs: the server compiles on a worker thread of its own before a request reaches the
+engine (AsyncLLMEngine), so a slow schema never stalls the running streams, and the engine only
+builds the request's matcher. Offline `LLM` compiles inline, in `add_request`.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ class StructuredOutputs:
                 vocab_size=self.vocab_size,
                 stop_token_ids=self.stop_token_ids or None,
             )
-            # NOTE: one thread: compilation runs on the engine thread, beside the step.
+            # NOTE: one thread: the server compiles on one worker thread beside the engine's.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         return self._compiler
 
@@ -78,8 +82,12 @@ class StructuredOutputs:
                 "structured_outputs",
             ) from None
 
-    def new_request(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher for one request (its own parse state over the shared grammar)."""
+    def new_request(
+        self, params: StructuredOutputsParams, compiled: Any | None = None
+    ) -> RequestGrammar:
+        """A fresh matcher for one request (its own parse state over the shared grammar);
+        `compiled` is `compile(params)` made elsewhere (the server's grammar thread)."""
         import xgrammar as xgr
 
-        return RequestGrammar(xgr.GrammarMatcher(self.compile(params)), self.vocab_size)
+        grammar = compiled if compiled is not None else self.compile(params)
+        return RequestGrammar(xgr.GrammarMatcher(grammar), self.vocab_size)
