@@ -50,3 +50,6 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token {token: logprob} of that token and
     # the top-N, None for the first (vLLM's shape); complete from the first token on.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Beside prompt_logprobs: the prompt token's rank in its distribution (vLLM's: 1 + the
+    # tokens more likely); the top-N rank by their order (1..N).
+    prompt_logprob_ranks: list[int | None] | None = None

@@ -78,19 +78,25 @@ def test_echo_prompt_logprobs_equal_transformers(server: LiveServer, hf: Any) ->
         assert lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]
     # Then the generated tokens, with their own logprobs.
     assert len(lp.token_logprobs) == n + 2 and lp.token_logprobs[n] is not None
-    # vLLM's prompt_logprobs field: {token id: {logprob, decoded_token}} per prompt token.
+    # vLLM's prompt_logprobs field: {token id: {logprob, rank, decoded_token}} per prompt
+    # token; rank: 1 + the tokens more likely (the prompt token), 1..N (the top-N).
     r = c.completions.create(
         model=server.model, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 3}
     )
     pl = r.choices[0].model_extra["prompt_logprobs"]
     assert pl[0] is None and len(pl) == n
+    ranks = []
     for i in range(1, n):
-        got = pl[i][str(ids[i])]["logprob"]
-        assert abs(got - ref[i - 1, ids[i]].item()) < 1e-4
+        got = pl[i][str(ids[i])]
+        assert abs(got["logprob"] - ref[i - 1, ids[i]].item()) < 1e-4
+        want_rank = int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1
+        assert got["rank"] == want_rank and got["decoded_token"] == tok.decode([ids[i]])
+        ranks.append(want_rank)
         top_vals, top_ids = ref[i - 1].topk(3)
         assert {str(t) for t in top_ids.tolist()} <= set(pl[i]) and len(pl[i]) <= 4
-        for t, v in zip(top_ids.tolist(), top_vals.tolist()):
-            assert abs(pl[i][str(t)]["logprob"] - v) < 1e-4
+        for j, (t, v) in enumerate(zip(top_ids.tolist(), top_vals.tolist()), start=1):
+            assert abs(pl[i][str(t)]["logprob"] - v) < 1e-4 and pl[i][str(t)]["rank"] == j
+    assert max(ranks) > 3, ranks  # some prompt token lies outside the top-N (a random model)
 
 
 def test_logit_bias_moves_the_greedy_token(server: LiveServer, hf: Any) -> None:

@@ -473,12 +473,15 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _add_prompt_logprobs(req: Request, first: int, lps: list[dict[int, float]]) -> None:
+    def _add_prompt_logprobs(
+        req: Request, first: int, lps: list[dict[int, float]], ranks: list[int]
+    ) -> None:
         """Keep the part of a step's prompt logprobs that continues what the request has
         (a recompute never adds a token twice)."""
         have = len(req.prompt_logprobs)
         if first <= have < first + len(lps):
             n_top = req.sampling_params.prompt_logprobs or 0
+            req.prompt_logprob_ranks += ranks[have - first :]
             for j, d in enumerate(lps[have - first :], start=have):
                 tok = req.prompt_token_ids[j]
                 top = sorted(((t, v) for t, v in d.items()), key=lambda x: -x[1])[:n_top]
@@ -591,6 +594,11 @@ class LLMEngine:
             delta_logprobs=delta_lps,
             prompt_logprobs=(
                 req.prompt_logprobs if req.sampling_params.prompt_logprobs is not None else None
+            ),
+            prompt_logprob_ranks=(
+                req.prompt_logprob_ranks
+                if req.sampling_params.prompt_logprobs is not None
+                else None
             ),
         )
 

@@ -52,6 +52,8 @@ class Request:
         # Prompt logprobs received so far (the first token has none); a recompute after
         # preemption skips the tokens already here.
         self.prompt_logprobs: list[dict[int, float] | None] = [None]
+        # The rank of each prompt token in its distribution (1: the most likely), beside it.
+        self.prompt_logprob_ranks: list[int | None] = [None]
         self.status = RequestStatus.WAITING
         # Tokens whose KV is in the cache (or being written by this step).
         self.num_computed_tokens = 0

@@ -72,8 +72,9 @@ class StepOutput:
     # Per batch row: per valid slot, {token: logprob} of the sampled token and the top-N.
     logprobs: list[list[dict[int, float]]] | None
     # batch row -> (position of the first prompt token covered, per covered prompt token
-    # {token: logprob} of that token and the top-N): prompt logprobs computed this step
-    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] | None = None
+    # {token: logprob} of that token and the top-N, per covered prompt token its rank):
+    # prompt logprobs computed this step
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]], list[int]]] | None = None
     # [B, K] drafts the drafter proposed for the next step, read back only for steps with
     # structured requests (their grammar walks the drafts on the host); else None
     next_drafts: np.ndarray | None = None
@@ -368,8 +369,9 @@ class ModelRunner:
         sel = torch.tensor(idx + ids, dtype=torch.int64).to(self.device, non_blocking=True)
         h_idx, tok_ids = sel[: len(idx)], sel[len(idx) :]
         logits = self.model.compute_logits(hidden[h_idx])
-        lp, _, top_ids, top_lp = compute_logprobs(logits, tok_ids, max(n_top, 1))
-        return spans, n_top, (lp, tok_ids, top_ids.flatten(), top_lp.flatten())
+        # The rank (vLLM's: 1 + tokens more likely) comes with the logprobs: one sum per row.
+        lp, ranks, top_ids, top_lp = compute_logprobs(logits, tok_ids, max(n_top, 1))
+        return spans, n_top, (lp, tok_ids, ranks, top_ids.flatten(), top_lp.flatten())
 
     def _next_drafts(self, inp: StepInputs, num_acc: torch.Tensor) -> torch.Tensor:
         """[B, K] the drafts just proposed (after each request's newest token): structured
@@ -485,12 +487,13 @@ class ModelRunner:
     @staticmethod
     def _unpack_prompt_logprobs(
         host: np.ndarray, pending: PendingStep
-    ) -> dict[int, tuple[int, list[dict[int, float]]]]:
+    ) -> dict[int, tuple[int, list[dict[int, float]], list[int]]]:
         spans, n_top = pending.prompt_spans or [], pending.prompt_top
         n = max(n_top, 1)
         total = sum(c for _, _, c in spans)
         lp, tok = host[:total], host[total : 2 * total].astype(np.int64)
-        off = 2 * total
+        ranks = host[2 * total : 3 * total].astype(np.int64).tolist()
+        off = 3 * total
         top_ids = host[off : off + total * n].astype(np.int64).reshape(total, n)
         top_lp = host[off + total * n : off + 2 * total * n].reshape(total, n)
         out, i = {}, 0
@@ -501,5 +504,5 @@ class ModelRunner:
                 d[int(tok[i])] = float(lp[i])
                 rows.append(d)
                 i += 1
-            out[b] = (first, rows)
+            out[b] = (first, rows, ranks[i - count : i])
         return out

@@ -51,6 +51,7 @@ class _Choice:
     prompt_token_ids: list[int] = field(default_factory=list)
     # SamplingParams.prompt_logprobs' result: per prompt token, None for the first
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     text: str = ""  # generated text
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -219,6 +220,7 @@ class OpenAIServing:
                 c.echo = out.prompt or ""
             c.prompt_token_ids = list(out.prompt_token_ids)
             c.prompt_logprobs = out.prompt_logprobs
+            c.prompt_logprob_ranks = out.prompt_logprob_ranks
         c.text += out.delta_text
         c.token_ids += out.delta_token_ids
         if out.delta_logprobs:
@@ -257,18 +259,23 @@ def prompt_logprobs_json(
     c: _Choice, n_top: int, token_str: Callable[[int], str]
 ) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob,
-    decoded_token}} holding the prompt token and the top-N."""
+    rank, decoded_token}} holding the prompt token and the top-N. As vLLM: the prompt token's
+    rank is 1 + the tokens more likely, the top-N rank 1..N in order."""
     if c.prompt_logprobs is None:
         return None
     out: list[dict[str, dict[str, Any]] | None] = []
-    for tid, d in zip(c.prompt_token_ids, c.prompt_logprobs):
+    ranks = c.prompt_logprob_ranks or [None] * len(c.prompt_logprobs)
+    for tid, d, rank in zip(c.prompt_token_ids, c.prompt_logprobs, ranks):
         if d is None:
             out.append(None)
             continue
-        top = dict(_top(d, n_top))
-        top[tid] = d.get(tid, MIN_LOGPROB)
+        top = {t: (v, r) for r, (t, v) in enumerate(_top(d, n_top), start=1)}
+        top[tid] = (d.get(tid, MIN_LOGPROB), rank)
         out.append(
-            {str(t): {"logprob": _lp(v), "decoded_token": token_str(t)} for t, v in top.items()}
+            {
+                str(t): {"logprob": _lp(v), "rank": r, "decoded_token": token_str(t)}
+                for t, (v, r) in top.items()
+            }
         )
     return out
 
