@@ -188,7 +188,11 @@ class SpecServer(uvicorn.Server):
     """uvicorn with a drain deadline. The first SIGTERM / SIGINT stops accepting connections
     and lets in-flight requests finish for up to `shutdown_timeout` seconds; then the engine
     ends the remaining ones (streams get an error event, others a 503) and the process exits.
-    A second signal exits at once."""
+    A second signal exits at once.
+
+    Exit status: a drain (finished or cut at the deadline) is the orderly end the signal asked
+    for, so the process exits 0; uvicorn would re-raise the signal once it returns (status
+    143 for SIGTERM). A second signal, which abandons the drain, is re-raised as uvicorn does."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float):
         # Backstop: connections still open a second after the deadline are cancelled.
@@ -204,6 +208,8 @@ class SpecServer(uvicorn.Server):
             self.force_exit = True
             return
         super().handle_exit(sig, frame)
+        # Not re-raised after `serve` returns: the graceful shutdown exits 0.
+        self._captured_signals.clear()
         logger.info(
             "%s: draining in-flight requests for up to %.1f s (send it again to exit now)",
             signal.Signals(sig).name,
