@@ -51,6 +51,21 @@ _BLOCK_V = 2048
 _MAX_SPLITS = 128
 
 
+def _slot_rows(
+    # [B, K + 1, V]
+    target_logits: Tensor,
+    block_v: int,
+) -> tuple[Tensor, int, int]:
+    """(logits as [B * (K + 1), V] rows with unit vocabulary stride, the vocabulary block, the
+    number of splits): the layout both verification launchers hand their first kernel."""
+    B, k1, V = target_logits.shape
+    logits = target_logits.reshape(B * k1, V)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    block_v = max(block_v, triton.next_power_of_2(triton.cdiv(V, _MAX_SPLITS)))
+    return logits, block_v, triton.cdiv(V, block_v)
+
+
 def coupled_sample_triton(
     # [B, K + 1, V] raw target logits
     target_logits: Tensor,
@@ -80,11 +95,7 @@ def coupled_sample_triton(
     num_acc = torch.empty(B, dtype=torch.int64, device=dev)
     if B == 0:
         return out_tokens, num_acc
-    logits = target_logits.reshape(B * k1, V)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    block_v = max(block_v, triton.next_power_of_2(triton.cdiv(V, _MAX_SPLITS)))
-    S = triton.cdiv(V, block_v)
+    logits, block_v, S = _slot_rows(target_logits, block_v)
     apply_temp = processed_logits is None
     proc = logits if apply_temp else processed_logits
     tok_val = torch.empty(B * k1, S, dtype=torch.float32, device=dev)
@@ -160,11 +171,7 @@ def rejection_sample_triton(
     num_acc = torch.empty(B, dtype=torch.int64, device=dev)
     if B == 0:
         return out_tokens, num_acc
-    logits = target_logits.reshape(B * k1, V)
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    block_v = max(block_v, triton.next_power_of_2(triton.cdiv(V, _MAX_SPLITS)))
-    S = triton.cdiv(V, block_v)
+    logits, block_v, S = _slot_rows(target_logits, block_v)
     sampled = not all_greedy
     apply_temp = processed_logits is None
     proc = logits if apply_temp else processed_logits
