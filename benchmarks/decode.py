@@ -427,6 +427,15 @@ def run_hf(cfg: dict, batch: int, prompt_len: int, new_tokens: int) -> dict:
     return {"ms_per_step": 1e3 * dt / new_tokens, "tok_s": batch * new_tokens / dt}
 
 
+def log_plans() -> None:
+    """Print the engine's INFO lines (the decode_matmul=auto planning time among them)."""
+    import logging
+
+    log = logging.getLogger("specserve")
+    log.setLevel(logging.INFO)
+    log.addHandler(logging.StreamHandler())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,16")
@@ -450,6 +459,7 @@ def main() -> None:
         help="device timeline of batch-1 async + auto steps (graph / outside / idle), then stop",
     )
     args = ap.parse_args()
+    log_plans()
     torch.backends.cuda.matmul.allow_tf32 = True
     model_dir = write_config(LLAMA3_8B)
     if args.profile or args.profile_only:

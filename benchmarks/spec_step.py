@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode import LLAMA3_8B, write_config  # noqa: E402
+from decode import LLAMA3_8B, log_plans, write_config  # noqa: E402
 
 EAGLE3_HEAD = {
     "architectures": ["LlamaForCausalLMEagle3"],
@@ -133,6 +133,7 @@ def main() -> None:
     )
     ap.add_argument("--decode-matmul", default="auto", help="cublas | triton | auto (default)")
     args = ap.parse_args()
+    log_plans()
     batches = [int(b) for b in args.batches.split(",")]
     target = write_config(LLAMA3_8B)
     heads = {"eagle3": write_config(EAGLE3_HEAD), "ptd": write_config(PTD_HEAD)}

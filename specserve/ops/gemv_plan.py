@@ -29,19 +29,22 @@ logger = logging.getLogger("specserve")
 # weight bytes in flight per K step: with it batch-1 decode went from 5.616 to 5.470 ms a step
 # on the H100 (graph 5.225 -> 5.087; benchmarks/RESULTS.md, session 6 call 4).
 CANDIDATES: tuple[Config, ...] = ((8, 512, 4, 4), (8, 1024, 4, 3), (16, 512, 4, 3))
-# Skinny-matmul configs tried (split_k 0: two programs per SM), the first few of them per bucket
-# (SKINNY_PER_BUCKET). The same configs at every bucket share compiles: buckets 2-16 all run
-# the 16-row tile.
+# Skinny-matmul configs tried, the first few of them per bucket (SKINNY_PER_BUCKET). From a
+# 48-config sweep on the H100 (benchmarks/skinny.py --sweep, Llama-3-8B shapes, 4 and 16 rows;
+# RESULTS.md session 10): 3 stages beat 4-6, and a fixed split of 3 wins on the o and down
+# projections (fewer, longer K ranges than "two programs per SM"); wide tiles at 32-64 rows.
+# The same configs at every bucket share compiles: buckets 2-16 all run the 16-row tile.
 SKINNY_CANDIDATES: tuple[SkinnyConfig, ...] = (
-    SkinnyConfig(64, 128, 0, 4, 4),
-    SkinnyConfig(32, 256, 0, 4, 4),
+    SkinnyConfig(64, 128, 3, 4, 3),
+    SkinnyConfig(32, 128, 0, 4, 3),
+    SkinnyConfig(64, 128, 0, 4, 3),
     SkinnyConfig(128, 128, 0, 8, 3),
 )
 # Per bucket: (gemv candidates, skinny candidates) tried besides cuBLAS. The gemv is the 1-row
 # design (it re-reads nothing but does M dot products per weight tile), the skinny matmul the
 # many-row one; both are timed where either may win. Bounded: start-up compiles and times each.
 GEMV_PER_BUCKET = {1: 3, 2: 3, 4: 1, 8: 1}
-SKINNY_PER_BUCKET = {2: 1, 4: 2, 8: 2, 16: 3, 32: 3, 64: 3}
+SKINNY_PER_BUCKET = {2: 1, 4: 2, 8: 2, 16: 3, 32: 4, 64: 4}
 TUNED_BUCKETS = BUCKETS
 # A timer: (layers, rows, silu_mul, candidate) -> microseconds for the whole group.
 Timer = Callable[[list[DecodeLinear], int, bool, PlanConfig], float]
