@@ -150,9 +150,11 @@ def time_graph(engine: object, batch: int) -> float | None:
     return s.elapsed_time(e) / 50
 
 
-def batch1_engine(model_dir: str, prompt_len: int, steps: int, **engine_kw: object) -> object:
-    """An engine decoding one request, past its prefill and a few warm-up steps, with room for
-    `steps` more (and then some)."""
+def batch1_engine(
+    model_dir: str, prompt_len: int, steps: int, batch: int = 1, **engine_kw: object
+) -> object:
+    """An engine decoding `batch` requests (one by default), past their prefill and a few
+    warm-up steps, with room for `steps` more (and then some)."""
     from specserve import SamplingParams
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
@@ -161,13 +163,15 @@ def batch1_engine(model_dir: str, prompt_len: int, steps: int, **engine_kw: obje
         dtype="bfloat16",
         load_format="dummy",
         max_model_len=1024,
-        max_num_seqs=1,
+        max_num_seqs=batch,
         gpu_memory_utilization=0.5,
     )
     cfg = EngineConfig(model=model_dir, **(kw | engine_kw))  # type: ignore[arg-type]
     engine = LLMEngine(cfg)
     sp = SamplingParams(temperature=0.0, max_tokens=4 * steps + 20, ignore_eos=True)
-    engine.add_request("p", {"prompt_token_ids": list(range(1, prompt_len + 1))}, sp)
+    for i in range(batch):
+        ids = [(i * 7 + j) % 1000 + 1 for j in range(prompt_len)]
+        engine.add_request(f"p{i}", {"prompt_token_ids": ids}, sp)
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
@@ -225,16 +229,21 @@ def profile_steps(model_dir: str, prompt_len: int, steps: int = 40, **engine_kw:
 
 
 def timeline(
-    model_dir: str, prompt_len: int, steps: int = 20, rows: int = 16, **engine_kw: object
+    model_dir: str,
+    prompt_len: int,
+    steps: int = 20,
+    rows: int = 16,
+    batch: int = 1,
+    **engine_kw: object,
 ) -> dict:
-    """Device timeline of batch-1 async + decode_matmul=auto steps (torch profiler trace):
+    """Device timeline of async + decode_matmul=auto steps at `batch` (torch profiler trace):
     per step, the device time inside the captured target graph, in kernels and copies outside
     it (by name), and idle; where a step's time over the graph goes. `rows`: graph kernels
     printed; `engine_kw` override the engine's arguments (benchmarks/moe_decode.py)."""
     from torch.profiler import ProfilerActivity, profile
 
     kw = dict(async_scheduling=True, decode_matmul="auto") | engine_kw
-    engine = batch1_engine(model_dir, prompt_len, steps, **kw)
+    engine = batch1_engine(model_dir, prompt_len, steps, batch, **kw)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
         for _ in range(steps):
             engine.step()
@@ -280,7 +289,7 @@ def timeline(
     span = dev[-1]["ts"] + dev[-1]["dur"] - dev[0]["ts"]
     n = steps
     out_rows = sorted(((sum(v) / n, len(v) / n, k) for k, v in outside.items()), reverse=True)
-    print(f"\n== device timeline, batch 1, async + auto, {n} steps (us a step)")
+    print(f"\n== device timeline, batch {batch}, async + auto, {n} steps (us a step)")
     print(f"span {span / n:.0f}  busy {busy / n:.0f}  idle {(span - busy) / n:.0f}")
     chain_rows = sorted(((sum(v) / n, len(v) / n, k) for k, v in chain.items()), reverse=True)
     launches = sum(r[1] for r in chain_rows) + 1  # the chain counts each kernel after the first

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-30b-a3b", help=",".join(SHAPES))
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--rows", type=int, default=24, help="graph kernels printed")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding at once")
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp")
     for name in args.shape.split(","):
@@ -50,8 +51,14 @@ def main() -> None:
             print(f"{name}: {note}")
         model_dir = write_config(cfg, tempfile.mkdtemp(prefix=f"{name}-"))
         print(f"\n#### {name}", flush=True)
-        res = timeline(model_dir, args.prompt_len, rows=args.rows, gpu_memory_utilization=0.9)
-        with open(os.path.join(out, f"timeline-{name}.json"), "w") as f:
+        res = timeline(
+            model_dir,
+            args.prompt_len,
+            rows=args.rows,
+            batch=args.batch,
+            gpu_memory_utilization=0.9,
+        )
+        with open(os.path.join(out, f"timeline-{name}-b{args.batch}.json"), "w") as f:
             json.dump({"shape": name, "config": cfg, **res}, f, indent=1)
         gc.collect()
         torch.cuda.empty_cache()
