@@ -26,6 +26,8 @@
 #                                                 # --quick (batch 1) in the time left (it skips
 #                                                 # the configurations that would not fit)
 #   bash benchmarks/gpu_session.sh moe-decode     # moe_decode.py alone, every configuration
+#   bash benchmarks/gpu_session.sh step           # issue 23: skinny.py, decode.py B=1/16, spec_step
+#   bash benchmarks/gpu_session.sh timelines      # batch-1 device timelines (SHAPES=...)
 #   bash benchmarks/gpu_session.sh warmup         # warm-up / lifetime GPU tests (no compile or
 #                                                 # capture after start-up; del llm frees)
 #   bash benchmarks/gpu_session.sh serve-plain    # serve_sweep.py --shape llama3-8b, plain half
@@ -213,8 +215,22 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
     timeout 570 python benchmarks/moe_decode.py 2>&1 | grep --line-buffered -v tokenizer \
       | tee "$OUT/moe_decode.log" | tail -30
     ;;
+  step)
+    # Issue 23: the skinny matmul per row bucket, plain decode at batch 1 / 16, the EAGLE-3
+    # step cost at K = 2 / 4 and batch 1 / 16 / 64 (async scheduling, decode_matmul=auto).
+    timeout 200 python benchmarks/skinny.py 2>&1 | tee "$OUT/skinny.log" | tail -40
+    timeout 150 python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 \
+      | tee "$OUT/decode.log" | tail -14
+    timeout $((580 - SECONDS)) python benchmarks/spec_step.py --ks 2,4 --batches 1,16,64 \
+      --modes fused --async-scheduling 2>&1 | tee "$OUT/spec_step.log" | tail -14
+    ;;
+  timelines)
+    # Batch-1 device timelines of the MoE / MLA / gpt-oss shapes (benchmarks/timeline.py).
+    timeout 570 python benchmarks/timeline.py --shape "${SHAPES:-qwen3-30b-a3b,glm47-flash}" \
+      2>&1 | grep --line-buffered -v tokenizer | tee "$OUT/timelines.log" | tail -120
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|warmup|serve-plain|serve-eagle3|serve-short" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|serve-short" >&2
     exit 2
     ;;
 esac

@@ -11,6 +11,8 @@ fused epilogue. Under 3 minutes on an H100 (compiles included).
 
     python benchmarks/skinny.py                 # table last; $OUT/skinny.json if set
     python benchmarks/skinny.py --rows 16,64 --weights o,down
+    python benchmarks/skinny.py --sweep --rows 4,16   # a wide config grid (tiles, splits,
+                                                      # stages) instead of skinny.CONFIGS
 """
 
 from __future__ import annotations
@@ -30,16 +32,38 @@ from decode import copy_bandwidth  # noqa: E402
 from gemv import SHAPES  # noqa: E402
 
 
+def sweep_configs() -> list:
+    """--sweep: narrow to wide tiles, automatic and fixed splits, shallow and deep pipelines."""
+    from specserve.ops.skinny import SkinnyConfig
+
+    return [
+        SkinnyConfig(bn, bk, split, 4, stages)
+        for bn in (16, 32, 64)
+        for bk in (128, 256, 512)
+        for split in (0, 1, 3)
+        for stages in (3, 5)
+        if bn * bk <= 16384
+    ]
+
+
 def main() -> None:
     from specserve.ops import silu_and_mul
     from specserve.ops.gemv import MAX_M, planned_matmul
     from specserve.ops.gemv_plan import CANDIDATES, graph_us
-    from specserve.ops.skinny import CONFIGS, new_counters, num_sms, resolve_split
+    from specserve.ops.skinny import (
+        CONFIGS,
+        SkinnyConfig,
+        new_counters,
+        num_sms,
+        resolve_split,
+    )
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="2,4,8,16,32,64")
     ap.add_argument("--weights", default=",".join([*SHAPES, "gate_up+silu"]))
+    ap.add_argument("--sweep", action="store_true", help="time sweep_configs(), not CONFIGS")
     args = ap.parse_args()
+    configs = sweep_configs() if args.sweep else CONFIGS
     ms = [int(m) for m in args.rows.split(",")]
     names = args.weights.split(",")
     t0 = time.perf_counter()
@@ -68,7 +92,7 @@ def main() -> None:
                 cublas = per_weight(lambda w, c, x=x: silu_and_mul(F.linear(x, w)))
             else:
                 cublas = per_weight(lambda w, c, x=x: F.linear(x, w))
-            cands = [*CONFIGS, *(CANDIDATES if m <= MAX_M else ())]
+            cands = [*configs, *(CANDIDATES if m <= MAX_M else ())]
             times = {}
             for cfg in cands:
                 y = planned_matmul(x, ws[0], None, cfg, silu, counters[0]).float()
@@ -79,7 +103,9 @@ def main() -> None:
                 )
             best = min(times, key=times.get)
             nbytes = 2 * n * k
-            splits = resolve_split(best, n // 2 if silu else n, k, num_sms(dev))[0]
+            splits = 1
+            if isinstance(best, SkinnyConfig):  # else a gemv config (no split)
+                splits = resolve_split(best, n // 2 if silu else n, k, num_sms(dev))[0]
             rows.append(
                 {
                     "weight": name,
@@ -89,13 +115,16 @@ def main() -> None:
                     "cublas_us": cublas,
                     "triton_us": times[best],
                     "triton_config": list(best),
-                    "splits": splits if len(best) == 5 else 1,
+                    "splits": splits,
                     "all_us": {str(c): t for c, t in times.items()},
                     "cublas_pct_of_copy_bw": 100 * nbytes / (cublas * 1e-6) / bw,
                     "triton_pct_of_copy_bw": 100 * nbytes / (times[best] * 1e-6) / bw,
                 }
             )
             print(f"{name} M={m}: cuBLAS {cublas:.1f} us, best {best} {times[best]:.1f} us")
+            if args.sweep:
+                for c in sorted(times, key=times.get)[1:5]:
+                    print(f"    {tuple(c)} {times[c]:.1f} us")
         del ws
     result = {
         "device": torch.cuda.get_device_name(),

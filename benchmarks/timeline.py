@@ -1,0 +1,61 @@
+"""Device timeline of batch-1 decode steps at a target's real shape (random weights): where a
+step's time over the captured graph goes, kernel by kernel (decode.py's `timeline`).
+
+    python benchmarks/timeline.py --shape qwen3-30b-a3b   # $OUT/timeline-<shape>.json
+    python benchmarks/timeline.py --shape glm47-flash,gpt-oss-20b,llama3-8b
+
+Each shape: `load_format="dummy"`, bf16, async scheduling, decode_matmul=auto, CUDA graphs. Shapes
+that do not fit one GPU keep as many layers as fit (moe_decode.fit_layers), as their decode
+benchmarks do; the per-layer rows are what matter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode import LLAMA3_8B, timeline, write_config  # noqa: E402
+from gpt_oss_decode import GPT_OSS_20B  # noqa: E402
+from mla_decode import GLM47_FLASH, MTP_LAYERS  # noqa: E402
+from moe_decode import QWEN3_30B_A3B, fit_layers  # noqa: E402
+
+SHAPES = {
+    "llama3-8b": (LLAMA3_8B, 0),
+    "qwen3-30b-a3b": (QWEN3_30B_A3B, 0),
+    "glm47-flash": (GLM47_FLASH, MTP_LAYERS),
+    "gpt-oss-20b": (GPT_OSS_20B, 0),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help=",".join(SHAPES))
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=24, help="graph kernels printed")
+    args = ap.parse_args()
+    out = os.environ.get("OUT", "/tmp")
+    for name in args.shape.split(","):
+        cfg, mtp = SHAPES[name]
+        cfg = dict(cfg)
+        if "first_k_dense_replace" in cfg:
+            n, note = fit_layers(cfg, torch.cuda.get_device_properties(0).total_memory, mtp)
+            cfg["num_hidden_layers"] = n
+            print(f"{name}: {note}")
+        model_dir = write_config(cfg, tempfile.mkdtemp(prefix=f"{name}-"))
+        print(f"\n#### {name}", flush=True)
+        res = timeline(model_dir, args.prompt_len, rows=args.rows, gpu_memory_utilization=0.9)
+        with open(os.path.join(out, f"timeline-{name}.json"), "w") as f:
+            json.dump({"shape": name, "config": cfg, **res}, f, indent=1)
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
