@@ -28,6 +28,11 @@
 #   bash benchmarks/gpu_session.sh moe-decode     # moe_decode.py alone, every configuration
 #   bash benchmarks/gpu_session.sh step           # issue 23: skinny.py, decode.py B=1/16, spec_step
 #   bash benchmarks/gpu_session.sh timelines      # batch-1 device timelines (SHAPES=...)
+#   bash benchmarks/gpu_session.sh warmup         # warm-up / lifetime GPU tests (no compile or
+#                                                 # capture after start-up; del llm frees)
+#   bash benchmarks/gpu_session.sh serve-plain    # serve_sweep.py --shape llama3-8b, plain half
+#   bash benchmarks/gpu_session.sh serve-eagle3   # the EAGLE-3 half, then compare + plot
+#   bash benchmarks/gpu_session.sh serve-short    # both halves at 64 output tokens (stalls)
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -191,6 +196,21 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
         | grep --line-buffered -v tokenizer | tee "$OUT/moe_decode.log" | tail -30
     fi
     ;;
+  warmup)
+    timeout 560 python -m pytest -q -s -m gpu tests/test_warmup.py tests/test_llm_lifetime.py \
+      -p no:cacheprovider --durations=8 2>&1 | tee "$OUT/gpu_tests_warmup.log" | tail -25
+    ;;
+  serve-plain | serve-eagle3)
+    # Results stay in /tmp/sweep8b on the warm machine: the second half prints the compare.
+    timeout 570 python benchmarks/serve_sweep.py --shape llama3-8b --labels "${1#serve-}" \
+      --result-dir /tmp/sweep8b 2>&1 | grep --line-buffered -v "^INFO" \
+      | tee "$OUT/serve_${1#serve-}.log" | tail -60
+    ;;
+  serve-short)
+    timeout 570 python benchmarks/serve_sweep.py --shape llama3-8b --output-len 64 \
+      --result-dir /tmp/sweep8b_short 2>&1 | grep --line-buffered -v "^INFO" \
+      | tee "$OUT/serve_short.log" | tail -60
+    ;;
   moe-decode)
     timeout 570 python benchmarks/moe_decode.py 2>&1 | grep --line-buffered -v tokenizer \
       | tee "$OUT/moe_decode.log" | tail -30
@@ -210,7 +230,7 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
       2>&1 | grep --line-buffered -v tokenizer | tee "$OUT/timelines.log" | tail -120
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|serve-short" >&2
     exit 2
     ;;
 esac

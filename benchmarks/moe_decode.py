@@ -264,6 +264,9 @@ def make_llm(model_dir: str, args: argparse.Namespace, **kw: Any) -> Any:
     from specserve import LLM
 
     kw.setdefault("max_num_seqs", max(args.batches))
+    # Step timings here follow warm steps of the batch they time; the start-up warm-up of every
+    # shape would only lengthen each of the engines a run builds (10-minute device calls).
+    kw.setdefault("warmup", False)
     return LLM(
         model_dir,
         dtype=args.dtype,

@@ -68,6 +68,9 @@ def make_engine(
         draft_graph_mode=mode,
         async_scheduling=async_scheduling,
         decode_matmul=decode_matmul,
+        # `measure` runs warm steps of the batch it times first; the start-up warm-up of every
+        # shape would only lengthen each of the many engines a sweep builds.
+        warmup=False,
     )
     return LLMEngine(cfg)
 

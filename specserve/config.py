@@ -54,6 +54,11 @@ class EngineConfig:
     # the GPU idle. None: on for CUDA (as in vLLM), off on CPU, where the host is the device
     # and there is nothing to overlap.
     async_scheduling: bool | None = None
+    # Run every step shape serving can produce once at start-up (worker/warmup.py): every
+    # batch size and query length, each sampling path, prefills up to the token budget, so no
+    # Triton compile or first-use allocation lands on a request. None: on for CUDA, off on CPU
+    # (nothing compiles there).
+    warmup: bool | None = None
     # Drafting loop on CUDA: auto (one graph for the whole loop where the attention backend
     # updates metadata in place, else one step graph replayed per step) | fused | per_step | eager
     draft_graph_mode: str = "auto"
@@ -130,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}.")
         if self.async_scheduling is None:
             self.async_scheduling = self.torch_device.type == "cuda"
+        if self.warmup is None:
+            self.warmup = self.torch_device.type == "cuda"
 
     def check_device_available(self) -> None:
         """Before anything touches the device (engine start): a one-line error, not CUDA's

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from specserve.bench.datasets import DatasetArgs, sample_requests
+from specserve.bench.endpoint import RequestFuncOutput
+from specserve.bench.report import calculate_metrics, format_result
 from specserve.entrypoints.cli import main
 
 from .test_server import LiveServer, _config, dirs  # noqa: F401 - fixtures
@@ -66,7 +68,10 @@ def test_bench_serve_table_and_json(
         "---------------Speculative Decoding---------------",
     ):
         assert header in table
-    for name in ("Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):", "Mean E2EL (ms):"):
+    for name in (
+        "Mean TTFT (ms):", "P99 TPOT (ms):", "Median ITL (ms):", "Mean E2EL (ms):",
+        "Max TTFT (ms):", "Max ITL (ms):",
+    ):  # fmt: skip
         assert any(line.startswith(f"{name:<40} ") for line in table), name
     for name in ("Acceptance rate (%):", "Acceptance length:", "Drafts:", "Draft tokens:"):
         assert any(line.startswith(f"{name:<40} ") for line in table), name
@@ -80,6 +85,8 @@ def test_bench_serve_table_and_json(
     assert r["backend"] == "openai" and r["label"] == "base" and r["model_id"] == server.model
     for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "std_e2el_ms", "output_throughput"):
         assert isinstance(r[key], float) and r[key] >= 0, key
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        assert r[f"max_{key}_ms"] >= r[f"p99_{key}_ms"] >= r[f"median_{key}_ms"], key
     assert r["spec_decode_num_drafts"] > 0 and r["spec_decode_draft_tokens"] > 0
     assert 1.0 <= r["spec_decode_acceptance_length"] <= 3.0
     assert len(r["spec_decode_per_position_acceptance_rates"]) == 2
@@ -117,11 +124,39 @@ def test_sweep_and_compare(
     assert header in out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     names = [line.split(" | ")[0][2:] for line in rows[1:]]
-    for name in ("Output token throughput (tok/s)", "Mean TPOT (ms)", "P99 E2EL (ms)"):
+    for name in (
+        "Output token throughput (tok/s)", "Mean TPOT (ms)", "P99 E2EL (ms)", "Max TTFT (ms)",
+        "Max ITL (ms)",
+    ):  # fmt: skip
         assert name in names
     tput = rows[1 + names.index("Output token throughput (tok/s)")].split(" | ")
     assert tput[3].endswith("%") and tput[6].rstrip(" |").endswith("%")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_stall_shows_in_max_itl() -> None:
+    """One 1.15 s gap among 400 ITLs of 10 ms (the first-time stall of issue 23) leaves P99
+    at 10 ms; only the maximum shows it, in the JSON and in the table."""
+    outs = []
+    for i in range(4):
+        itl = [0.010] * 100
+        if i == 2:
+            itl[37] = 1.15
+        ttft = 0.05 if i != 1 else 0.7
+        outs.append(
+            RequestFuncOutput(
+                success=True, latency=ttft + sum(itl), output_tokens=101, ttft=ttft, itl=itl,
+                prompt_len=84, start_time=0.0,
+            )
+        )  # fmt: skip
+    r = calculate_metrics(outs, duration=2.0, percentiles=[99.0])
+    assert r["p99_itl_ms"] == pytest.approx(10.0)
+    assert r["max_itl_ms"] == pytest.approx(1150.0)
+    assert r["max_ttft_ms"] == pytest.approx(700.0) and r["median_ttft_ms"] == pytest.approx(50.0)
+    table = format_result(r, 4, float("inf"), ["ttft", "itl"], [99.0]).splitlines()
+    assert _row("Max ITL (ms):", "1150.00") in table
+    assert _row("Max TTFT (ms):", "700.00") in table
+    assert not any(line.startswith("Max TPOT") for line in table)  # not asked for
 
 
 def test_datasets(tmp_path: Any, dirs: dict[str, str]) -> None:  # noqa: F811

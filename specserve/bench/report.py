@@ -90,6 +90,9 @@ def calculate_metrics(
         r[f"std_{key}_ms"] = float(ms.std())
         for p in percentiles:
             r[f"p{_pword(p)}_{key}_ms"] = float(np.percentile(ms, p))
+        # The worst single value: a one-time stall (a compile, a graph capture on the serving
+        # path) is one ITL among thousands and never moves a percentile.
+        r[f"max_{key}_ms"] = float(ms.max())
     return r
 
 
@@ -132,6 +135,7 @@ def format_result(
         lines.append(_row(f"Median {name} (ms):", r[f"median_{key}_ms"], ".2f"))
         for p in percentiles:
             lines.append(_row(f"P{_pword(p)} {name} (ms):", r[f"p{_pword(p)}_{key}_ms"], ".2f"))
+        lines.append(_row(f"Max {name} (ms):", r[f"max_{key}_ms"], ".2f"))
     if "spec_decode_num_drafts" in r:
         lines.append("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
         lines.append(_row("Acceptance rate (%):", r["spec_decode_acceptance_rate"], ".2f"))

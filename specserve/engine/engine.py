@@ -110,6 +110,12 @@ class LLMEngine:
             config, self.model, self.max_model_len, num_blocks, self.speculator
         )
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
+        # Every step shape once, before the first request (no compile on the serving path).
+        self.warmup_report = None
+        if config.warmup:
+            from specserve.worker.warmup import warm_up
+
+            self.warmup_report = warm_up(self.runner, config.max_num_batched_tokens)
         self.kv = KVCacheManager(num_blocks, config.block_size, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv,

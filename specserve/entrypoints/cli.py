@@ -22,6 +22,8 @@ _HELP = {
     "decode_matmul": "cublas | triton | auto (CUDA decode matmuls; auto, the default: the "
     "faster, timed at start-up per weight shape)",
     "async_scheduling": "launch step N+1 while step N runs (default: on for CUDA, off on CPU)",
+    "warmup": "run every batch size and step shape once at start-up, so nothing compiles "
+    "while serving (default: on for CUDA, off on CPU)",
 }
 
 

@@ -1,0 +1,133 @@
+"""Start-up warm-up (worker/warmup.py): it runs the real step over every batch size, query
+length, sampling path and prefill size, and leaves nothing behind (CPU: rows, KV blocks and
+outputs as without it). On the GPU: after start-up, serving batches of every size with and
+without EAGLE-3 compiles no Triton kernel and captures no graph."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.worker.warmup import FLAVORS, compiled_kernel_count
+
+from .conftest import random_prompts
+from .spec_utils import write_eagle3
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MAX_SEQS = 4
+
+
+def _spec(kind: str | None, tmp_path: Any) -> dict | None:
+    if kind == "eagle3":
+        e3 = write_eagle3(os.path.join(tmp_path, "e3"))
+        return {"method": "eagle3", "model": e3, "num_speculative_tokens": 3}
+    if kind == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 3}
+    return None
+
+
+def _params(n: int) -> list[SamplingParams]:
+    """Greedy, seeded temperature and seeded filtered sampling, max_tokens staggered so the
+    batch shrinks through several sizes."""
+    out = []
+    for i in range(n):
+        base = FLAVORS[i % len(FLAVORS)]
+        out.append(
+            SamplingParams(
+                temperature=base.temperature, top_k=base.top_k, top_p=base.top_p,
+                min_p=base.min_p, seed=100 + i, max_tokens=4 + 3 * i, ignore_eos=True,
+            )
+        )  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind,async_sched", [(None, False), ("eagle3", False), ("eagle3", True), ("ngram", False)]
+)
+def test_warmup_leaves_no_state(ckpt_dir, tmp_path, kind: str | None, async_sched: bool) -> None:
+    path = ckpt_dir("llama_gqa", "llama")
+    spec = _spec(kind, tmp_path)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 3, 20, seed=1)]
+    outs = {}
+    for warm in (False, True):
+        llm = LLM(
+            path, max_model_len=96, max_num_seqs=MAX_SEQS, max_num_batched_tokens=64,
+            speculative_config=spec, async_scheduling=async_sched, warmup=warm,
+        )  # fmt: skip
+        e = llm.engine
+        rep = e.warmup_report
+        if warm:
+            k1 = 4 if kind else 1
+            # uniform: 3 flavors x every size x (q = 1, and 1 + K), async adds placed rows
+            uniform = len(FLAVORS) * MAX_SEQS * (2 if kind else 1) * (2 if async_sched else 1)
+            if async_sched:
+                uniform -= len(FLAVORS) * MAX_SEQS  # q = 1 has no drafts to place
+            assert rep is not None and rep.steps > uniform
+            # prefills of 1..64 tokens beside 0, 1, 2 and 3 decoding rows where they fit
+            lens = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64]
+            eager = sum(p + d * k1 <= 64 for p in lens for d in (0, 1, 2, 3))
+            assert rep.steps == uniform + eager
+        else:
+            assert rep is None
+        # Nothing left behind: every row free, every KV block free, no request anywhere.
+        assert sorted(e.runner.states.free_rows) == list(range(MAX_SEQS))
+        assert e.kv.pool.num_free == e.kv.pool.num_blocks
+        assert not e.requests and e.scheduler.num_unfinished == 0
+        res = llm.generate(prompts, _params(len(prompts)), use_tqdm=False)
+        outs[warm] = [o.outputs[0].token_ids for o in res]
+        assert [len(t) for t in outs[warm]] == [4 + 3 * i for i in range(len(prompts))]
+        llm.shutdown()
+    assert outs[True] == outs[False]
+
+
+def test_warmup_off_by_default_on_cpu(ckpt_dir) -> None:
+    llm = LLM(ckpt_dir("llama_gqa", "llama"), max_model_len=64, max_num_seqs=2)
+    assert llm.engine.config.warmup is False and llm.engine.warmup_report is None
+    llm.shutdown()
+
+
+def _graph_count(llm: LLM) -> int:
+    r = llm.engine.runner
+    n = len(r.cudagraphs.graphs) if r.cudagraphs is not None else 0
+    return n + (len(r.draft_graphs.graphs) if r.draft_graphs is not None else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind,async_sched", [(None, True), ("eagle3", True), ("eagle3", False)])
+def test_nothing_compiles_or_captures_after_startup(
+    ckpt_dir, tmp_path, kind: str | None, async_sched: bool
+) -> None:
+    """bf16 (so decode_matmul=auto plans Triton gemv / skinny kernels), max_num_seqs 16: after
+    start-up, batches of 1..16 requests (greedy, sampled, filtered; prompts of 3-80 tokens,
+    max_tokens staggered so each batch shrinks through every smaller size, prefills chunked
+    beside decodes) add no Triton kernel to any cache and capture no graph."""
+    path = ckpt_dir("llama_gqa", "llama")
+    t0 = time.perf_counter()
+    llm = LLM(
+        path, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=16,
+        max_num_batched_tokens=256, speculative_config=_spec(kind, tmp_path),
+        async_scheduling=async_sched,
+    )  # fmt: skip
+    start = time.perf_counter() - t0
+    rep = llm.engine.warmup_report
+    assert rep is not None and rep.steps > 0
+    print(
+        f"\nstart-up {start:.1f} s, of which warm-up {rep.seconds:.1f} s "
+        f"({rep.steps} steps, {rep.compiled} kernels compiled)"
+    )
+    kernels, graphs = compiled_kernel_count(), _graph_count(llm)
+    assert graphs > 0
+    for b in range(1, 17):
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(b, 3, 80, seed=b)]
+        llm.generate(prompts, _params(b), use_tqdm=False)
+        new = compiled_kernel_count() - kernels
+        assert new == 0, f"batch of {b}: {new} Triton kernels compiled after start-up"
+        assert _graph_count(llm) == graphs, f"batch of {b}: a graph captured after start-up"
+    llm.shutdown()
