@@ -286,6 +286,13 @@ def gate_up_act(gate_up: nn.Linear, x: torch.Tensor, act: str = "silu") -> torch
     return ops.silu_and_mul(gate_up(x))
 
 
+def feeds_from_norm(linear: nn.Module) -> None:
+    """Mark `linear` as one the model calls through `norm_linear` (an RMSNorm, with the residual
+    add, in front): decode_matmul="auto" times its Triton candidates with that norm fused, as
+    they will run (ops/gemv_plan.py), and its cuBLAS candidate after a separate norm kernel."""
+    linear.norm_fed = True
+
+
 def norm_linear(
     norm: nn.Module,
     linear: nn.Linear,

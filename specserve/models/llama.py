@@ -18,6 +18,7 @@ from specserve.models.layers import (
     Attention,
     RMSNorm,
     RotaryEmbedding,
+    feeds_from_norm,
     norm_linear,
     rope_parameters,
 )
@@ -177,6 +178,10 @@ class DecoderLayer(nn.Module):
             if mlp is not None
             else MLP(c.hidden_size, c.intermediate_size, c.mlp_bias, c.hidden_act)
         )
+        # forward runs these through norm_linear: the decode plan times them with the norm fused
+        feeds_from_norm(self.self_attn.qkv_proj)
+        if isinstance(self.mlp, MLP):
+            feeds_from_norm(self.mlp.gate_up_proj)
 
     def forward(
         self,

@@ -403,6 +403,9 @@ class DecodeLinear(nn.Linear):
     # The skinny matmul's split arrival counters (zero between launches), one buffer per layer:
     # its captured graphs hold the address, and it goes with the layer.
     counters: torch.Tensor | None
+    # The model feeds this layer through norm_linear (models/layers.feeds_from_norm): the plan
+    # times the norm-fused kernels for it.
+    norm_fed: bool = False
 
     @classmethod
     def sharing(cls, linear: nn.Linear, config: Config | None = DEFAULT_CONFIG) -> DecodeLinear:
@@ -414,6 +417,7 @@ class DecodeLinear(nn.Linear):
         new.bias = linear.bias
         new.plan = default_plan(config)
         new.silu_plan = default_plan(config)
+        new.norm_fed = getattr(linear, "norm_fed", False)
         w = linear.weight
         # Column tiles of the narrowest skinny config (block_n 16), allocated outside any capture
         new.counters = (

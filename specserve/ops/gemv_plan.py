@@ -90,18 +90,25 @@ def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> flo
 
 
 def graph_timer(layers: list[DecodeLinear], m: int, silu_mul: bool, cfg: PlanConfig) -> float:
-    """Microseconds of `cfg` for `m` rows over all of `layers`' weights, in one CUDA graph."""
-    from specserve.ops import silu_and_mul
+    """Microseconds of `cfg` for `m` rows over all of `layers`' weights, in one CUDA graph. Layers
+    the model feeds through norm_linear are timed as they run: the Triton kernel with the RMSNorm
+    and residual add fused, cuBLAS after the separate norm kernel."""
+    from specserve import ops
 
     w0 = layers[0].weight
     x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype)
+    res = torch.randn_like(x) if layers[0].norm_fed else None
+    g = torch.ones(w0.shape[1], device=w0.device, dtype=w0.dtype)
 
     def run() -> None:
         for lin in layers:
             if cfg is None:
-                y = F.linear(x, lin.weight, lin.bias)
+                h = x if res is None else ops.rms_norm(x, g, 1e-6, res)[0]
+                y = F.linear(h, lin.weight, lin.bias)
                 if silu_mul:
-                    silu_and_mul(y)
+                    ops.silu_and_mul(y)
+            elif res is not None:
+                lin.run_norm(x, g, 1e-6, res, cfg, silu_mul)
             else:
                 lin.run(x, cfg, silu_mul)
 
@@ -135,11 +142,17 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
         for lin in m.modules():
             if isinstance(lin, DecodeLinear) and (lin.weight.is_cuda or timer is not None):
                 w = lin.weight
-                key = (tuple(w.shape), w.dtype, lin.bias is not None, id(lin) in gate_up)
+                key = (
+                    tuple(w.shape),
+                    w.dtype,
+                    lin.bias is not None,
+                    id(lin) in gate_up,
+                    lin.norm_fed,
+                )
                 groups.setdefault(key, []).append(lin)
     report = []
     for group, layers in groups.items():
-        shape, dtype, _, is_gate_up = group
+        shape, dtype, _, is_gate_up, _ = group
         if dtype not in (torch.bfloat16, torch.float16):
             continue
         dev = layers[0].weight.device
@@ -156,6 +169,7 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
                     (lin.silu_plan if silu_mul else lin.plan)[b] = cfg
                 report.append(
                     {"shape": shape, "layers": len(layers), "rows": b, "silu_mul": silu_mul}
+                    | {"norm_fed": layers[0].norm_fed}
                     | {"choice": str(cfg), "us": times}
                 )
     logger.info(

@@ -62,16 +62,16 @@ class WarmupReport:
     compiled: int
 
 
-def compiled_kernel_count() -> int:
-    """Kernels held by the in-memory caches of every Triton JIT function of specserve (one
-    entry per specialization compiled or loaded in this process): a test hook, and the
-    warm-up's log line. Unchanged across a step means the step compiled nothing."""
+def compiled_kernels() -> set[tuple[str, str]]:
+    """(kernel name, specialization key) of every kernel held by the in-memory caches of every
+    Triton JIT function of specserve (one entry per specialization compiled or loaded in this
+    process): a test hook (a step that adds none compiled nothing; the ones it adds are named)."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:  # no Triton (CPU-only installs)
-        return 0
+        return set()
     seen: set[int] = set()
-    n = 0
+    out: set[tuple[str, str]] = set()
     for name, mod in list(sys.modules.items()):
         if not name.startswith("specserve.") or mod is None:
             continue
@@ -82,8 +82,14 @@ def compiled_kernel_count() -> int:
             if fn is None or id(fn) in seen:
                 continue
             seen.add(id(fn))
-            n += sum(len(caches[0]) for caches in fn.device_caches.values())
-    return n
+            for caches in fn.device_caches.values():
+                out.update((fn.__name__, str(key)) for key in caches[0])
+    return out
+
+
+def compiled_kernel_count() -> int:
+    """len(compiled_kernels()): the warm-up's log line."""
+    return len(compiled_kernels())
 
 
 def _step(
