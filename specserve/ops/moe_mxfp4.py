@@ -65,22 +65,46 @@ def mxfp4_gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> G
 
 
 @triton.jit
-def _e2m1(code):
-    """E2M1 code (int32 in 0..15) -> fp32: sign bit 3, exponent bits 1-2, mantissa bit 0;
-    exponent 0 is subnormal (0 or 0.5)."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where((code & 8) != 0, -mag, mag)
+def _e2m1(codes):
+    """Code bytes (any int type, 0..255) -> (low nibble, high nibble) values times 2^-14, fp32.
+
+    NOTE: an E2M1 code's bits dropped into an fp16 (sign -> bit 15, exponent -> bits 10-11,
+    mantissa -> bit 9) are its value times 2^-14, E2M1's subnormal 0.5 landing on fp16's
+    subnormal. Both nibbles of a byte go into one 32-bit word at once (a multiply places two
+    shifted copies of the byte without overlap: b << 9 | b << 21 and b << 12 | b << 24), then
+    each half converts: ~3 integer ops a byte and one conversion a weight, where a table or
+    exp2 per weight would leave decode bound by the SMs instead of the weight stream."""
+    b = codes.to(tl.uint32)
+    bits = ((b * 0x200200) & 0x0E000E00) | ((b * 0x1001000) & 0x80008000)
+    lo = (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _scale(scale_ptrs, ok):
+    """fp32 2^(scale - 127) of E8M0 scales, times 2^14 to undo _e2m1's 2^-14 (exact)."""
+    return tl.exp2(tl.load(scale_ptrs, mask=ok, other=0).to(tl.float32) - 113.0)
 
 
 @triton.jit
 def _mxfp4_tile(byte_ptrs, scale_ptrs, ok):
     """(even, odd) fp32 weights of a tile of code bytes: the low nibbles are the even columns,
-    the high nibbles the odd ones, both times their block's 2^(scale - 127)."""
-    codes = tl.load(byte_ptrs, mask=ok, other=0).to(tl.int32)
-    scale = tl.exp2(tl.load(scale_ptrs, mask=ok, other=127).to(tl.float32) - 127.0)
-    return _e2m1(codes & 15) * scale, _e2m1(codes >> 4) * scale
+    the high nibbles the odd ones, both times their block's scale (GEMM operands)."""
+    lo, hi = _e2m1(tl.load(byte_ptrs, mask=ok, other=0))
+    scale = _scale(scale_ptrs, ok)
+    return lo * scale, hi * scale
+
+
+@triton.jit
+def _dot_rows(codes, x_even, x_odd, scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[ROWS]: code-byte rows [ROWS, BLOCK_K / 2] (uint8) dotted with the activations' even and
+    odd columns ([1, BLOCK_K / 2] fp32). Each 32-weight block is summed unscaled and its scale
+    ([ROWS, BLOCK_K / 32] from _scale) applied once: one multiply a block, not a weight."""
+    lo, hi = _e2m1(codes)
+    prod = lo * x_even + hi * x_odd
+    per_block = tl.sum(tl.reshape(prod, [ROWS, BLOCK_K // 32, 16]), axis=2)
+    return tl.sum(per_block * scale, axis=1)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -123,20 +147,16 @@ def _moe_mxfp4_gate_up_kernel(
         j = k0 + tl.arange(0, BLOCK_K // 2)  # byte j holds columns 2j and 2j + 1
         j_ok = j < KB
         ok = n_ok[:, None] & j_ok[None, :]
+        g = k0 // 16 + tl.arange(0, BLOCK_K // 32)  # the step's scale blocks
+        g_ok = n_ok[:, None] & (g < KS)[None, :]
         x_even = tl.load(x_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         x_odd = tl.load(x_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        lo, hi = _mxfp4_tile(
-            wb_ptr + gate_row[:, None] * KB + j[None, :],
-            ws_ptr + gate_row[:, None] * KS + (j // 16)[None, :],
-            ok,
-        )
-        acc += tl.sum(lo * x_even + hi * x_odd, axis=1)
-        lo, hi = _mxfp4_tile(
-            wb_ptr + up_row[:, None] * KB + j[None, :],
-            ws_ptr + up_row[:, None] * KS + (j // 16)[None, :],
-            ok,
-        )
-        acc_up += tl.sum(lo * x_even + hi * x_odd, axis=1)
+        codes = tl.load(wb_ptr + gate_row[:, None] * KB + j[None, :], mask=ok, other=0)
+        scale = _scale(ws_ptr + gate_row[:, None] * KS + g[None, :], g_ok)
+        acc += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
+        codes = tl.load(wb_ptr + up_row[:, None] * KB + j[None, :], mask=ok, other=0)
+        scale = _scale(ws_ptr + up_row[:, None] * KS + g[None, :], g_ok)
+        acc_up += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         b_row = b_ptr + expert * stride_be + n
         acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
@@ -186,15 +206,19 @@ def _moe_mxfp4_down_kernel(
     for k0 in range(0, KB, BLOCK_K // 2):
         j = k0 + tl.arange(0, BLOCK_K // 2)
         j_ok = j < KB
+        g = k0 // 16 + tl.arange(0, BLOCK_K // 32)
         h_ok = jj_ok[:, None] & j_ok[None, :]
         h_even = tl.load(h_rows + 2 * j[None, :], mask=h_ok, other=0.0).to(tl.float32)
         h_odd = tl.load(h_rows + 2 * j[None, :] + 1, mask=h_ok, other=0.0).to(tl.float32)
-        lo, hi = _mxfp4_tile(
-            wb_ptr + row * KB + j[None, None, :],
-            ws_ptr + row * KS + (j // 16)[None, None, :],
-            rows_ok & j_ok[None, None, :],
+        codes = tl.load(
+            wb_ptr + row * KB + j[None, None, :], mask=rows_ok & j_ok[None, None, :], other=0
         )
-        acc += tl.sum(lo * h_even[:, None, :] + hi * h_odd[:, None, :], axis=2)
+        scale = _scale(ws_ptr + row * KS + g[None, None, :], rows_ok & (g < KS)[None, None, :])
+        # as _dot_rows, over [BLOCK_TOPK, BLOCK_N] rows
+        lo, hi = _e2m1(codes)
+        prod = lo * h_even[:, None, :] + hi * h_odd[:, None, :]
+        per_block = tl.sum(tl.reshape(prod, [BLOCK_TOPK, BLOCK_N, BLOCK_K // 32, 16]), axis=3)
+        acc += tl.sum(per_block * scale, axis=2)
     if HAS_BIAS:
         b = b_ptr + expert[:, None] * stride_be + n[None, :]
         acc += tl.load(b, mask=jj_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
