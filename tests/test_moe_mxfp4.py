@@ -131,11 +131,12 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [1, 4, 8])
+@pytest.mark.parametrize("T", [1, 4, 8, 9, 64, 512, 1024])
 def test_mxfp4_decode_gpu_gpt_oss_20b_shape(T: int) -> None:
     """bf16 activations, 4-bit experts at gpt-oss-20b's shape (H = I = 2880, 32 experts, top-4)
-    with biases and swiglu_oai, against dequantize-then-reference."""
-    from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_decode, fused_moe_mxfp4_ref
+    with biases and swiglu_oai, against dequantize-then-reference: the decode kernels up to 8
+    tokens, the grouped GEMM above (sparse to dense: 1 to 128 pairs an expert)."""
+    from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_ref, fused_moe_mxfp4_triton
     from specserve.ops.moe_triton import Epilogue
 
     x, w13, w2, tw, ids = make_moe(T, 32, 2880, 2880, 4, torch.float32, device="cuda", seed=T)
@@ -143,4 +144,4 @@ def test_mxfp4_decode_gpu_gpt_oss_20b_shape(T: int) -> None:
     epi = Epilogue(**make_oai_kw(32, 2880, 2880, torch.bfloat16, "cuda", seed=T, limit=2.0))
     args = (x.bfloat16(), b13, s13, b2, s2, tw, ids)
     with torch.inference_mode():
-        _check(fused_moe_mxfp4_decode(*args, epilogue=epi), fused_moe_mxfp4_ref(*args, epi))
+        _check(fused_moe_mxfp4_triton(*args, epilogue=epi), fused_moe_mxfp4_ref(*args, epi))

@@ -22,6 +22,8 @@ _HELP = {
     "decode_matmul": "cublas | triton | auto (CUDA decode matmuls; auto, the default: the "
     "faster, timed at start-up per weight shape)",
     "async_scheduling": "launch step N+1 while step N runs (default: on for CUDA, off on CPU)",
+    "mxfp4_experts": "auto | mxfp4 | dequantize (MXFP4 checkpoints such as gpt-oss: auto keeps "
+    "the experts 4-bit on CUDA and dequantizes them at load on CPU)",
 }
 
 

@@ -86,8 +86,12 @@ def quantize_mxfp4(
     amax = x.abs().amax(dim=-1).clamp_min(2.0**-126)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-SCALE_BIAS, 127)
     scaled = x / torch.exp2(exp)[..., None]
-    lut = torch.tensor(FP4_VALUES[:8])
-    mag = (scaled.abs()[..., None] - lut).abs().argmin(dim=-1)
+    # The nearest magnitude (a tie rounds down): the midpoints between FP4's magnitudes as
+    # bucket bounds, on w's device and without a [..., 8] temporary (GPU tests quantize
+    # gpt-oss-20b-sized expert stacks).
+    mags = FP4_VALUES[:8]
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(mags, mags[1:])], device=w.device)
+    mag = torch.bucketize(scaled.abs().contiguous(), mids)
     codes = (mag + 8 * (scaled < 0)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.contiguous(), (exp + SCALE_BIAS).to(torch.uint8)
