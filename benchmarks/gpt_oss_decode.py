@@ -1,17 +1,20 @@
 """gpt-oss decode against the active-weight floor, and the cost of EAGLE-3 / parallel-draft steps.
 
-Random bf16 weights (load_format="dummy": attention sinks, router and expert biases included) at
-the published shapes: gpt-oss-20b (24 layers, 32 experts top-4) and gpt-oss-120b (36 layers,
-128 experts top-4) cut to the layers whose bf16 weights fit --weights-gb (default 60 GB: the
-full 120b in bf16 is ~234 GB; it fits one GPU only with its experts in MXFP4, which this engine
-dequantizes to bf16 at load for now). Both alternate sliding-window (128) and full attention
+Random weights (load_format="dummy": attention sinks, router and expert biases included) at the
+published shapes, experts in MXFP4 as the published checkpoints store them (the config carries
+quantization_config mxfp4, so on CUDA the experts stay 4-bit: random code bytes and scales,
+read by ops/moe_mxfp4.py's kernels; --mxfp4-experts dequantize measures bf16 experts instead):
+gpt-oss-20b (24 layers, 32 experts top-4) and gpt-oss-120b (36 layers, 128 experts top-4) cut to
+the layers whose weights, as loaded, fit --weights-gb (default 70 GB: the full 120b is ~65 GB
+with 4-bit experts, ~234 GB in bf16). Both alternate sliding-window (128) and full attention
 layers. Built on benchmarks/moe_decode.py (one process, each configuration caught on its own):
 
   check   greedy tokens of a short generation with CUDA graphs == with enforce_eager=True
   plain   decode ms/step at batch 1, 16, 64 and the batch-1 graph's replay time, against the
           step's floor: the bytes it reads over the copy bandwidth measured in this run. The
-          routed experts are counted at bf16 (as they are read: dequantized at load), and the
-          floor they would give at MXFP4's 4.25 bits a weight is printed next to it ("mxfp4 fl").
+          routed experts are counted as they are read: 4.25 bits a weight when kept MXFP4 (so
+          "floor" is then the MXFP4 floor, issue 22's measure), bf16 when dequantized; "mxfp4
+          fl" is always the step with the expert matrices at 4.25 bits (the rest as loaded).
   spec    ms per speculative step (synthetic acceptance 0.7) against the plain step: a random
           EAGLE-3 head (the project's layout: one 2880-wide Llama layer, fc over 3 x 2880
           aux hidden states, 32000-token draft vocabulary) at K = 3, and the same head trained
@@ -20,6 +23,7 @@ layers. Built on benchmarks/moe_decode.py (one process, each configuration caugh
     python benchmarks/gpt_oss_decode.py             # < 8 min on one H100; $OUT/gpt_oss_decode.json
     python benchmarks/gpt_oss_decode.py --quick     # batch 1 only, fewer steps
     python benchmarks/gpt_oss_decode.py --cpu-smoke # tiny shapes on the CPU: the code paths only
+                                                    # (4-bit experts, dequantized per call)
 """
 
 from __future__ import annotations
@@ -78,6 +82,16 @@ GPT_OSS_20B = {
     "torch_dtype": "bfloat16",
     "eos_token_id": 200002,
     "pad_token_id": 199999,
+    # As published: the experts in MXFP4, everything else bf16.
+    "quantization_config": {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    },
 }
 # openai/gpt-oss-120b: the same layer, 36 of them, 128 experts.
 GPT_OSS_120B = {**GPT_OSS_20B, "num_hidden_layers": 36, "num_local_experts": 128}
@@ -127,17 +141,18 @@ def with_layers(cfg: dict, n: int) -> dict:
     return {**cfg, "num_hidden_layers": n, "layer_types": kinds}
 
 
-def fit_layers(cfg: dict, weight_bytes: float) -> tuple[int, str]:
-    """The most layers (even, so both attention kinds stay equally many) whose bf16 weights
-    take <= weight_bytes."""
-    base = model_bytes(cfg, 2)
-    per_layer = (model_bytes(cfg, 4) - base) / 2
+def fit_layers(cfg: dict, weight_bytes: float, keep_mxfp4: bool) -> tuple[int, str]:
+    """The most layers (even, so both attention kinds stay equally many) whose weights, as
+    loaded (experts 4-bit or bf16), take <= weight_bytes."""
+    base = model_bytes(cfg, 2, keep_mxfp4=keep_mxfp4)
+    per_layer = (model_bytes(cfg, 4, keep_mxfp4=keep_mxfp4) - base) / 2
     full = base + (cfg["num_hidden_layers"] - 2) * per_layer
     n = 2 + int((weight_bytes - base) // per_layer)
     n = max(2, min(n - n % 2, cfg["num_hidden_layers"]))
+    kind = "MXFP4-expert" if keep_mxfp4 else "bf16"
     note = (
         f"{n} of {cfg['num_hidden_layers']} layers: {(base + (n - 2) * per_layer) / 1e9:.0f} "
-        f"GB of bf16 weights (the full model {full / 1e9:.0f} GB in bf16)"
+        f"GB of {kind} weights (the full model {full / 1e9:.0f} GB)"
     )
     return n, note
 
@@ -179,7 +194,7 @@ def plans_for(args: argparse.Namespace, notes: list[str]) -> list[Plan]:
             cfg = {**cfg, **TINY, "num_local_experts": 8 if key == "20b" else 16}
             n = 2
         elif key == "120b":
-            n, note = fit_layers(cfg, args.weights_gb * 1e9)
+            n, note = fit_layers(cfg, args.weights_gb * 1e9, args.mxfp4_experts != "dequantize")
             if args.layers_120b:
                 n, note = args.layers_120b, f"{args.layers_120b} of 36 layers (--layers-120b)"
             notes.append(f"gpt-oss-120b shape: {note}")
@@ -192,10 +207,19 @@ def parse_args() -> argparse.Namespace:
     common_args(ap, budget_s=400.0)
     ap.add_argument("--models", default="20b,120b", help="20b and/or 120b")
     ap.add_argument(
-        "--weights-gb", type=float, default=60.0, help="bf16 weight budget of the 120b cut"
+        "--weights-gb", type=float, default=70.0, help="weight budget of the 120b cut (as loaded)"
+    )
+    ap.add_argument(
+        "--mxfp4-experts",
+        default=None,
+        choices=("auto", "mxfp4", "dequantize"),
+        help="EngineConfig.mxfp4_experts (default: auto; mxfp4 under --cpu-smoke, so the smoke "
+        "runs the 4-bit container through its dequantize-per-call CPU fallback)",
     )
     ap.add_argument("--layers-120b", type=int, default=None, help="default: as many as fit")
     args = finish_args(ap.parse_args())
+    if args.mxfp4_experts is None:
+        args.mxfp4_experts = "mxfp4" if args.cpu_smoke else "auto"
     unknown = set(args.models.split(",")) - {"20b", "120b"}
     if unknown:
         ap.error(f"--models: unknown {', '.join(sorted(unknown))} (choose 20b and/or 120b)")
@@ -209,10 +233,11 @@ def main() -> None:
     if args.cpu_smoke:
         notes.append("--cpu-smoke: tiny shapes on the CPU (float32); times are not meaningful")
     plans = plans_for(args, notes)
+    as_read = "bf16 (dequantized at load)" if args.mxfp4_experts == "dequantize" else "MXFP4"
     notes.append(
-        "floor: routed experts at bf16 (dequantized at load) = expected distinct experts under "
-        "uniform random routing, E * (1 - (1 - k/E)^B) a layer; 'mxfp4 fl': the same step with "
-        "the expert matrices at 4.25 bits (biases, attention, lm_head as loaded)"
+        f"floor: routed experts as read, {as_read}, = expected distinct experts under uniform "
+        "random routing, E * (1 - (1 - k/E)^B) a layer; 'mxfp4 fl': the same step with the "
+        "expert matrices at 4.25 bits (biases, attention, lm_head as loaded)"
     )
     log(f"device {args.device}; {'; '.join(notes[:-1])}")
     bw_before = copy_bandwidth() if args.device == "cuda" else None
@@ -225,7 +250,8 @@ def main() -> None:
         if r1 and r1.get("floor_mxfp4_ms"):
             print(
                 f"{m['name']}: batch-1 at {100 * r1['floor_mxfp4_ms'] / r1['ms_per_step']:.1f}% "
-                "of the floor with MXFP4 experts (issue 22's measure; needs the 4-bit kernel)"
+                f"of the floor with MXFP4 experts (issue 22's measure; experts read as "
+                f"{as_read})"
             )
 
 

@@ -149,13 +149,14 @@ def tiny(cfg: dict, experts_key: str | None = None) -> dict:
     return out
 
 
-def model_bytes(cfg: dict, num_layers: int) -> int:
-    """Parameter bytes of the target at `num_layers` layers (built on the meta device)."""
+def model_bytes(cfg: dict, num_layers: int, **kw: Any) -> int:
+    """Parameter bytes of the target at `num_layers` layers (built on the meta device; `kw`
+    to from_config_dict, e.g. gpt-oss's keep_mxfp4)."""
     from specserve.models.registry import default_dtype, resolve_architecture
 
     c = {**cfg, "num_hidden_layers": num_layers}
     with torch.device("meta"), default_dtype(torch.bfloat16):
-        m = resolve_architecture(c, "").from_config_dict(c, 4096)
+        m = resolve_architecture(c, "").from_config_dict(c, 4096, **kw)
     return sum(p.numel() * p.element_size() for p in m.parameters())
 
 
@@ -187,9 +188,11 @@ def expected_distinct(num_experts: int, top_k: int, batch: int) -> float:
 def step_bytes(model: nn.Module, batch: int, context: int) -> dict[str, float]:
     """Bytes one decode step of `batch` requests at `context` tokens each must read: every
     parameter but the routed experts and the embedding table, the routed experts the batch
-    chose (expected distinct ones per layer, biases included), one embedding row a token and
-    the KV. `routed_experts_mxfp4` / `total_mxfp4`: the same with the expert matrices at
-    MXFP4's 4.25 bits a weight (biases as loaded), gpt-oss's checkpoint format."""
+    chose (expected distinct ones per layer, biases included, matrices as loaded: bf16, or
+    MXFP4's blocks + scales where models/moe.py Mxfp4Experts keeps them 4-bit), one embedding
+    row a token and the KV. `routed_experts_mxfp4` / `total_mxfp4`: the same with the expert
+    matrices at MXFP4's 4.25 bits a weight (biases as loaded), gpt-oss's checkpoint format;
+    equal to `routed_experts` / `total` for 4-bit experts."""
     from specserve.models.layers import KVCacheLayer
     from specserve.models.moe import SparseMoE
 
@@ -198,13 +201,16 @@ def step_bytes(model: nn.Module, batch: int, context: int) -> dict[str, float]:
     for m in model.modules():
         if isinstance(m, SparseMoE):
             e = m.experts
-            biases = [b for b in (e.w13_bias, e.w2_bias) if b is not None]
-            routed |= {id(t) for t in (e.w13, e.w2, *biases)}
-            matrix = e.w13[0].numel() + e.w2[0].numel()
+            params = dict(e.named_parameters())
+            biases = [p for name, p in params.items() if name.endswith("_bias")]
+            mats = [p for name, p in params.items() if not name.endswith("_bias")]
+            routed |= {id(t) for t in params.values()}
+            stored = sum(t[0].numel() * t.element_size() for t in mats)
+            weights_per_expert = 3 * e.intermediate_size * m.gate.weight.shape[1]
             bias = sum(b[0].numel() * b.element_size() for b in biases)
-            n = expected_distinct(e.w13.shape[0], m.gate.m.top_k, batch)
-            experts += n * (matrix * e.w13.element_size() + bias)
-            experts_mxfp4 += n * (matrix * MXFP4_BITS / 8 + bias)
+            n = expected_distinct(m.gate.m.num_experts, m.gate.m.top_k, batch)
+            experts += n * (stored + bias)
+            experts_mxfp4 += n * (weights_per_expert * MXFP4_BITS / 8 + bias)
     embed = model.model.embed_tokens.weight  # type: ignore[union-attr]
     tied = embed is model.lm_head.weight  # type: ignore[union-attr]
     weights = sum(
@@ -267,6 +273,7 @@ def make_llm(model_dir: str, args: argparse.Namespace, **kw: Any) -> Any:
     # Step timings here follow warm steps of the batch they time; the start-up warm-up of every
     # shape would only lengthen each of the engines a run builds (10-minute device calls).
     kw.setdefault("warmup", False)
+    kw.setdefault("mxfp4_experts", getattr(args, "mxfp4_experts", "auto"))
     return LLM(
         model_dir,
         dtype=args.dtype,

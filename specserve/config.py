@@ -64,6 +64,9 @@ class EngineConfig:
     draft_graph_mode: str = "auto"
     # auto: read the safetensors; dummy: random weights from config.json alone (benchmarks).
     load_format: str = "auto"
+    # MXFP4 checkpoints (gpt-oss): auto (experts stay 4-bit on CUDA, read by the MXFP4 MoE
+    # kernels; dequantized at load on CPU) | mxfp4 (4-bit anywhere) | dequantize (bf16 experts).
+    mxfp4_experts: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
     # Matmuls of decode batches (<= 8 rows) on CUDA: cublas (F.linear) | triton (ops/gemv.py)
     # | auto (per bf16/fp16 weight shape and row count 1-2, whichever was faster when timed at
@@ -104,6 +107,10 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}.")
+        if self.mxfp4_experts not in ("auto", "mxfp4", "dequantize"):
+            raise ValueError(
+                f"mxfp4_experts must be auto, mxfp4 or dequantize, got {self.mxfp4_experts!r}."
+            )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be auto, torch or triton.")
         if self.decode_matmul not in ("cublas", "triton", "auto"):

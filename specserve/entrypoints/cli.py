@@ -24,6 +24,8 @@ _HELP = {
     "async_scheduling": "launch step N+1 while step N runs (default: on for CUDA, off on CPU)",
     "warmup": "run every batch size and step shape once at start-up, so nothing compiles "
     "while serving (default: on for CUDA, off on CPU)",
+    "mxfp4_experts": "auto | mxfp4 | dequantize (MXFP4 checkpoints such as gpt-oss: auto keeps "
+    "the experts 4-bit on CUDA and dequantizes them at load on CPU)",
 }
 
 

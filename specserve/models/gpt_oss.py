@@ -13,7 +13,10 @@ Checkpoint layout (transformers' GptOssExperts, and the published MXFP4 checkpoi
   mlp.experts.down_proj_bias [E, H]
 `convert_weights` turns them into StackedExperts' layout: w13 [E, 2I, H] with gate rows then up
 rows, w2 [E, H, I]. It transposes explicitly: the real models have H == I, where a shape check
-cannot tell [E, I, H] from [E, H, I].
+cannot tell [E, I, H] from [E, H, I]. Where the experts stay MXFP4 (`mxfp4_experts`: on CUDA
+by default) the blocks and scales keep their bytes and only their rows move: gate/up
+de-interleaving is a row permutation, applied to blocks and scales alike (-> Mxfp4Experts'
+w13_blocks / w13_scales / w2_blocks / w2_scales).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch import nn
 from specserve.models.layers import RotaryEmbedding
 from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM
 from specserve.models.moe import MoeConfig, SparseMoE, num_experts
-from specserve.models.mxfp4 import Mxfp4Pairs
+from specserve.models.mxfp4 import Mxfp4Pairs, is_mxfp4
 
 # transformers' GptOssConfig defaults for configs that leave them out.
 _DEFAULT_ROPE = {
@@ -88,10 +91,19 @@ class GptOssArchConfig(ArchConfig):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     config: GptOssArchConfig
+    # models/registry.py passes `keep_mxfp4` (EngineConfig.mxfp4_experts resolved).
+    supports_mxfp4 = True
 
     @classmethod
-    def from_config_dict(cls, cfg: dict[str, Any], max_position: int) -> GptOssForCausalLM:
-        return cls(GptOssArchConfig.from_dict(cfg), max_position)
+    def from_config_dict(
+        cls, cfg: dict[str, Any], max_position: int, keep_mxfp4: bool = False
+    ) -> GptOssForCausalLM:
+        """`keep_mxfp4`: an MXFP4 checkpoint's experts stay 4-bit (Mxfp4Experts); otherwise
+        they are dequantized at load. No effect on bf16-stored checkpoints."""
+        arch = GptOssArchConfig.from_dict(cfg)
+        assert arch.moe is not None
+        arch.moe.mxfp4 = keep_mxfp4 and is_mxfp4(cfg)
+        return cls(arch, max_position)
 
     def make_layer(
         self, index: int, rope: RotaryEmbedding, sliding_window: int | None
@@ -107,14 +119,14 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self, weights: Iterator[tuple[str, torch.Tensor, str]]
     ) -> Iterator[tuple[str, torch.Tensor, str]]:
         """Checkpoint experts -> StackedExperts' layout (see the module docstring); MXFP4
-        experts are dequantized to the model's dtype here (the CPU path and the fallback)."""
-        pairs = Mxfp4Pairs(self.model.embed_tokens.weight.dtype)
+        experts are dequantized to the model's dtype here (the CPU path and the fallback) or
+        kept 4-bit for Mxfp4Experts."""
+        assert self.config.moe is not None
+        pairs = Mxfp4Pairs(self.model.embed_tokens.weight.dtype, not self.config.moe.mxfp4)
         for name, t, path in weights:
-            dense = pairs.add(name, t, path)
-            if dense is None:
-                continue
-            name, t = _convert_expert(*dense)
-            yield name, t, path
+            for ready in pairs.add(name, t):
+                name, t = _convert_expert(*ready)
+                yield name, t, path
         pairs.check_complete()
 
 
@@ -141,4 +153,9 @@ def _convert_expert(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor]:
         return f"{prefix}.w13_bias", _deinterleave(t, 1)
     if leaf == "down_proj_bias":
         return f"{prefix}.w2_bias", t
+    # MXFP4 kept 4-bit: [E, 2I, H / 32, 16] blocks and [E, 2I, H / 32] scales, rows interleaved
+    if leaf in ("gate_up_proj_blocks", "gate_up_proj_scales"):
+        return f"{prefix}.w13_{leaf.rpartition('_')[2]}", _deinterleave(t, 1).contiguous()
+    if leaf in ("down_proj_blocks", "down_proj_scales"):
+        return f"{prefix}.w2_{leaf.rpartition('_')[2]}", t
     return name, t

@@ -212,7 +212,8 @@ def load_weights(
 
 @torch.no_grad()
 def dummy_weights_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights in place (norm weights 1): same shapes, bytes and kernels as real ones."""
+    """Random weights in place (norm weights 1): same shapes, bytes and kernels as real ones
+    (MXFP4 experts: random 4-bit codes, models/mxfp4.py dummy_mxfp4_)."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, p in model.named_parameters():
         if "norm" in name.rsplit(".", 2)[-2]:
@@ -220,4 +221,9 @@ def dummy_weights_(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
             continue
         if p.device not in gens:  # generate where the weights live: fast on a GPU
             gens[p.device] = torch.Generator(device=p.device).manual_seed(seed)
+        if p.dtype == torch.uint8:  # MXFP4 experts kept 4-bit (models/moe.py Mxfp4Experts)
+            from specserve.models.mxfp4 import dummy_mxfp4_
+
+            dummy_mxfp4_(name, p, gens[p.device])
+            continue
         p.normal_(0.0, std, generator=gens[p.device])

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models.layers import MLP, RMSNorm
-from specserve.ops.moe import fused_moe
+from specserve.models.mxfp4 import BLOCK
+from specserve.ops.moe import fused_moe, fused_moe_mxfp4
 from specserve.ops.moe_router import fusable, norm_route, select_experts_ref
 
 
@@ -49,6 +50,8 @@ class MoeConfig:
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # gpt-oss MXFP4 checkpoints on CUDA: the experts stay 4-bit (Mxfp4Experts).
+    mxfp4: bool = False
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid", "softmax_topk"):
@@ -155,6 +158,69 @@ class StackedExperts(nn.Module):
             self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
+    def forward(
+        self,
+        # [num_tokens, hidden]: normed
+        x: torch.Tensor,
+        # [num_tokens, top_k] float32
+        topk_weights: torch.Tensor,
+        # [num_tokens, top_k]
+        topk_ids: torch.Tensor,
+        **kw: Any,
+    ) -> torch.Tensor:
+        """[num_tokens, hidden]: `fused_moe` (`kw`: its activation keywords)."""
+        if self.w13_bias is not None:
+            kw = {**kw, "w13_bias": self.w13_bias, "w2_bias": self.w2_bias}
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, **kw)
+
+
+class Mxfp4Experts(nn.Module):
+    """StackedExperts' rows kept in MXFP4 (models/mxfp4.py: 32 E2M1 codes a block, two a byte,
+    one E8M0 scale a block, blocked along each row's input dim), read 4-bit by
+    `fused_moe_mxfp4`. gpt-oss's checkpoints on CUDA: decode streams ~4.25 bits a weight
+    instead of 16. Uint8 parameters (no grad), filled by models/gpt_oss.py's conversion."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False
+    ) -> None:
+        super().__init__()
+        if hidden_size % BLOCK or intermediate_size % BLOCK:
+            raise ValueError(
+                f"MXFP4 experts need hidden_size ({hidden_size}) and intermediate_size "
+                f"({intermediate_size}) to be multiples of {BLOCK}"
+            )
+        self.intermediate_size = intermediate_size
+        E, H, I2 = num_experts, hidden_size, 2 * intermediate_size
+
+        def u8(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+
+        # [E, 2I, H / 32, 16] and [E, 2I, H / 32]: gate rows, then up rows
+        self.w13_blocks, self.w13_scales = u8(E, I2, H // BLOCK, BLOCK // 2), u8(E, I2, H // BLOCK)
+        # [E, H, I / 32, 16] and [E, H, I / 32]
+        self.w2_blocks = u8(E, H, intermediate_size // BLOCK, BLOCK // 2)
+        self.w2_scales = u8(E, H, intermediate_size // BLOCK)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.empty(E, I2))
+            self.w2_bias = nn.Parameter(torch.empty(E, H))
+
+    def forward(
+        self,
+        # [num_tokens, hidden]: normed
+        x: torch.Tensor,
+        # [num_tokens, top_k] float32
+        topk_weights: torch.Tensor,
+        # [num_tokens, top_k]
+        topk_ids: torch.Tensor,
+        **kw: Any,
+    ) -> torch.Tensor:
+        """[num_tokens, hidden]: `fused_moe_mxfp4` (`kw`: the activation keywords)."""
+        if self.w13_bias is not None:
+            kw = {**kw, "w13_bias": self.w13_bias, "w2_bias": self.w2_bias}
+        blocks = (self.w13_blocks, self.w13_scales, self.w2_blocks, self.w2_scales)
+        return fused_moe_mxfp4(x, *blocks, topk_weights, topk_ids, **kw)
+
 
 class SparseMoE(nn.Module):
     """The MoE feed-forward block: router -> fused experts (+ shared experts on every token)."""
@@ -162,9 +228,8 @@ class SparseMoE(nn.Module):
     def __init__(self, m: MoeConfig, hidden_size: int) -> None:
         super().__init__()
         self.gate = Router(m, hidden_size)
-        self.experts = StackedExperts(
-            m.num_experts, hidden_size, m.intermediate_size, bias=m.expert_bias
-        )
+        experts = Mxfp4Experts if m.mxfp4 else StackedExperts
+        self.experts = experts(m.num_experts, hidden_size, m.intermediate_size, bias=m.expert_bias)
         # Only gpt-oss-style experts pass the extra arguments of fused_moe.
         self.expert_kw: dict[str, Any] = {}
         if m.expert_bias or m.activation != "silu":
@@ -207,11 +272,7 @@ class SparseMoE(nn.Module):
         # [num_tokens, top_k]
         ids: torch.Tensor,
     ) -> torch.Tensor:
-        e = self.experts
-        kw = self.expert_kw
-        if e.w13_bias is not None:
-            kw = {**kw, "w13_bias": e.w13_bias, "w2_bias": e.w2_bias}
-        out = fused_moe(x, e.w13, e.w2, weights, ids, **kw)
+        out = self.experts(x, weights, ids, **self.expert_kw)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -9,10 +9,14 @@ integrations/mxfp4.py). For gpt-oss experts the rows are the output features
 (gate_up_proj: 2I interleaved gate/up rows, down_proj: H rows) and the columns the inputs.
 
 `dequantize_mxfp4` is the CPU reference path and the fallback: experts become dense at load.
-`quantize_mxfp4` writes the same layout (tests and random-weight benchmarks).
+On CUDA the experts stay 4-bit (models/moe.py Mxfp4Experts, ops/moe_mxfp4.py's kernels).
+`quantize_mxfp4` writes the same layout (tests); `dummy_mxfp4_` random 4-bit weights
+(load_format="dummy").
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -82,23 +86,49 @@ def quantize_mxfp4(
     amax = x.abs().amax(dim=-1).clamp_min(2.0**-126)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-SCALE_BIAS, 127)
     scaled = x / torch.exp2(exp)[..., None]
-    lut = torch.tensor(FP4_VALUES[:8])
-    mag = (scaled.abs()[..., None] - lut).abs().argmin(dim=-1)
+    # The nearest magnitude (a tie rounds down): the midpoints between FP4's magnitudes as
+    # bucket bounds, on w's device and without a [..., 8] temporary (GPU tests quantize
+    # gpt-oss-20b-sized expert stacks).
+    mags = FP4_VALUES[:8]
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(mags, mags[1:])], device=w.device)
+    mag = torch.bucketize(scaled.abs().contiguous(), mids)
     codes = (mag + 8 * (scaled < 0)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return blocks.contiguous(), (exp + SCALE_BIAS).to(torch.uint8)
 
 
-class Mxfp4Pairs:
-    """Collects `<name>_blocks` / `<name>_scales` from a checkpoint stream and hands back the
-    dequantized `<name>` once both halves have arrived (a shard boundary may split them)."""
+MXFP4_EXPERTS_MODES = ("auto", "mxfp4", "dequantize")
 
-    def __init__(self, dtype: torch.dtype) -> None:
+
+def is_mxfp4(cfg: dict[str, Any]) -> bool:
+    """config.json asks for MXFP4-stored weights (gpt-oss's published checkpoints)."""
+    return (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+
+
+def keep_mxfp4(mode: str, device: torch.device) -> bool:
+    """EngineConfig.mxfp4_experts resolved: "auto" keeps MXFP4 experts 4-bit on CUDA and
+    dequantizes them elsewhere (the CPU reference path); "mxfp4" keeps them 4-bit anywhere
+    (on CPU the Triton kernels run under TRITON_INTERPRET=1, else a dequantize-per-call
+    fallback); "dequantize" always dequantizes at load."""
+    if mode not in MXFP4_EXPERTS_MODES:
+        raise ValueError(
+            f"mxfp4_experts must be one of {', '.join(MXFP4_EXPERTS_MODES)}, got {mode!r}"
+        )
+    return mode == "mxfp4" or (mode == "auto" and device.type == "cuda")
+
+
+class Mxfp4Pairs:
+    """Collects `<name>_blocks` / `<name>_scales` from a checkpoint stream and hands them on once
+    both halves have arrived (a shard boundary may split them): dequantized as `<name>`, or
+    (`dequantize=False`: experts kept 4-bit) as the two halves, unchanged."""
+
+    def __init__(self, dtype: torch.dtype, dequantize: bool = True) -> None:
         self.dtype = dtype
+        self.dequantize = dequantize
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
-    def add(self, name: str, tensor: torch.Tensor, path: str) -> tuple[str, torch.Tensor] | None:
-        """(name, tensor) to load now, or None while its pair is incomplete."""
+    def add(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The (name, tensor)s to load now: none while a pair is incomplete."""
         for kind in ("blocks", "scales"):
             suffix = f"_{kind}"
             if name.endswith(suffix):
@@ -106,15 +136,35 @@ class Mxfp4Pairs:
                 half = self.pending.setdefault(base, {})
                 half[kind] = tensor
                 if len(half) < 2:
-                    return None
+                    return []
                 del self.pending[base]
+                if not self.dequantize:
+                    return [(f"{base}_blocks", half["blocks"]), (f"{base}_scales", half["scales"])]
                 dense = dequantize_mxfp4(half["blocks"], half["scales"], self.dtype)
                 # transformers' orientation for experts: [E, cols, rows]
-                return base, dense.mT
-        return name, tensor
+                return [(base, dense.mT)]
+        return [(name, tensor)]
 
     def check_complete(self) -> None:
         if self.pending:
             name, half = next(iter(self.pending.items()))
             missing = "scales" if "blocks" in half else "blocks"
             raise ModelLoadError(f"MXFP4 tensor {name}_{missing} is missing from the checkpoint")
+
+
+# E8M0 exponents of random MXFP4 weights (load_format="dummy"): uniform random codes have an RMS
+# of ~2.9, so 2^-7 gives values of ~0.023 RMS, the dense dummy weights' 0.02 scale.
+DUMMY_SCALES = (SCALE_BIAS - 8, SCALE_BIAS - 7, SCALE_BIAS - 6)
+
+
+@torch.no_grad()
+def dummy_mxfp4_(name: str, p: torch.Tensor, generator: torch.Generator) -> None:
+    """Random 4-bit weights in place: random code bytes in `*_blocks`, scales around 2^-7 in
+    `*_scales`, so benchmarks stream the bytes real checkpoints would."""
+    if name.endswith("_blocks"):
+        p.random_(0, 256, generator=generator)
+    elif name.endswith("_scales"):
+        lo, hi = DUMMY_SCALES[0], DUMMY_SCALES[-1] + 1
+        p.copy_(torch.randint(lo, hi, p.shape, generator=generator, device=p.device))
+    else:
+        raise ValueError(f"{name}: a uint8 parameter that is not MXFP4 blocks or scales")

@@ -52,18 +52,28 @@ def resolve_architecture(cfg: dict[str, Any], path: str) -> type[nn.Module]:
 
 
 def load_model(
-    model_dir: str, dtype: Any, device: Any, max_position: int, load_format: str = "auto"
+    model_dir: str,
+    dtype: Any,
+    device: Any,
+    max_position: int,
+    load_format: str = "auto",
+    mxfp4_experts: str = "auto",
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Build the target from config.json and load its safetensors, checking every shape.
 
     load_format="dummy" skips the safetensors and fills weights with small random values (as
-    vLLM's `--load-format dummy`): speed benchmarks of real shapes without real checkpoints."""
+    vLLM's `--load-format dummy`): speed benchmarks of real shapes without real checkpoints.
+    mxfp4_experts: whether an MXFP4 checkpoint's experts stay 4-bit (models/mxfp4.py
+    keep_mxfp4; "auto": on CUDA)."""
     from specserve.models.loader import dummy_weights_, iter_weights, load_weights, read_config
+    from specserve.models.mxfp4 import keep_mxfp4
 
     cfg = read_config(model_dir)
     cls = resolve_architecture(cfg, model_dir)
+    keep = keep_mxfp4(mxfp4_experts, torch.device(device))
+    kw = {"keep_mxfp4": keep} if getattr(cls, "supports_mxfp4", False) else {}
     with torch.device(device), default_dtype(dtype):
-        model = cls.from_config_dict(cfg, max_position)
+        model = cls.from_config_dict(cfg, max_position, **kw)
     if load_format == "dummy":
         dummy_weights_(model)
     else:

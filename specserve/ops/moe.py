@@ -8,6 +8,8 @@ choice (`topk_ids`, `topk_weights`) and runs the chosen SwiGLU experts:
 `fused_moe` dispatches to Triton on CUDA tensors outside autograd (ops/moe_triton.py: decode
 kernels for a few tokens, a grouped GEMM over expert-sorted pairs above) and to `fused_moe_ref`
 elsewhere; the reference is what CPU and interpreter tests compare the kernels against.
+`fused_moe_mxfp4` is the same op over experts kept in MXFP4 (ops/moe_mxfp4.py: the same two
+paths, the weights dequantized in registers).
 
 gpt-oss experts (keyword arguments; the Triton kernels take them as constexpr switches):
 biases on both projections (`w13_bias`, `w2_bias`) and activation "swiglu_oai", the clamped
@@ -17,6 +19,8 @@ SwiGLU of transformers' GptOssExperts._apply_gate:
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -130,3 +134,45 @@ def fused_moe(
         alpha=alpha,
         limit=limit,
     )
+
+
+def fused_moe_mxfp4(
+    # [num_tokens, hidden]
+    x: torch.Tensor,
+    # [num_experts, 2 * intermediate, hidden / 32, 16] uint8, gate rows first, then up rows
+    w13_blocks: torch.Tensor,
+    # [num_experts, 2 * intermediate, hidden / 32] uint8 (E8M0)
+    w13_scales: torch.Tensor,
+    # [num_experts, hidden, intermediate / 32, 16] uint8
+    w2_blocks: torch.Tensor,
+    # [num_experts, hidden, intermediate / 32] uint8
+    w2_scales: torch.Tensor,
+    # [num_tokens, top_k], float32
+    topk_weights: torch.Tensor,
+    # [num_tokens, top_k]
+    topk_ids: torch.Tensor,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    path: str = "auto",
+) -> torch.Tensor:
+    """`fused_moe` with 4-bit experts (models/mxfp4.py's layout, rows as `fused_moe`'s w13 and
+    w2). Triton (ops/moe_mxfp4.py) on CUDA outside autograd, and on CPU tensors under
+    TRITON_INTERPRET=1 (tests); elsewhere `fused_moe_mxfp4_ref`, which dequantizes every
+    expert on each call (a fallback: the CPU default dequantizes once, at load)."""
+    if path not in PATHS:
+        raise ValueError(f"fused_moe path must be one of {', '.join(PATHS)}; got {path!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe activation must be one of {ACTIVATIONS}, got {activation!r}")
+    from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_ref, fused_moe_mxfp4_triton
+    from specserve.ops.moe_triton import Epilogue
+
+    epilogue = Epilogue(w13_bias, w2_bias, activation, alpha, limit)
+    args = (x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1" and not torch.is_grad_enabled()
+    if _use_triton(x) or interpret:
+        return fused_moe_mxfp4_triton(*args, path=path, epilogue=epilogue)
+    return fused_moe_mxfp4_ref(*args, epilogue=epilogue)

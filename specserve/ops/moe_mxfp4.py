@@ -1,22 +1,27 @@
-"""`fused_moe`'s decode path over MXFP4 expert weights, dequantized in registers.
+"""`fused_moe` over MXFP4 expert weights, dequantized in registers (decode and grouped GEMM).
 
 gpt-oss ships its experts in MXFP4 (models/mxfp4.py: 32 E2M1 codes a block, two a byte, low
 nibble first, and one E8M0 exponent a block). Decode streams expert weights, so reading them at
 4.25 bits instead of 16 is the ~3.8x of the step's dominant bytes that issue 22 asks for. The
-kernels are the bf16 decode kernels of ops/moe_triton.py with the weight tile replaced: each K
-step loads [BLOCK_N, BLOCK_K / 2] code bytes and the [BLOCK_N, BLOCK_K / 32] scales they use,
-decodes both nibbles in registers and multiplies them with the even and the odd activation
-columns (the activations are tiny and come from L1/L2).
+kernels are ops/moe_triton.py's with the weight tile replaced: each K step loads
+[BLOCK_N, BLOCK_K / 2] code bytes and the per-32 scales they use, decodes both nibbles in
+registers and multiplies them with the even and the odd activation columns.
 
-  `_moe_mxfp4_gate_up_kernel`  program (pair, column block) -> inter[pair] = act(g, u)
-  `_moe_mxfp4_down_kernel`     program (token, column block), the top_k sum fused as in bf16
+  `_moe_mxfp4_gate_up_kernel`  decode: program (pair, column block) -> inter[pair] = act(g, u)
+  `_moe_mxfp4_down_kernel`     decode: program (token, column block), the top_k sum fused
+  `_moe_mxfp4_gemm_kernel`     prefill / verification (> DECODE_MAX_TOKENS tokens): the aligned
+                               grouped GEMM of moe_triton.py (moe_align, _moe_sum_kernel), the
+                               weight tile dequantized to the activations' dtype and fed to
+                               two tl.dot a step (even activation columns x low nibbles, odd x
+                               high), so nothing dense is ever written.
 
-Weights in StackedExperts' row layout, quantized along the input dim:
+Weights in StackedExperts' row layout, quantized along the input dim (models/moe.py
+Mxfp4Experts holds them):
   w13_blocks [E, 2I, H / 32, 16] uint8, w13_scales [E, 2I, H / 32] uint8 (gate rows, then up)
   w2_blocks  [E, H, I / 32, 16] uint8,  w2_scales  [E, H, I / 32] uint8
+`fused_moe_mxfp4_triton` picks decode or GEMM by the token count (host-known, so a captured
+graph holds one path; no host sync, buffers as the bf16 path allocates them);
 `fused_moe_mxfp4_ref` (dequantize, then ops/moe.py's reference) is what the tests compare with.
-NOTE: not yet wired into model loading (models/gpt_oss.py still dequantizes at load) nor
-measured on a GPU; the grouped GEMM (prefill / verification) has no MXFP4 variant yet.
 """
 
 from __future__ import annotations
@@ -27,30 +32,79 @@ import triton.language as tl
 
 from specserve.models.mxfp4 import BLOCK, dequantize_mxfp4
 from specserve.ops.moe import fused_moe_ref
-from specserve.ops.moe_triton import PLAIN, Epilogue, _act
+from specserve.ops.moe_triton import (
+    DECODE_MAX_TOKENS,
+    PLAIN,
+    Epilogue,
+    GemmConfig,
+    _act,
+    _moe_sum_kernel,
+    moe_align,
+)
 
 # (BLOCK_N, BLOCK_K, num_warps): BLOCK_K weights a row per step = BLOCK_K / 2 bytes.
 MXFP4_GATE_UP_CONFIG = (8, 512, 4)
 MXFP4_DOWN_CONFIG = (4, 256, 4)
+# Grouped GEMM configs as moe_triton.GEMM_CONFIGS (by mean pairs per expert), with more warps
+# where the dequantized tiles (fp32 lo/hi of gate and up before the casts) would spill at 4.
+MXFP4_GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
+    (4.0, (16, 64, 128, 1, 8, 3)),
+    (16.0, (16, 128, 64, 1, 4, 3)),
+    (48.0, (32, 128, 64, 8, 8, 3)),
+    (96.0, (64, 128, 64, 8, 8, 3)),
+    (float("inf"), (128, 128, 64, 8, 8, 3)),
+)
+
+
+def mxfp4_gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> GemmConfig:
+    per_expert = num_pairs / num_experts
+    bm, bn, bk, group, warps, stages = next(c for b, c in MXFP4_GEMM_CONFIGS if per_expert <= b)
+    if dtype == torch.float32:  # as moe_triton.gemm_config; BLOCK_K / 2 stays >= 16
+        return bm, bn // 2, bk // 2, group, warps, stages
+    return bm, bn, bk, group, warps, stages
 
 
 @triton.jit
-def _e2m1(code):
-    """E2M1 code (int32 in 0..15) -> fp32: sign bit 3, exponent bits 1-2, mantissa bit 0;
-    exponent 0 is subnormal (0 or 0.5)."""
-    e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where((code & 8) != 0, -mag, mag)
+def _e2m1(codes):
+    """Code bytes (any int type, 0..255) -> (low nibble, high nibble) values times 2^-14, fp32.
+
+    NOTE: an E2M1 code's bits dropped into an fp16 (sign -> bit 15, exponent -> bits 10-11,
+    mantissa -> bit 9) are its value times 2^-14, E2M1's subnormal 0.5 landing on fp16's
+    subnormal. Both nibbles of a byte go into one 32-bit word at once (a multiply places two
+    shifted copies of the byte without overlap: b << 9 | b << 21 and b << 12 | b << 24), then
+    each half converts: ~3 integer ops a byte and one conversion a weight, where a table or
+    exp2 per weight would leave decode bound by the SMs instead of the weight stream."""
+    b = codes.to(tl.uint32)
+    bits = ((b * 0x200200) & 0x0E000E00) | ((b * 0x1001000) & 0x80008000)
+    lo = (bits & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (bits >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _scale(scale_ptrs, ok):
+    """fp32 2^(scale - 127) of E8M0 scales, times 2^14 to undo _e2m1's 2^-14 (exact)."""
+    return tl.exp2(tl.load(scale_ptrs, mask=ok, other=0).to(tl.float32) - 113.0)
 
 
 @triton.jit
 def _mxfp4_tile(byte_ptrs, scale_ptrs, ok):
     """(even, odd) fp32 weights of a tile of code bytes: the low nibbles are the even columns,
-    the high nibbles the odd ones, both times their block's 2^(scale - 127)."""
-    codes = tl.load(byte_ptrs, mask=ok, other=0).to(tl.int32)
-    scale = tl.exp2(tl.load(scale_ptrs, mask=ok, other=127).to(tl.float32) - 127.0)
-    return _e2m1(codes & 15) * scale, _e2m1(codes >> 4) * scale
+    the high nibbles the odd ones, both times their block's scale (GEMM operands)."""
+    lo, hi = _e2m1(tl.load(byte_ptrs, mask=ok, other=0))
+    scale = _scale(scale_ptrs, ok)
+    return lo * scale, hi * scale
+
+
+@triton.jit
+def _dot_rows(codes, x_even, x_odd, scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[ROWS]: code-byte rows [ROWS, BLOCK_K / 2] (uint8) dotted with the activations' even and
+    odd columns ([1, BLOCK_K / 2] fp32). Each 32-weight block is summed unscaled and its scale
+    ([ROWS, BLOCK_K / 32] from _scale) applied once: one multiply a block, not a weight."""
+    lo, hi = _e2m1(codes)
+    prod = lo * x_even + hi * x_odd
+    per_block = tl.sum(tl.reshape(prod, [ROWS, BLOCK_K // 32, 16]), axis=2)
+    return tl.sum(per_block * scale, axis=1)
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -93,20 +147,16 @@ def _moe_mxfp4_gate_up_kernel(
         j = k0 + tl.arange(0, BLOCK_K // 2)  # byte j holds columns 2j and 2j + 1
         j_ok = j < KB
         ok = n_ok[:, None] & j_ok[None, :]
+        g = k0 // 16 + tl.arange(0, BLOCK_K // 32)  # the step's scale blocks
+        g_ok = n_ok[:, None] & (g < KS)[None, :]
         x_even = tl.load(x_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         x_odd = tl.load(x_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        lo, hi = _mxfp4_tile(
-            wb_ptr + gate_row[:, None] * KB + j[None, :],
-            ws_ptr + gate_row[:, None] * KS + (j // 16)[None, :],
-            ok,
-        )
-        acc += tl.sum(lo * x_even + hi * x_odd, axis=1)
-        lo, hi = _mxfp4_tile(
-            wb_ptr + up_row[:, None] * KB + j[None, :],
-            ws_ptr + up_row[:, None] * KS + (j // 16)[None, :],
-            ok,
-        )
-        acc_up += tl.sum(lo * x_even + hi * x_odd, axis=1)
+        codes = tl.load(wb_ptr + gate_row[:, None] * KB + j[None, :], mask=ok, other=0)
+        scale = _scale(ws_ptr + gate_row[:, None] * KS + g[None, :], g_ok)
+        acc += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
+        codes = tl.load(wb_ptr + up_row[:, None] * KB + j[None, :], mask=ok, other=0)
+        scale = _scale(ws_ptr + up_row[:, None] * KS + g[None, :], g_ok)
+        acc_up += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         b_row = b_ptr + expert * stride_be + n
         acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
@@ -156,20 +206,112 @@ def _moe_mxfp4_down_kernel(
     for k0 in range(0, KB, BLOCK_K // 2):
         j = k0 + tl.arange(0, BLOCK_K // 2)
         j_ok = j < KB
+        g = k0 // 16 + tl.arange(0, BLOCK_K // 32)
         h_ok = jj_ok[:, None] & j_ok[None, :]
         h_even = tl.load(h_rows + 2 * j[None, :], mask=h_ok, other=0.0).to(tl.float32)
         h_odd = tl.load(h_rows + 2 * j[None, :] + 1, mask=h_ok, other=0.0).to(tl.float32)
-        lo, hi = _mxfp4_tile(
-            wb_ptr + row * KB + j[None, None, :],
-            ws_ptr + row * KS + (j // 16)[None, None, :],
-            rows_ok & j_ok[None, None, :],
+        codes = tl.load(
+            wb_ptr + row * KB + j[None, None, :], mask=rows_ok & j_ok[None, None, :], other=0
         )
-        acc += tl.sum(lo * h_even[:, None, :] + hi * h_odd[:, None, :], axis=2)
+        scale = _scale(ws_ptr + row * KS + g[None, None, :], rows_ok & (g < KS)[None, None, :])
+        # as _dot_rows, over [BLOCK_TOPK, BLOCK_N] rows
+        lo, hi = _e2m1(codes)
+        prod = lo * h_even[:, None, :] + hi * h_odd[:, None, :]
+        per_block = tl.sum(tl.reshape(prod, [BLOCK_TOPK, BLOCK_N, BLOCK_K // 32, 16]), axis=3)
+        acc += tl.sum(per_block * scale, axis=2)
     if HAS_BIAS:
         b = b_ptr + expert[:, None] * stride_be + n[None, :]
         acc += tl.load(b, mask=jj_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     y = tl.sum(acc * route_w[:, None], axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + n, y.to(out_ptr.dtype.element_ty), n_ok)
+
+
+@triton.jit(do_not_specialize=["P", "num_pid_m"])
+def _moe_mxfp4_gemm_kernel(
+    a_ptr,
+    wb_ptr,
+    ws_ptr,
+    b_ptr,
+    c_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_post_pad_ptr,
+    topk_w_ptr,
+    N,
+    K,
+    P,
+    num_pid_m,
+    a_div,
+    stride_am,
+    stride_be,
+    stride_cm,
+    GATE_UP: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # As moe_triton._moe_gemm_kernel (same grouping, sentinel rows, epilogues); weight row r
+    # of expert e (2N rows under GATE_UP, N otherwise): K / 2 bytes at wb + (e * rows + r) *
+    # K / 2, K / 32 scales at ws + (e * rows + r) * K / 32.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < P
+    a_rows = a_ptr + (pair // a_div).to(tl.int64)[:, None] * stride_am
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    KB = K // 2
+    KS = K // 32
+    # [1, BLOCK_N] weight rows (gate rows under GATE_UP; up rows are N further)
+    w_row = (expert * (2 * N if GATE_UP else N) + n.to(tl.int64))[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, KB, BLOCK_K // 2):
+        j = k0 + tl.arange(0, BLOCK_K // 2)  # byte j holds columns 2j and 2j + 1
+        j_ok = j < KB
+        a_ok = row_ok[:, None] & j_ok[None, :]
+        a_even = tl.load(a_rows + 2 * j[None, :], mask=a_ok, other=0.0)
+        a_odd = tl.load(a_rows + 2 * j[None, :] + 1, mask=a_ok, other=0.0)
+        w_ok = j_ok[:, None] & n_ok[None, :]
+        # [BLOCK_K / 2, BLOCK_N] tiles: exact in bf16 (3 significant bits times 2^e)
+        lo, hi = _mxfp4_tile(
+            wb_ptr + w_row * KB + j[:, None], ws_ptr + w_row * KS + (j // 16)[:, None], w_ok
+        )
+        acc = tl.dot(a_even, lo.to(a_even.dtype), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a_odd, hi.to(a_odd.dtype), acc, input_precision=DOT_PRECISION)
+        if GATE_UP:
+            up_row = w_row + N
+            lo, hi = _mxfp4_tile(
+                wb_ptr + up_row * KB + j[:, None], ws_ptr + up_row * KS + (j // 16)[:, None], w_ok
+            )
+            acc_up = tl.dot(a_even, lo.to(a_even.dtype), acc_up, input_precision=DOT_PRECISION)
+            acc_up = tl.dot(a_odd, hi.to(a_odd.dtype), acc_up, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        b_row = b_ptr + expert * stride_be + n
+        acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:
+            acc_up += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATE_UP:
+        acc = _act(acc, acc_up, ACT, ALPHA, LIMIT)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
 def _check_pair(blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> None:
@@ -231,6 +373,113 @@ def fused_moe_mxfp4_decode(
         BLOCK_N=dn, BLOCK_K=dk, num_warps=dw,
     )  # fmt: skip
     return out
+
+
+def _gemm_mxfp4(
+    a: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    c: torch.Tensor,
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor,
+    a_div: int,
+    gate_up: bool,
+    epilogue: Epilogue,
+    config: GemmConfig,
+) -> None:
+    block_m, block_n, block_k, group_m, num_warps, num_stages = config
+    sorted_ids, expert_ids, num_post_pad = align
+    N = c.shape[1]
+    num_pid_m = expert_ids.shape[0]
+    _moe_mxfp4_gemm_kernel[(num_pid_m * triton.cdiv(N, block_n),)](
+        a, blocks, scales, a if bias is None else bias, c, sorted_ids, expert_ids, num_post_pad,
+        topk_weights, N, a.shape[1], topk_weights.numel(), num_pid_m, a_div,
+        a.stride(0), 0 if bias is None else bias.stride(0), c.stride(0),
+        GATE_UP=gate_up, MUL_WEIGHT=not gate_up, HAS_BIAS=bias is not None,
+        **(epilogue.consts() if gate_up else PLAIN.consts()),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+def fused_moe_mxfp4_gemm(
+    # [T, H]
+    x: torch.Tensor,
+    # [E, 2I, H / 32, 16], [E, 2I, H / 32] uint8
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    # [E, H, I / 32, 16], [E, H, I / 32] uint8
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    # [T, top_k] float32
+    topk_weights: torch.Tensor,
+    # [T, top_k]
+    topk_ids: torch.Tensor,
+    epilogue: Epilogue = PLAIN,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """[T, H]: the grouped-GEMM path (any T; meant for prefill and verification batches) with
+    4-bit experts. Arguments as `fused_moe_mxfp4_decode`."""
+    T, top_k = topk_ids.shape
+    E, two_i = w13_blocks.shape[:2]
+    H = x.shape[1]
+    _check_pair(w13_blocks, w13_scales, two_i, H)
+    _check_pair(w2_blocks, w2_scales, H, two_i // 2)
+    if T == 0:
+        return torch.empty_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
+    P = T * top_k
+    # NOTE: BLOCK_K columns are BLOCK_K / 2 bytes a step; every table entry keeps that >= 16,
+    # tl.dot's minimum.
+    config = config or mxfp4_gemm_config(P, E, x.dtype)
+    align = moe_align(topk_ids, E, config[0])
+    inter = torch.empty(P, two_i // 2, dtype=x.dtype, device=x.device)
+    b13, b2 = epilogue.w13_bias, epilogue.w2_bias
+    args = (align, topk_weights)
+    _gemm_mxfp4(x, w13_blocks, w13_scales, b13, inter, *args, top_k, True, epilogue, config)
+    y = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    _gemm_mxfp4(inter, w2_blocks, w2_scales, b2, y, *args, 1, False, epilogue, config)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    block_h = 1024
+    _moe_sum_kernel[(T, triton.cdiv(H, block_h))](
+        y, out, H, top_k, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_H=block_h
+    )
+    return out
+
+
+def fused_moe_mxfp4_triton(
+    # [T, H]
+    x: torch.Tensor,
+    # [E, 2I, H / 32, 16], [E, 2I, H / 32] uint8
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    # [E, H, I / 32, 16], [E, H, I / 32] uint8
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    # [T, top_k] float32
+    topk_weights: torch.Tensor,
+    # [T, top_k]
+    topk_ids: torch.Tensor,
+    path: str = "auto",
+    epilogue: Epilogue = PLAIN,
+) -> torch.Tensor:
+    """`fused_moe`'s Triton paths with 4-bit experts: "auto" (the decode kernels up to
+    DECODE_MAX_TOKENS tokens, the grouped GEMM above), "decode" or "gemm"."""
+    E, two_i = w13_blocks.shape[:2]
+    H = x.shape[1]
+    b13, b2 = epilogue.w13_bias, epilogue.w2_bias
+    if (b13 is not None and b13.shape != (E, two_i)) or (b2 is not None and b2.shape != (E, H)):
+        raise ValueError(
+            f"MXFP4 experts: biases {None if b13 is None else tuple(b13.shape)} / "
+            f"{None if b2 is None else tuple(b2.shape)}, expected ({E}, {two_i}) / ({E}, {H})"
+        )
+    args = (x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids)
+    if path == "decode" or (path == "auto" and topk_ids.shape[0] <= DECODE_MAX_TOKENS):
+        return fused_moe_mxfp4_decode(*args, epilogue=epilogue)
+    return fused_moe_mxfp4_gemm(*args, epilogue=epilogue)
 
 
 def fused_moe_mxfp4_ref(
