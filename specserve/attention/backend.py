@@ -102,7 +102,11 @@ class AttentionBackend(ABC):
         from specserve.attention.mla import mla_forward
 
         use_triton = self.name == "triton"
-        return mla_forward(q_latent, q_pe, kv_c, k_pe, kv_cache, meta.common, scale, use_triton)
+        # Split-KV counts follow max_model_len (the Triton backend's), as paged attention's.
+        split_len = getattr(self, "max_model_len", None)
+        return mla_forward(
+            q_latent, q_pe, kv_c, k_pe, kv_cache, meta.common, scale, use_triton, split_len
+        )
 
     def advance_decode_(self, meta: Any, block_size: int) -> None:
         """Every request advanced by one decode token: update `meta` in place (graph-safe)."""

@@ -83,11 +83,13 @@ def mla_forward(
     c: CommonAttentionMetadata,
     scale: float,
     use_triton: bool = False,
+    # the key count split-KV assumes (max_model_len; None: the batch's max_seq_len)
+    split_len: int | None = None,
 ) -> torch.Tensor:
     """Write this step's latent rows, then attend (Triton kernel where asked, else torch)."""
     write_latent(kv_cache, kv_c, k_pe, c.slot_mapping)
     if use_triton:
         from specserve.attention.mla_triton import mla_attention
 
-        return mla_attention(q_latent, q_pe, kv_cache, c, scale)
+        return mla_attention(q_latent, q_pe, kv_cache, c, scale, split_len=split_len)
     return mla_attention_ref(q_latent, q_pe, kv_cache, c, scale)
