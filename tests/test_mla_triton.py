@@ -223,3 +223,46 @@ def test_mla_fused_forward_bf16_and_graph_gpu() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mla_model_bf16_graph_equals_eager_gpu(tmp_path) -> None:
+    """A tiny GLM-4.7-Flash in bf16 with the Triton decode gemvs (input and q_a norms inside
+    the projections, the fused MLA kernels): CUDA-graph greedy tokens equal eager ones, with
+    and without MTP, and a layer's fused norm_forward matches its unfused form."""
+    from specserve import LLM, SamplingParams
+
+    from .mla_utils import make_mla_checkpoint
+    from .spec_utils import append_mtp_layers
+
+    path = append_mtp_layers(
+        make_mla_checkpoint(str(tmp_path / "glm"), "glm4_moe_lite"), str(tmp_path / "mtp"), 1
+    )
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        for spec in (None, {"method": "mtp", "num_speculative_tokens": 3}):
+            llm = LLM(
+                path, max_model_len=512, dtype="bfloat16", decode_matmul="triton",
+                enforce_eager=eager, speculative_config=spec,
+            )  # fmt: skip
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+            outs[eager, spec is None] = [o.outputs[0].token_ids for o in res]
+    assert outs[True, True] == outs[False, True]
+    assert outs[True, False] == outs[False, False]
+
+    # The two input projections as norm_forward runs them: the norm inside their gemvs.
+    layer = llm.engine.runner.model.model.layers[1]
+    norm, attn = layer.input_layernorm, layer.self_attn
+    x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    a, b = attn.q_a_proj, attn.kv_a_proj_with_mqa
+    q_in, h = a.run_norm(x, norm.weight, norm.eps, res, a.config(x))
+    kv_a, _ = b.run_norm(h, norm.weight, norm.eps, None, b.config(x))
+    normed, h_ref = norm(x, res)
+    torch.testing.assert_close(h, h_ref)
+    for got, lin in ((q_in, a), (kv_a, b)):
+        want = torch.nn.functional.linear(normed, lin.weight)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

@@ -31,6 +31,8 @@ from specserve.models.layers import (
     norm_linear,
     yarn_mscale,
 )
+from specserve.ops import gemv as gemv_ops
+from specserve.ops.gemv import DecodeLinear
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps.
 _LORA_NORM_EPS = 1e-6
@@ -135,17 +137,58 @@ class MLAAttention(KVCacheLayer):
         x: torch.Tensor,
         ctx: ForwardContext,
     ) -> torch.Tensor:
-        m = self.m
-        T, H = x.shape[0], m.num_heads
-        if m.q_lora_rank is None:
-            q = self.q_proj(x)
+        a = self.q_proj if self.m.q_lora_rank is None else self.q_a_proj
+        return self._attend(positions, a(x), self.kv_a_proj_with_mqa(x), ctx)
+
+    def norm_forward(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        norm: nn.Module,
+        # [num_tokens, hidden]: the hidden states before the input norm
+        x: torch.Tensor,
+        # [num_tokens, hidden] or None (the first layer: x is the residual)
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual). Where the decode plan runs both input
+        projections (q_a / q_proj and kv_a_proj_with_mqa) in Triton, the norm runs inside their
+        gemvs (`gemv_norm`): the first adds the residual, the second reads that sum; no
+        separate norm launch."""
+        a, b = self.q_proj if self.m.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa
+        fusable = isinstance(norm, RMSNorm) and gemv_ops.FUSE_NORM
+        if fusable and isinstance(a, DecodeLinear) and isinstance(b, DecodeLinear):
+            cfg_a, cfg_b = a.config(x), b.config(x)
+            if cfg_a is not None and cfg_b is not None:
+                q_in, h = a.run_norm(x, norm.weight, norm.eps, residual, cfg_a)
+                kv_a, _ = b.run_norm(h, norm.weight, norm.eps, None, cfg_b)
+                return self._attend(positions, q_in, kv_a, ctx), h
+        if residual is None:
+            x, residual = norm(x), x
         else:
+            x, residual = norm(x, residual)
+        return self(positions, x, ctx), residual
+
+    def _attend(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        # [num_tokens, q_lora_rank] (q_a_proj's output) or [num_tokens, H * (nope + R)] (q_proj's)
+        q_in: torch.Tensor,
+        # [num_tokens, L + R]: kv_a_proj_with_mqa's output
+        kv_a: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        m = self.m
+        T, H = q_in.shape[0], m.num_heads
+        q = q_in
+        if m.q_lora_rank is not None:
             # q_a_layernorm runs inside q_b_proj's decode gemv where the plan takes Triton.
-            q, _ = norm_linear(self.q_a_layernorm, self.q_b_proj, self.q_a_proj(x), None)
+            q, _ = norm_linear(self.q_a_layernorm, self.q_b_proj, q_in, None)
         out = ctx.backend.forward_mla(
             positions,
             q.view(T, H, -1),
-            self.kv_a_proj_with_mqa(x),
+            kv_a,
             self.weights(),
             ctx.kv_caches[self.kv_index],
             ctx.meta(None),
