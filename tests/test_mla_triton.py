@@ -76,7 +76,7 @@ def test_mla_triton_matches_reference_interpreter(interpreter, heads, lora, rope
 
 
 @needs_interpreter
-@pytest.mark.parametrize("splits", [2, 4, 16])
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
 @pytest.mark.parametrize("with_wuv", [False, True])
 def test_mla_split_kv_matches_reference_interpreter(interpreter, splits, with_wuv) -> None:  # noqa: F811
     """Split-KV: contexts longer than one split (40 keys over 2 splits of 32-key tiles), splits

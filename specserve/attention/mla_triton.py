@@ -149,6 +149,7 @@ def _mla_merge_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     HAS_WUV: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -159,7 +160,9 @@ def _mla_merge_kernel(
     h = tl.program_id(0)
     vb = tl.program_id(1)
     dl = tl.arange(0, BLOCK_L)
-    sp = tl.arange(0, SPLITS)
+    # BLOCK_S = max(SPLITS, 2): a one-split workspace still gets a two-lane (masked) vector.
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < SPLITS
     lm = dl < L
     if HAS_WUV:
         v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -174,8 +177,8 @@ def _mla_merge_kernel(
     pdl.wait(PDL)
     for t in range(num_tokens):
         row = (t * num_heads + h) * SPLITS + sp
-        m = tl.load(ws_ml_ptr + 2 * row)
-        lse = tl.load(ws_ml_ptr + 2 * row + 1)
+        m = tl.load(ws_ml_ptr + 2 * row, mask=sp_ok, other=float("-inf"))
+        lse = tl.load(ws_ml_ptr + 2 * row + 1, mask=sp_ok, other=0.0)
         m_max = tl.max(m, axis=0)
         m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
         wt = tl.math.exp2(m - m_safe)
@@ -270,6 +273,7 @@ def mla_attention(
             w_uv.stride(0) if w_uv is not None else 0,
             w_uv.stride(1) if w_uv is not None else 0,
             L=L, V=V, BLOCK_L=block_l, BLOCK_V=block_v, SPLITS=num_splits,
+            BLOCK_S=max(2, num_splits),
             HAS_WUV=w_uv is not None,
             num_warps=4,
             **kw,
