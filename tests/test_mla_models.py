@@ -10,6 +10,7 @@ from specserve import LLM, SamplingParams
 
 from .conftest import hf_greedy, random_prompts
 from .mla_utils import MLA_ARCHS, mla_ckpt  # noqa: F401 - fixture
+from .test_triton_attention import interpreter, needs_interpreter  # noqa: F401 - fixture
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
@@ -86,13 +87,42 @@ def test_absorbed_attention_equals_expanded(mla_ckpt) -> None:  # noqa: F811
     """One MLA layer over a paged latent cache (absorbed W_UK / W_UV, latent-space attention)
     equals transformers' DeepseekV3Attention (per-head K/V expanded from the latent) in fp32,
     across prefill and a later decode step reading the cache."""
+    from specserve.attention.torch_ref import TorchAttentionBackend
+
+    _absorbed_vs_expanded(mla_ckpt, TorchAttentionBackend())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "glue"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+def test_triton_mla_layer_equals_expanded_interpreter(
+    interpreter,  # noqa: F811
+    mla_ckpt,  # noqa: F811
+    monkeypatch,
+    fused: bool,
+    name: str,
+) -> None:
+    """The same through the Triton backend under the interpreter: the fused prologue (norm,
+    de-interleaved RoPE, W_UK absorb, latent write), split-KV attention over max_model_len-bound
+    splits and the merge kernel's W_UV (`fused`), or the torch glue around the split kernel."""
+    from specserve.attention import mla_fused
+    from specserve.attention.triton_paged import TritonAttentionBackend
+
+    monkeypatch.setattr(mla_fused, "ENABLED", fused)
+    calls = []
+    run_fused = mla_fused.mla_forward_fused
+    monkeypatch.setattr(mla_fused, "mla_forward_fused", lambda *a: calls.append(1) or run_fused(*a))
+    _absorbed_vs_expanded(mla_ckpt, TritonAttentionBackend(max_model_len=256), name)
+    assert len(calls) == (3 if fused else 0)
+
+
+def _absorbed_vs_expanded(mla_ckpt, backend, name: str = "deepseek_v3") -> None:  # noqa: F811
     import transformers as tf
 
     from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
-    from specserve.attention.torch_ref import TorchAttentionBackend
     from specserve.models.registry import load_model
 
-    path = mla_ckpt("deepseek_v3")
+    path = mla_ckpt(name)
     ours, _ = load_model(path, torch.float32, "cpu", 256)
     hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     attn, ref = ours.model.layers[1].self_attn, hf.model.layers[1].self_attn
@@ -106,7 +136,6 @@ def test_absorbed_attention_equals_expanded(mla_ckpt) -> None:  # noqa: F811
         want, _ = ref(x, (cos, sin), mask)
     cache = torch.zeros(*attn.kv_cache_shape(6, bs))
     attn.kv_index = 0
-    backend = TorchAttentionBackend()
     table = torch.tensor([[5, 2, 0, 3]], dtype=torch.int32)  # pages out of order
 
     def run(lo: int, hi: int) -> torch.Tensor:

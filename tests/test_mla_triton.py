@@ -75,6 +75,40 @@ def test_mla_triton_matches_reference_interpreter(interpreter, heads, lora, rope
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("splits", [1, 2, 4, 16])
+@pytest.mark.parametrize("with_wuv", [False, True])
+def test_mla_split_kv_matches_reference_interpreter(interpreter, splits, with_wuv) -> None:  # noqa: F811
+    """Split-KV: contexts longer than one split (40 keys over 2 splits of 32-key tiles), splits
+    left idle (a 7-key row over 16 splits), verification and prefill rows; with W_UV applied in
+    the merge kernel, against the reference's latent output times W_UV."""
+    from specserve.attention.mla_triton import mla_attention
+
+    heads, lora, rope = 17, 32, 16
+    q_lat, q_pe, cache, c = _batch([1, 1, 4, 9], [7, 70, 13, 9], heads, lora, rope, 4,
+                                   torch.float32, "cpu", seed=1)  # fmt: skip
+    want = mla_attention_ref(q_lat, q_pe, cache, c, 0.2)
+    w_uv = None
+    if with_wuv:
+        w_uv = torch.randn(heads, 24, lora, generator=torch.Generator().manual_seed(2))
+        want = torch.einsum("thl,hvl->thv", want, w_uv)
+    got = mla_attention(q_lat, q_pe, cache, c, 0.2, num_splits=splits, w_uv=w_uv)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_mla_split_count_follows_host_sizes() -> None:
+    """Batch-1 decode on a 132-SM GPU splits as far as MAX_SPLITS; a short max_model_len or a
+    big prefill does not split; padded and real batch sizes round alike."""
+    from specserve.attention.mla_triton import mla_split_count
+
+    cpu = torch.device("cpu")
+    assert mla_split_count(1, 2, 4096, cpu) == 16
+    assert mla_split_count(1, 2, 128, cpu) == 4
+    assert mla_split_count(1, 2, 40, cpu) == 1
+    assert mla_split_count(512, 2, 4096, cpu) == 1
+    assert mla_split_count(3, 8, 4096, cpu) == mla_split_count(4, 8, 4096, cpu) == 4
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -116,3 +150,119 @@ def test_mla_model_triton_equals_torch_backend_gpu(tmp_path) -> None:
             res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
             outs[backend, spec is None] = [o.outputs[0].token_ids for o in res]
     assert len({str(v) for v in outs.values()}) == 1
+
+
+def _prologue_inputs(
+    tokens: int, heads: int, nope: int, lora: int, rope: int, v: int, device: str, seed: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """(q [T, H, nope + R], kv_a [T, L + R], MLAWeights) with random weights."""
+    from specserve.attention.mla import MLAWeights
+    from specserve.models.layers import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(tokens, heads, nope + rope, generator=g)
+    kv_a = torch.randn(tokens, lora + rope, generator=g) * 2
+    kv_b = torch.randn(heads, nope + v, lora, generator=g) * lora**-0.5
+    rot = RotaryEmbedding(rope, 256, 10000.0, None)
+    w = MLAWeights(
+        kv_b[:, :nope], kv_b[:, nope:], torch.rand(lora, generator=g) + 0.5, 1e-6,
+        rot.cos, rot.sin, True, 0.3,
+    )  # fmt: skip
+    return q.to(device), kv_a.to(device), w
+
+
+@needs_interpreter
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_fused_forward_matches_reference_interpreter(interpreter, interleave) -> None:  # noqa: F811
+    """mla_forward_fused (prologue kernel, split-KV attention, merge + W_UV) against the torch
+    path (mla_prologue_ref, mla_attention_ref, bmm): outputs and the written latent rows. A
+    padding token (slot -1) writes nothing."""
+    import dataclasses
+
+    from specserve.attention.mla import mla_forward
+    from specserve.attention.mla_fused import mla_forward_fused
+
+    heads, nope, lora, rope, v = 5, 24, 32, 16, 20
+    _, _, cache, c = _batch([1, 1, 4], [7, 70, 13], heads, lora, rope, 4, torch.float32, "cpu")
+    q, kv_a, w = _prologue_inputs(c.num_tokens, heads, nope, lora, rope, v, "cpu")
+    w = dataclasses.replace(w, rope_interleave=interleave)
+    c.slot_mapping[0] = -1  # request 0's token is padding: its row stays as _batch wrote it
+    want_cache = cache.clone()
+    want = mla_forward(c.positions, q, kv_a, w, want_cache, c)
+    got = mla_forward_fused(c.positions, q, kv_a, w, cache, c, split_len=256)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # The reference writes the padding token to the null block's last slot; the kernel skips it.
+    torch.testing.assert_close(cache[:-1], want_cache[:-1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mla_fused_forward_bf16_and_graph_gpu() -> None:
+    """GLM-4.7-Flash's MLA shape (20 heads, nope 192, L 512, R 64, v 256) in bf16: the fused
+    path against the torch path at batch 1 and a 4-token verification row, and a CUDA graph
+    replay of the fused path equal (bitwise) to its eager run."""
+    from specserve.attention.mla import mla_forward
+    from specserve.attention.mla_fused import mla_forward_fused
+
+    heads, nope, lora, rope, v = 20, 192, 512, 64, 256
+    for qlens, slens in (([1], [128]), ([4], [300])):
+        _, _, cache, c = _batch(qlens, slens, heads, lora, rope, 16, torch.bfloat16, "cuda")
+        q, kv_a, w = _prologue_inputs(c.num_tokens, heads, nope, lora, rope, v, "cuda")
+        q, kv_a = q.bfloat16(), kv_a.bfloat16()
+        w.w_uk, w.w_uv = w.w_uk.cuda().bfloat16(), w.w_uv.cuda().bfloat16()
+        w.kv_norm_weight = w.kv_norm_weight.cuda().bfloat16()
+        w.cos, w.sin = w.cos.cuda(), w.sin.cuda()
+        ref_cache = cache.clone()
+        want = mla_forward(c.positions, q, kv_a, w, ref_cache, c, use_triton=False)
+        eager = mla_forward_fused(c.positions, q, kv_a, w, cache, c, split_len=4096)
+        torch.testing.assert_close(eager.float(), want.float(), atol=3e-2, rtol=3e-2)
+        graph = torch.cuda.CUDAGraph()
+        mla_forward_fused(c.positions, q, kv_a, w, cache, c, split_len=4096)  # warm-up
+        with torch.cuda.graph(graph):
+            out = mla_forward_fused(c.positions, q, kv_a, w, cache, c, split_len=4096)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mla_model_bf16_graph_equals_eager_gpu(tmp_path) -> None:
+    """A tiny GLM-4.7-Flash in bf16 with the Triton decode gemvs (input and q_a norms inside
+    the projections, the fused MLA kernels): CUDA-graph greedy tokens equal eager ones, with
+    and without MTP, and a layer's fused norm_forward matches its unfused form."""
+    from specserve import LLM, SamplingParams
+
+    from .mla_utils import make_mla_checkpoint
+    from .spec_utils import append_mtp_layers
+
+    path = append_mtp_layers(
+        make_mla_checkpoint(str(tmp_path / "glm"), "glm4_moe_lite"), str(tmp_path / "mtp"), 1
+    )
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 40)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for eager in (True, False):
+        for spec in (None, {"method": "mtp", "num_speculative_tokens": 3}):
+            llm = LLM(
+                path, max_model_len=512, dtype="bfloat16", decode_matmul="triton",
+                enforce_eager=eager, speculative_config=spec,
+            )  # fmt: skip
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+            outs[eager, spec is None] = [o.outputs[0].token_ids for o in res]
+    assert outs[True, True] == outs[False, True]
+    assert outs[True, False] == outs[False, False]
+
+    # The two input projections as norm_forward runs them: the norm inside their gemvs.
+    layer = llm.engine.runner.model.model.layers[1]
+    norm, attn = layer.input_layernorm, layer.self_attn
+    x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn_like(x)
+    a, b = attn.q_a_proj, attn.kv_a_proj_with_mqa
+    q_in, h = a.run_norm(x, norm.weight, norm.eps, res, a.config(x))
+    kv_a, _ = b.run_norm(h, norm.weight, norm.eps, None, b.config(x))
+    normed, h_ref = norm(x, res)
+    torch.testing.assert_close(h, h_ref)
+    for got, lin in ((q_in, a), (kv_a, b)):
+        want = torch.nn.functional.linear(normed, lin.weight)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

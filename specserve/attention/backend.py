@@ -84,25 +84,29 @@ class AttentionBackend(ABC):
 
     def forward_mla(
         self,
-        # [num_tokens, num_heads, kv_lora_rank]: q_nope through the absorbed W_UK
-        q_latent: torch.Tensor,
-        # [num_tokens, num_heads, qk_rope_head_dim]: rotated
-        q_pe: torch.Tensor,
-        # [num_tokens, kv_lora_rank]: normed latent
-        kv_c: torch.Tensor,
-        # [num_tokens, qk_rope_head_dim]: rotated
-        k_pe: torch.Tensor,
+        # [num_tokens]
+        positions: torch.Tensor,
+        # [num_tokens, num_heads, qk_nope_head_dim + qk_rope_head_dim]: not rotated
+        q: torch.Tensor,
+        # [num_tokens, kv_lora_rank + qk_rope_head_dim]: latent not normed, k_pe not rotated
+        kv_a: torch.Tensor,
+        # attention.mla.MLAWeights
+        weights: Any,
         # [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
         kv_cache: torch.Tensor,
         meta: Any,
-        scale: float,
     ) -> torch.Tensor:
-        """MLA (attention/mla.py): write the latent rows, attend in the latent space. Returns
-        [num_tokens, num_heads, kv_lora_rank]. Every backend's metadata carries `common`."""
+        """MLA (attention/mla.py): norm and rotate, write the latent rows, attend in the latent
+        space, apply W_UV. Returns [num_tokens, num_heads, v_head_dim]. Every backend's
+        metadata carries `common`."""
         from specserve.attention.mla import mla_forward
 
         use_triton = self.name == "triton"
-        return mla_forward(q_latent, q_pe, kv_c, k_pe, kv_cache, meta.common, scale, use_triton)
+        # Split-KV counts follow max_model_len (the Triton backend's), as paged attention's.
+        split_len = getattr(self, "max_model_len", None)
+        return mla_forward(
+            positions, q, kv_a, weights, kv_cache, meta.common, use_triton, split_len
+        )
 
     def advance_decode_(self, meta: Any, block_size: int) -> None:
         """Every request advanced by one decode token: update `meta` in place (graph-safe)."""

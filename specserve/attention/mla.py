@@ -10,13 +10,80 @@ and output projections (models/mla.py), attention runs in the latent space:
 
 Decode, verification and prefill all take this path (the kernel in attention/mla_triton.py
 for CUDA); nothing ever expands per-head K/V.
+
+`mla_forward` is everything between the projections: the latent's RMSNorm, RoPE of q_pe and
+k_pe, the W_UK absorb, the latent KV write, attention and W_UV. Its torch form here
+(`mla_prologue_ref` + attention + a bmm) is the reference; the Triton backend runs small
+(decode and verification) batches as three kernels instead (attention/mla_fused.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from specserve import ops
 from specserve.attention.backend import CommonAttentionMetadata
+
+
+@dataclass
+class MLAWeights:
+    """What an MLA layer's attention needs besides activations (models/mla.py builds it)."""
+
+    # [H, nope, L]: views of kv_b_proj's weight (last dim contiguous)
+    w_uk: torch.Tensor
+    # [H, v, L]
+    w_uv: torch.Tensor
+    # [L]: kv_a_layernorm's weight
+    kv_norm_weight: torch.Tensor
+    kv_norm_eps: float
+    # [max_position, R] fp32 as cat(cos, cos) / cat(sin, sin)
+    cos: torch.Tensor
+    sin: torch.Tensor
+    # the checkpoint's rotary channels are interleaved pairs (models/mla.py)
+    rope_interleave: bool
+    scale: float
+
+    @property
+    def nope(self) -> int:
+        return self.w_uk.shape[1]
+
+
+def deinterleave(
+    # [..., R] as pairs (x0, x1), (x2, x3), ...
+    x: torch.Tensor,
+) -> torch.Tensor:
+    """[x0, x2, ..., x1, x3, ...]: the rotate-half layout of interleaved rotary pairs."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+def mla_prologue_ref(
+    # [num_tokens]
+    positions: torch.Tensor,
+    # [num_tokens, H, nope + R]: q_proj / q_b_proj's output
+    q: torch.Tensor,
+    # [num_tokens, L + R]: kv_a_proj_with_mqa's output (latent not normed, k_pe not rotated)
+    kv_a: torch.Tensor,
+    w: MLAWeights,
+    # [num_blocks, block_size, L + R]
+    kv_cache: torch.Tensor,
+    # [num_tokens] int64, -1 = padding
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_latent [T, H, L], rotated q_pe [T, H, R]), this step's latent rows written."""
+    T = q.shape[0]
+    L, R = w.w_uk.shape[2], q.shape[2] - w.nope
+    q_nope, q_pe = q.split([w.nope, R], -1)
+    kv_c, k_pe = kv_a.split([L, R], -1)
+    kv_c, _ = ops.rms_norm(kv_c.contiguous(), w.kv_norm_weight, w.kv_norm_eps)
+    if w.rope_interleave:
+        q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+    q_pe, k_pe = ops.rope_(positions, q_pe.contiguous(), k_pe.reshape(T, 1, -1), w.cos, w.sin)
+    write_latent(kv_cache, kv_c, k_pe.view(T, -1), slot_mapping)
+    # [H, T, nope] @ [H, nope, L] -> [T, H, L]
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)
+    return q_latent, q_pe
 
 
 def write_latent(
@@ -70,24 +137,33 @@ def mla_attention_ref(
 
 
 def mla_forward(
-    # [num_tokens, num_heads, L]
-    q_latent: torch.Tensor,
-    # [num_tokens, num_heads, R]
-    q_pe: torch.Tensor,
-    # [num_tokens, L]
-    kv_c: torch.Tensor,
-    # [num_tokens, R]
-    k_pe: torch.Tensor,
+    # [num_tokens]
+    positions: torch.Tensor,
+    # [num_tokens, H, nope + R]
+    q: torch.Tensor,
+    # [num_tokens, L + R]
+    kv_a: torch.Tensor,
+    w: MLAWeights,
     # [num_blocks, block_size, L + R]
     kv_cache: torch.Tensor,
     c: CommonAttentionMetadata,
-    scale: float,
     use_triton: bool = False,
+    # the key count split-KV assumes (max_model_len; None: the batch's max_seq_len)
+    split_len: int | None = None,
 ) -> torch.Tensor:
-    """Write this step's latent rows, then attend (Triton kernel where asked, else torch)."""
-    write_latent(kv_cache, kv_c, k_pe, c.slot_mapping)
+    """Norm, RoPE, absorb, write the latent rows, attend, W_UV: [num_tokens, H, v]. Triton
+    where asked (fused kernels for small batches, mla_fused.py), else torch."""
+    if use_triton:
+        from specserve.attention import mla_fused
+
+        if mla_fused.fusable(q, w):
+            return mla_fused.mla_forward_fused(positions, q, kv_a, w, kv_cache, c, split_len)
+    q_latent, q_pe = mla_prologue_ref(positions, q, kv_a, w, kv_cache, c.slot_mapping)
     if use_triton:
         from specserve.attention.mla_triton import mla_attention
 
-        return mla_attention(q_latent, q_pe, kv_cache, c, scale)
-    return mla_attention_ref(q_latent, q_pe, kv_cache, c, scale)
+        out = mla_attention(q_latent, q_pe, kv_cache, c, w.scale, split_len=split_len)
+    else:
+        out = mla_attention_ref(q_latent, q_pe, kv_cache, c, w.scale)
+    # [H, T, L] @ [H, L, v] -> [T, H, v]
+    return torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)

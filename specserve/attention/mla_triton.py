@@ -1,22 +1,34 @@
 """Triton MLA attention over the paged latent cache (torch reference: attention/mla.py).
 
-One program per (query token, block of heads): the token's request comes from token_req, its
-visible keys are positions 0..positions[t] (causal; a decode token sees the whole context, a
-verification or prefill token its prefix). Keys stream in BLOCK_N-row tiles of the latent cache;
-each tile is read once for all BLOCK_H heads (MLA's single shared K/V row is what makes a
-head-block program cheap), scores = q_latent . c + q_pe . k_pe, online softmax, and the output
-accumulates in the latent space [BLOCK_H, L].
+One program per (query token, block of heads, key split): the token's request comes from
+token_req, its visible keys are positions 0..positions[t] (causal; a decode token sees the whole
+context, a verification or prefill token its prefix). Keys stream in BLOCK_N-row tiles of the
+latent cache; each tile is read once for all BLOCK_H heads (MLA's single shared K/V row is what
+makes a head-block program cheap), scores = q_latent . c + q_pe . k_pe, online softmax, and the
+output accumulates in the latent space [BLOCK_H, L].
 
-  grid = (num_tokens, cdiv(num_heads, BLOCK_H))
+  grid = (num_tokens, cdiv(num_heads, BLOCK_H), num_splits)
+
+Split-KV (flash-decoding): a batch-1 decode step has one token and cdiv(20, 16) = 2 head blocks,
+2 programs for the whole GPU (18 us a layer on the H100 at GLM-4.7-Flash's shape). The keys
+of each token are then split evenly over `num_splits` programs (a count fixed by host-side
+sizes: max_model_len, never the batch's seq lens, so a captured graph replays any context);
+each writes its partial softmax state (m, l, unnormalized acc) and `_mla_merge_kernel` merges
+the splits in a fixed order (deterministic). The merge can also apply W_UV (the absorbed value
+up-projection, [H, v, L]) to the merged latent: the output is then [T, H, v] and the separate
+bmm after attention goes away.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
+from specserve.ops import pdl
 
 
 @triton.jit
@@ -25,6 +37,8 @@ def _mla_attention_kernel(
     q_pe_ptr,
     kv_ptr,
     out_ptr,
+    ws_acc_ptr,
+    ws_ml_ptr,
     block_table_ptr,
     token_req_ptr,
     positions_ptr,
@@ -46,53 +60,143 @@ def _mla_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # PARTIALS: write (m, l, acc) to the workspace for _mla_merge_kernel (always with
+    # SPLITS > 1; with SPLITS == 1 too when the merge applies W_UV), else the normalized output.
+    pdl.trigger(PDL)
     t = tl.program_id(0)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = h < num_heads
     dl = tl.arange(0, BLOCK_L)
     dr = tl.arange(0, BLOCK_R)
     lm, rm = dl < L, dr < R
+    # Metadata is written before the forward (pdl.EARLY_METADATA's argument): load it early.
     req = tl.load(token_req_ptr + t)
     seq_len = tl.load(positions_ptr + t) + 1
+    # This split's share of the key tiles (empty splits keep m = -inf, l = 0, acc = 0).
+    per = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS) * BLOCK_N
+    kv_begin = split * per
+    kv_end = tl.minimum(seq_len, kv_begin + per)
+    pdl.wait(PDL)
     q_lat = tl.load(
         q_lat_ptr + t * stride_qlt + h[:, None] * stride_qlh + dl[None, :],
         mask=hm[:, None] & lm[None, :],
         other=0.0,
-    )
+    ).to(kv_ptr.dtype.element_ty)
     q_pe = tl.load(
         q_pe_ptr + t * stride_qpt + h[:, None] * stride_qph + dr[None, :],
         mask=hm[:, None] & rm[None, :],
         other=0.0,
-    )
+    ).to(kv_ptr.dtype.element_ty)
+    # exp2 on log2-scaled scores: one multiply per score instead of one inside exp.
+    qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    for start in range(0, seq_len, BLOCK_N):
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for start in range(kv_begin, kv_end, BLOCK_N):
         s = start + offs_n
-        sm = s < seq_len
-        page = tl.load(block_table_ptr + req * stride_bt + s // PAGE, mask=sm, other=0)
+        sm = s < kv_end
+        page = tl.load(bt_row + s // PAGE, mask=sm, other=0)
         row = kv_ptr + page.to(tl.int64) * stride_kvb + (s % PAGE) * stride_kvs
         c = tl.load(row[:, None] + dl[None, :], mask=sm[:, None] & lm[None, :], other=0.0)
         k_pe = tl.load(row[:, None] + L + dr[None, :], mask=sm[:, None] & rm[None, :], other=0.0)
         # [BLOCK_H, BLOCK_N]
         qk = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
         qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PRECISION)
-        qk = tl.where(sm[None, :], qk * scale, float("-inf"))
+        qk = tl.where(sm[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + t * stride_ot + h[:, None] * stride_oh + dl[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=hm[:, None] & lm[None, :],
-    )
+    if PARTIALS:
+        ws = (t * num_heads + h) * SPLITS + split
+        tl.store(ws_ml_ptr + 2 * ws, m_i, mask=hm)
+        tl.store(ws_ml_ptr + 2 * ws + 1, l_i, mask=hm)
+        tl.store(ws_acc_ptr + ws[:, None] * BLOCK_L + dl[None, :], acc, mask=hm[:, None])
+    else:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + t * stride_ot + h[:, None] * stride_oh + dl[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=hm[:, None] & lm[None, :],
+        )
+
+
+@triton.jit
+def _mla_merge_kernel(
+    out_ptr,
+    ws_acc_ptr,
+    ws_ml_ptr,
+    w_uv_ptr,
+    num_tokens,
+    num_heads,
+    stride_ot,
+    stride_oh,
+    stride_wh,
+    stride_wv,
+    L: tl.constexpr,
+    V: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_WUV: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[t, h] for every token t of head h: the SPLITS partial states merged (rescaled to the
+    global max, log2 domain, summed in split order, normalized once), rounded to the output
+    dtype as the attention output is; with HAS_WUV then times W_UV[h] rows vb (fp32 sums).
+    grid = (num_heads, cdiv(V, BLOCK_V)): each W_UV tile is read once for all tokens."""
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    dl = tl.arange(0, BLOCK_L)
+    # BLOCK_S = max(SPLITS, 2): a one-split workspace still gets a two-lane (masked) vector.
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < SPLITS
+    lm = dl < L
+    if HAS_WUV:
+        v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+        vm = v < V
+        # Weights never depend on the previous kernel: request the tile before waiting.
+        w = tl.load(
+            w_uv_ptr + h * stride_wh + v[:, None] * stride_wv + dl[None, :],
+            mask=vm[:, None] & lm[None, :],
+            other=0.0,
+        )
+    pdl.trigger(PDL)
+    pdl.wait(PDL)
+    for t in range(num_tokens):
+        row = (t * num_heads + h) * SPLITS + sp
+        m = tl.load(ws_ml_ptr + 2 * row, mask=sp_ok, other=float("-inf"))
+        lse = tl.load(ws_ml_ptr + 2 * row + 1, mask=sp_ok, other=0.0)
+        m_max = tl.max(m, axis=0)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        wt = tl.math.exp2(m - m_safe)
+        denom = tl.sum(lse * wt, axis=0)
+        denom = tl.where(denom == 0.0, 1.0, denom)
+        # Empty splits (m = -inf) hold nothing: skip their reads.
+        part = tl.load(
+            ws_acc_ptr + row[:, None] * BLOCK_L + dl[None, :],
+            mask=(m > float("-inf"))[:, None],
+            other=0.0,
+        )
+        lat = tl.sum(part * wt[:, None], axis=0) / denom
+        lat = lat.to(out_ptr.dtype.element_ty)
+        if HAS_WUV:
+            o = tl.sum(w.to(tl.float32) * lat.to(tl.float32)[None, :], axis=1)
+            tl.store(out_ptr + t * stride_ot + h * stride_oh + v, o.to(lat.dtype), mask=vm)
+        else:
+            tl.store(out_ptr + t * stride_ot + h * stride_oh + dl, lat, mask=lm)
 
 
 def mla_attention(
@@ -104,33 +208,95 @@ def mla_attention(
     kv_cache: torch.Tensor,
     c: CommonAttentionMetadata,
     scale: float,
+    num_splits: int | None = None,
+    split_len: int | None = None,
+    # [num_heads, v, L] (last dim contiguous) or None
+    w_uv: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal latent attention; returns [num_tokens, num_heads, L] in q_latent's dtype.
-    Padding tokens (positions of a padded row) attend over their row's pages harmlessly."""
+    """Causal latent attention; returns [num_tokens, num_heads, L] in kv_cache's dtype, or with
+    `w_uv` the value-projected [num_tokens, num_heads, v] (W_UV applied in the merge kernel).
+    `num_splits`: key splits per token (None: `mla_split_count`'s choice over `split_len`, the
+    engine's max_model_len; tests force it). Padding tokens (positions of a padded row) attend
+    over their row's pages harmlessly."""
     T, H, L = q_latent.shape
     R = q_pe.shape[-1]
-    q_latent = q_latent.to(kv_cache.dtype)
-    q_pe = q_pe.to(kv_cache.dtype)
     if q_latent.stride(-1) != 1:
         q_latent = q_latent.contiguous()
     if q_pe.stride(-1) != 1:
         q_pe = q_pe.contiguous()
-    out = torch.empty(T, H, L, dtype=kv_cache.dtype, device=q_latent.device)
+    block_h = 16  # a tl.dot needs 16 rows; heads past num_heads are masked
+    head_blocks = triton.cdiv(H, block_h)
+    split_len = split_len or c.max_seq_len
+    if num_splits is None:
+        num_splits = mla_split_count(T, head_blocks, split_len, q_latent.device)
+    out_dim = L if w_uv is None else w_uv.shape[1]
+    out = torch.empty(T, H, out_dim, dtype=kv_cache.dtype, device=q_latent.device)
     if T == 0:
         return out
-    block_h = 16  # a tl.dot needs 16 rows; heads past num_heads are masked
-    grid = (T, triton.cdiv(H, block_h))
-    _mla_attention_kernel[grid](
-        q_latent, q_pe, kv_cache, out, c.block_table, c.token_req, c.positions, scale, H,
+    block_l = max(16, triton.next_power_of_2(L))
+    partials = num_splits > 1 or w_uv is not None
+    if partials:
+        ws_acc = torch.empty(T * H * num_splits, block_l, device=q_latent.device)
+        ws_ml = torch.empty(T * H * num_splits, 2, device=q_latent.device)
+    else:
+        ws_acc = ws_ml = out  # unused
+    kw = pdl.launch_kwargs(q_latent.device)
+    fp32 = kv_cache.dtype == torch.float32
+    # Short splits: 16-key tiles spread a short context over more programs.
+    block_n = 32 if fp32 or split_len // num_splits >= 256 else 16
+    _mla_attention_kernel[(T, head_blocks, num_splits)](
+        q_latent, q_pe, kv_cache, out, ws_acc, ws_ml, c.block_table, c.token_req, c.positions,
+        scale, H,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), out.stride(0), out.stride(1),
         c.block_table.stride(0),
         L=L, R=R,
-        BLOCK_L=max(16, triton.next_power_of_2(L)),
+        BLOCK_L=block_l,
         BLOCK_R=max(16, triton.next_power_of_2(R)),
         BLOCK_H=block_h,
-        BLOCK_N=32,
+        BLOCK_N=block_n,
         PAGE=kv_cache.shape[1],
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        SPLITS=num_splits,
+        PARTIALS=partials,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=4,
+        **kw,
     )  # fmt: skip
+    if partials:
+        if w_uv is not None and w_uv.stride(-1) != 1:
+            w_uv = w_uv.contiguous()
+        block_v = 32 if w_uv is not None else 1
+        V = out_dim if w_uv is not None else 1
+        _mla_merge_kernel[(H, triton.cdiv(V, block_v))](
+            out, ws_acc, ws_ml, w_uv if w_uv is not None else out, T, H,
+            out.stride(0), out.stride(1),
+            w_uv.stride(0) if w_uv is not None else 0,
+            w_uv.stride(1) if w_uv is not None else 0,
+            L=L, V=V, BLOCK_L=block_l, BLOCK_V=block_v, SPLITS=num_splits,
+            BLOCK_S=max(2, num_splits),
+            HAS_WUV=w_uv is not None,
+            num_warps=4,
+            **kw,
+        )  # fmt: skip
     return out
+
+
+def mla_split_count(num_tokens: int, head_blocks: int, split_len: int, device: torch.device) -> int:
+    """Key splits per (token, head block): 1 unless the grid leaves most SMs idle (decode and
+    small verification batches) and keys are many (at least MIN_KEYS_PER_SPLIT a split); a power
+    of two <= MAX_SPLITS. From host-side sizes only: the token count rounded up to a power of
+    two (a padded graph batch and the real one round alike) and split_len (max_model_len)."""
+    programs = triton.next_power_of_2(max(num_tokens, 1)) * head_blocks
+    sms = _num_sms(device.index) if device.type == "cuda" else 132
+    want = min(MAX_SPLITS, split_len // MIN_KEYS_PER_SPLIT, sms // programs)
+    return 1 if want < 2 else 1 << (want.bit_length() - 1)
+
+
+# A split below 32 keys is two 16-key tiles or less: more programs than work.
+MIN_KEYS_PER_SPLIT = 32
+MAX_SPLITS = 16
+
+
+@functools.cache
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

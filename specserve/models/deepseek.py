@@ -76,11 +76,8 @@ class MLADecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
+        # The input norm runs inside the attention's input projections where it can.
+        x, residual = self.self_attn.norm_forward(positions, self.input_layernorm, x, residual, ctx)
         return norm_ffn(self.post_attention_layernorm, self.mlp, x, residual)
 
 

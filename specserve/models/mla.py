@@ -11,7 +11,7 @@ c directly, and the attention output in latent space goes through W_UV[h] before
 
 `rope_interleave`: the checkpoint's rotary channels are interleaved pairs (x0, x1), (x2, x3)
 ...; transformers rotates them in place and returns them de-interleaved, which equals
-de-interleaving first and applying rotate-half rotary (what happens here).
+de-interleaving first and applying rotate-half rotary (attention/mla.py does).
 """
 
 from __future__ import annotations
@@ -22,9 +22,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from specserve import ops
 from specserve.attention.backend import ForwardContext
-from specserve.models.layers import KVCacheLayer, RMSNorm, RotaryEmbedding, yarn_mscale
+from specserve.attention.mla import MLAWeights
+from specserve.models.layers import (
+    KVCacheLayer,
+    RMSNorm,
+    RotaryEmbedding,
+    norm_linear,
+    yarn_mscale,
+)
+from specserve.ops import gemv as gemv_ops
+from specserve.ops.gemv import DecodeLinear
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps.
 _LORA_NORM_EPS = 1e-6
@@ -113,6 +121,14 @@ class MLAAttention(KVCacheLayer):
         w = self.kv_b_proj.weight.view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
         return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
 
+    def weights(self) -> MLAWeights:
+        w_uk, w_uv = self.absorbed()
+        norm = self.kv_a_layernorm
+        return MLAWeights(
+            w_uk, w_uv, norm.weight, norm.eps, self.rope.cos, self.rope.sin,
+            self.m.rope_interleave, self.scale,
+        )  # fmt: skip
+
     def forward(
         self,
         # [num_tokens]
@@ -121,40 +137,60 @@ class MLAAttention(KVCacheLayer):
         x: torch.Tensor,
         ctx: ForwardContext,
     ) -> torch.Tensor:
-        m = self.m
-        T, H = x.shape[0], m.num_heads
-        if m.q_lora_rank is None:
-            q = self.q_proj(x)
+        a = self.q_proj if self.m.q_lora_rank is None else self.q_a_proj
+        return self._attend(positions, a(x), self.kv_a_proj_with_mqa(x), ctx)
+
+    def norm_forward(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        norm: nn.Module,
+        # [num_tokens, hidden]: the hidden states before the input norm
+        x: torch.Tensor,
+        # [num_tokens, hidden] or None (the first layer: x is the residual)
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual). Where the decode plan runs both input
+        projections (q_a / q_proj and kv_a_proj_with_mqa) in Triton, the norm runs inside their
+        gemvs (`gemv_norm`): the first adds the residual, the second reads that sum; no
+        separate norm launch."""
+        a, b = self.q_proj if self.m.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa
+        fusable = isinstance(norm, RMSNorm) and gemv_ops.FUSE_NORM
+        if fusable and isinstance(a, DecodeLinear) and isinstance(b, DecodeLinear):
+            cfg_a, cfg_b = a.config(x), b.config(x)
+            if cfg_a is not None and cfg_b is not None:
+                q_in, h = a.run_norm(x, norm.weight, norm.eps, residual, cfg_a)
+                kv_a, _ = b.run_norm(h, norm.weight, norm.eps, None, cfg_b)
+                return self._attend(positions, q_in, kv_a, ctx), h
+        if residual is None:
+            x, residual = norm(x), x
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(T, H, -1).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
-        kv_c = self.kv_a_layernorm(kv_c.contiguous())
-        if m.rope_interleave:
-            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
-        q_pe, k_pe = ops.rope_(
-            positions, q_pe.contiguous(), k_pe.reshape(T, 1, -1), self.rope.cos, self.rope.sin
-        )
-        w_uk, w_uv = self.absorbed()
-        # [H, T, nope] @ [H, nope, L] -> [T, H, L]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+            x, residual = norm(x, residual)
+        return self(positions, x, ctx), residual
+
+    def _attend(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        # [num_tokens, q_lora_rank] (q_a_proj's output) or [num_tokens, H * (nope + R)] (q_proj's)
+        q_in: torch.Tensor,
+        # [num_tokens, L + R]: kv_a_proj_with_mqa's output
+        kv_a: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        m = self.m
+        T, H = q_in.shape[0], m.num_heads
+        q = q_in
+        if m.q_lora_rank is not None:
+            # q_a_layernorm runs inside q_b_proj's decode gemv where the plan takes Triton.
+            q, _ = norm_linear(self.q_a_layernorm, self.q_b_proj, q_in, None)
         out = ctx.backend.forward_mla(
-            q_latent,
-            q_pe,
-            kv_c,
-            k_pe.view(T, -1),
+            positions,
+            q.view(T, H, -1),
+            kv_a,
+            self.weights(),
             ctx.kv_caches[self.kv_index],
             ctx.meta(None),
-            self.scale,
         )
-        # [H, T, L] @ [H, L, v] -> [T, H, v]
-        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(out.reshape(T, H * m.v_head_dim))
-
-
-def _deinterleave(
-    # [..., R] as pairs (x0, x1), (x2, x3), ...
-    x: torch.Tensor,
-) -> torch.Tensor:
-    """[x0, x2, ..., x1, x3, ...]: the rotate-half layout of interleaved rotary pairs."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
