@@ -28,6 +28,7 @@ from specserve.models.layers import (
     KVCacheLayer,
     RMSNorm,
     RotaryEmbedding,
+    feeds_from_norm,
     norm_linear,
     yarn_mscale,
 )
@@ -104,6 +105,13 @@ class MLAAttention(KVCacheLayer):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, _LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), False)
         self.o_proj = nn.Linear(H * m.v_head_dim, m.hidden_size, bias=bias)
+        # norm_forward / forward run these with an RMSNorm fused in: the decode plan times that
+        for lin in (self.kv_a_proj_with_mqa, getattr(self, "q_proj", None)):
+            if lin is not None:
+                feeds_from_norm(lin)
+        if m.q_lora_rank is not None:
+            feeds_from_norm(self.q_a_proj)
+            feeds_from_norm(self.q_b_proj)
         self.rope = rope
         self.scale = m.scale
         self.kv_index = -1
