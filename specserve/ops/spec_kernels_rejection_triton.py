@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from specserve.ops.jit import jit_any_shape
 from specserve.sample import gumbel as _g
 
 _MASK32 = tl.constexpr(_g._MASK32)
@@ -85,7 +86,7 @@ def _argmax_parts(val, idx, axis: tl.constexpr, none):
 
 
 # ---- 1. per-split statistics of every slot row ------------------------------------------------
-@triton.jit
+@jit_any_shape
 def _slot_stats_kernel(
     logits_ptr,
     proc_ptr,
@@ -128,7 +129,7 @@ def _slot_stats_kernel(
 
 
 # ---- 2. acceptance ----------------------------------------------------------------------------
-@triton.jit
+@jit_any_shape
 def _accept_kernel(
     logits_ptr,
     proc_ptr,
@@ -220,7 +221,7 @@ def _accept_kernel(
 
 
 # ---- 3. Gumbel-max over the final slot, per split ---------------------------------------------
-@triton.jit
+@jit_any_shape
 def _final_sample_kernel(
     logits_ptr,
     proc_ptr,
@@ -305,7 +306,7 @@ def _final_sample_kernel(
 
 
 # ---- 4. the sampled rows' final token ---------------------------------------------------------
-@triton.jit
+@jit_any_shape
 def _final_combine_kernel(
     temp_ptr,
     num_acc_ptr,
@@ -339,7 +340,7 @@ def _final_combine_kernel(
 
 
 # ---- coupled verification: the target's own draw at every slot --------------------------------
-@triton.jit
+@jit_any_shape
 def _coupled_slot_kernel(
     logits_ptr,
     proc_ptr,
@@ -390,7 +391,7 @@ def _coupled_slot_kernel(
     tl.store(tok_idx_ptr + out, idx)
 
 
-@triton.jit
+@jit_any_shape
 def _coupled_accept_kernel(
     draft_ptr,
     num_draft_ptr,

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specserve.ops.jit import jit_any_shape
 from specserve.ops.spec_kernels import DraftDecodeInputs
 
 # Tokens per program of the per-token kernels; block-table columns copied per inner iteration.
@@ -34,7 +35,7 @@ def _copy_row(src_ptr, dst_ptr, n, BLOCK_COLS: tl.constexpr, NUM_COL_BLOCKS: tl.
 
 
 # ---- async scheduling -------------------------------------------------------------------------
-@triton.jit
+@jit_any_shape
 def _place_on_device_kernel(
     num_computed_ptr,
     idx_mapping_ptr,
@@ -87,7 +88,7 @@ def place_on_device_triton_(
 
 
 # ---- target step inputs -----------------------------------------------------------------------
-@triton.jit
+@jit_any_shape
 def _prepare_target_inputs_kernel(
     token_ids_ptr,
     block_table_ptr,
@@ -177,7 +178,7 @@ def prepare_target_inputs_triton(
     return input_ids, slot, bt
 
 
-@triton.jit
+@jit_any_shape
 def _write_verified_tokens_kernel(
     token_ids_ptr,
     idx_mapping_ptr,
@@ -244,7 +245,7 @@ def write_verified_tokens_triton_(
 
 
 # ---- draft prefill inputs ---------------------------------------------------------------------
-@triton.jit
+@jit_any_shape
 def _prepare_draft_prefill_inputs_kernel(
     token_ids_ptr,
     idx_mapping_ptr,
@@ -326,7 +327,7 @@ def prepare_draft_prefill_inputs_triton(
 
 
 # ---- draft decode inputs ----------------------------------------------------------------------
-@triton.jit
+@jit_any_shape
 def _prepare_draft_decode_inputs_kernel(
     token_ids_ptr,
     block_table_ptr,
@@ -432,7 +433,7 @@ def prepare_draft_decode_inputs_triton(
 
 
 # ---- in-place decode advance ------------------------------------------------------------------
-@triton.jit
+@jit_any_shape
 def _advance_decode_metadata_kernel(
     positions_ptr,
     seq_lens_ptr,

@@ -9,6 +9,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from specserve.ops.jit import jit_any_shape
 except ImportError:  # CPU-only installs without triton use the torch reference
     triton = None
 
@@ -120,7 +122,7 @@ def prepare_parallel_inputs_ref(
 
 if triton is not None:
 
-    @triton.jit
+    @jit_any_shape
     def _prepare_parallel_inputs_kernel(
         qsl_ptr,
         positions_ptr,

@@ -1,0 +1,28 @@
+"""`jit_any_shape`: triton.jit for the small per-step kernels (input preparation, verification,
+sampling bookkeeping) that must compile once, at start-up, whatever the batch.
+
+Triton compiles a kernel per specialization of its runtime arguments: an integer equal to 1 or
+divisible by 16, a pointer 16-byte aligned or not. The per-step kernels take the batch size, the
+token count and views at offsets of one upload buffer, so a batch shape first seen while serving
+compiled a new variant on the serving path (a one-time ITL stall, issue 23). These kernels move a
+few hundred bytes: one variant for every shape costs nothing measurable, and the warm-up
+(worker/warmup.py) then covers them all.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import triton
+
+
+def jit_any_shape(fn: Callable[..., Any]) -> Any:
+    """triton.jit(fn) with no value or alignment specialization of any runtime argument."""
+    names = [
+        name
+        for name, p in inspect.signature(fn).parameters.items()
+        if "constexpr" not in str(p.annotation)
+    ]
+    return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)(fn)
