@@ -163,7 +163,7 @@ def _prologue_inputs(
     q = torch.randn(tokens, heads, nope + rope, generator=g)
     kv_a = torch.randn(tokens, lora + rope, generator=g) * 2
     kv_b = torch.randn(heads, nope + v, lora, generator=g) * lora**-0.5
-    rot = RotaryEmbedding(rope, 256, 10000.0, None)
+    rot = RotaryEmbedding(rope, 1024, 10000.0, None)  # positions up to the GPU test's 300
     w = MLAWeights(
         kv_b[:, :nope], kv_b[:, nope:], torch.rand(lora, generator=g) + 0.5, 1e-6,
         rot.cos, rot.sin, True, 0.3,
