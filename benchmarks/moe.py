@@ -1,4 +1,4 @@
-"""fused_moe alone (ops/moe_triton.py) at Qwen3-30B-A3B, GLM-4.7-Flash and GLM-4.5-Air expert shapes,
+"""fused_moe alone (ops/moe_triton.py) at Qwen3-30B-A3B, GLM-4.7-Flash and GLM-4.5-Air experts, bf16.
 
 Per model and token count T (random softmax top-k routing): the Triton op's time per layer in a
 CUDA graph that runs it over LAYERS layers of distinct weights and routings (so the experts
