@@ -1,4 +1,4 @@
-"""fused_moe alone (ops/moe_triton.py) at Qwen3-30B-A3B and GLM-4.5-Air expert shapes, bf16.
+"""fused_moe alone (ops/moe_triton.py) at Qwen3-30B-A3B, GLM-4.7-Flash and GLM-4.5-Air experts, bf16.
 
 Per model and token count T (random softmax top-k routing): the Triton op's time per layer in a
 CUDA graph that runs it over LAYERS layers of distinct weights and routings (so the experts
@@ -7,10 +7,15 @@ chose divided by that time as a share of the device-to-device copy bandwidth mea
 run (the floor of issue 18), both Triton paths where both make sense (decode kernels, grouped
 GEMM), and the torch reference (`fused_moe_ref`: per-expert F.linear, eager) for comparison.
 Every result is checked against the reference before it is timed; a mismatch stops the run.
-`--sweep` also times each decode launch config (ops/moe_triton.py DECODE_*_CONFIGS, T <= 16)
-and each grouped-GEMM config (T >= 16) and reports the fastest.
+`--sweep` also times each decode launch config (ops/moe_triton.py DECODE_*_CONFIGS, each with
+the other kernel at its shape-table config, T <= 16) and each grouped-GEMM config (T >= 16)
+and reports the fastest. `--route-sweep` times the fused norm + router + choice
+(ops/moe_router.py norm_route) at each model's router shape for every ROUTE_CONFIGS entry,
+chained over LAYERS distinct routers in one graph (its PDL preload overlaps the previous
+call's tail there, as it overlaps o_proj's in a forward).
 
-    python benchmarks/moe.py [--quick] [--sweep]     # table last; writes $OUT/moe.json
+    python benchmarks/moe.py [--quick] [--sweep] [--route-sweep] [--models a,b]
+    # table last; writes $OUT/moe.json
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from decode import copy_bandwidth  # noqa: E402
 # name: (hidden H, moe_intermediate_size I, experts E, top_k)
 MODELS = {
     "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "glm-4.7-flash": (2048, 1536, 64, 4),
     "glm-4.5-air": (4096, 1408, 128, 8),
 }
 TOKENS = (1, 2, 4, 8, 16, 64, 512)
@@ -163,13 +169,17 @@ def sweep_configs(xs: list, weights: list, routes: list, refs: list, T: int, lay
 
     found = {}
     if T <= 16:
-        pairs = {(g, mt.DECODE_DOWN_CONFIG) for g in mt.DECODE_GATE_UP_CONFIGS}
-        pairs |= {(mt.DECODE_GATE_UP_CONFIG, d) for d in mt.DECODE_DOWN_CONFIGS}
+        w13, w2 = weights[0]
+        gate_up, down = mt.decode_configs(w13.shape[2], w2.shape[2], routes[0][1].shape[1])
+        pairs = {(g, down) for g in mt.DECODE_GATE_UP_CONFIGS}
+        pairs |= {(gate_up, d) for d in mt.DECODE_DOWN_CONFIGS}
         times = {
             p: timed(lambda *a, p=p: mt.fused_moe_decode(*a, configs=p)) for p in sorted(pairs)
         }
         best = min(times, key=times.get)
         found.update(best_decode_config=best, best_decode_us=times[best])
+        found.update(table_decode_config=(gate_up, down), table_decode_us=times[gate_up, down])
+        found["decode_sweep_us"] = {str(p): round(t, 2) for p, t in sorted(times.items())}
     if T >= 16:
         times = {
             c: timed(lambda *a, c=c: mt.fused_moe_gemm(*a, config=c)) for _, c in mt.GEMM_CONFIGS
@@ -179,26 +189,76 @@ def sweep_configs(xs: list, weights: list, routes: list, refs: list, T: int, lay
     return found
 
 
+def route_sweep(name: str, tokens: tuple[int, ...], layers: int) -> list:
+    """norm_route per layer (us) at the model's router shape (softmax, top-k, renormalized),
+    for every ROUTE_CONFIGS entry, each checked against norm_route_ref first."""
+    from specserve.ops import moe_router as mr
+
+    H, _, E, top_k = MODELS[name]
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    routing = dict(scoring="softmax", top_k=top_k, renormalize=True)
+    norm_w = torch.ones(H, device=DEVICE, dtype=torch.bfloat16)
+    routers = [
+        torch.randn(E, H, device=DEVICE, generator=gen).mul_(H**-0.5).to(torch.bfloat16)
+        for _ in range(layers)
+    ]
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    rows = []
+    for T in (t for t in tokens if t <= mr.ROUTE_MAX_TOKENS):
+        xs = [torch.randn(2, T, H, device=DEVICE, generator=gen).to(torch.bfloat16)
+              for _ in range(layers)]  # fmt: skip
+        times = {}
+        for cfg in mr.ROUTE_CONFIGS:
+
+            def call(x: torch.Tensor, w: torch.Tensor, cfg: tuple = cfg) -> tuple:
+                args = (x[0], x[1], norm_w, 1e-6, w, None, counter, cfg)
+                return mr.norm_route_triton(*args, **routing)
+
+            with torch.inference_mode():
+                for x, w in zip(xs, routers):
+                    ref = mr.norm_route_ref(x[0], x[1], norm_w, 1e-6, w, None, **routing)
+                    out = call(x, w)
+                    if not torch.equal(out[1].sort(-1)[0], ref[1].sort(-1)[0]):
+                        raise SystemExit(f"MISMATCH norm_route {name} T={T} {cfg}: experts")
+
+                def fn(xs: list = xs, call: Callable[..., tuple] = call) -> None:
+                    for x, w in zip(xs, routers):
+                        call(x, w)
+
+                times[cfg] = graph_us(fn) / layers
+        best = min(times, key=times.get)
+        row = {"model": name, "T": T, "route_us": {str(c): round(t, 2) for c, t in times.items()}}
+        row.update(best_route_config=best, best_route_us=times[best])
+        row.update(default_route_us=times[mr.ROUTE_CONFIG])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS}, 2 layers")
     p.add_argument("--sweep", action="store_true", help="also time every launch config")
+    p.add_argument("--route-sweep", action="store_true", help="time norm_route's configs")
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
     args = p.parse_args()
     t0 = time.time()
     tokens = QUICK_TOKENS if args.quick else TOKENS
     layers = 2 if args.quick else LAYERS
     bw = copy_bandwidth(1 << 30, rounds=5)
-    rows = []
+    rows, route_rows = [], []
     for name in args.models.split(","):
         rows += bench_model(name, tokens, layers, args.sweep, bw)
         torch.cuda.empty_cache()  # the model's weights are gone
+        if args.route_sweep:
+            route_rows += route_sweep(name, tokens, 16)
     result = {
         "device": torch.cuda.get_device_name(),
         "copy_bw_GBs": bw / 1e9,
         "layers": layers,
         "seconds": time.time() - t0,
         "rows": rows,
+        "route_rows": route_rows,
     }
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
@@ -217,8 +277,16 @@ def main() -> None:
         )
         if "best_decode_config" in r:
             print(f"{'':>20} best decode {r['best_decode_config']}: {r['best_decode_us']:.1f} us")
+        if "best_decode_config" in r:
+            table = r["table_decode_config"]
+            print(f"{'':>20} table decode {table}: {r['table_decode_us']:.1f} us")
         if "best_gemm_config" in r:
             print(f"{'':>20} best gemm {r['best_gemm_config']}: {r['best_gemm_us']:.1f} us")
+    for r in route_rows:
+        print(
+            f"{r['model']:>14} T={r['T']}: norm_route {r['default_route_us']:.2f} us (default), "
+            f"best {r['best_route_config']} {r['best_route_us']:.2f} us"
+        )
     print(f"({result['seconds']:.0f} s)")
 
 

@@ -214,6 +214,16 @@ def test_every_launch_config() -> None:
         _check(mt.fused_moe_decode(*args, configs=(gate_up, mt.DECODE_DOWN_CONFIG)), ref)
     for down in mt.DECODE_DOWN_CONFIGS:
         _check(mt.fused_moe_decode(*args, configs=(mt.DECODE_GATE_UP_CONFIG, down)), ref)
+    # The shape tables: one K tile at Qwen3-30B-A3B / GLM-4.7-Flash, the old configs beyond
+    # (gpt-oss, GLM-4.5-Air's H = 4096); every table config is one the sweep times.
+    assert mt.decode_configs(2048, 768, 8) == ((4, 2048, 4), (2, 1024, 4))
+    assert mt.decode_configs(2048, 1536, 4) == ((4, 2048, 4), (2, 2048, 8))
+    assert mt.decode_configs(2880, 2880, 4) == (mt.DECODE_GATE_UP_CONFIG, mt.DECODE_DOWN_CONFIG)
+    assert mt.decode_configs(4096, 1408, 8)[1] == mt.DECODE_DOWN_CONFIG
+    assert {c for *_, c in mt.DECODE_GATE_UP_TABLE} <= set(mt.DECODE_GATE_UP_CONFIGS)
+    assert {c for *_, c in mt.DECODE_DOWN_TABLE} <= set(mt.DECODE_DOWN_CONFIGS)
+    # The default pick (one K tile each here: BLOCK_K >= K) on this shape.
+    _check(mt.fused_moe_decode(*args, configs=((4, 64, 4), (2, 64, 4))), ref)
 
 
 def test_fused_moe_dispatch_and_validation() -> None:
@@ -336,6 +346,17 @@ def test_moe_kernels_compile_for_sm90() -> None:
             assert ("griddepcontrol.launch_dependents" in ptx) == pdl
             if pdl:  # only down's preload (routing, first weight tile) loads before the wait
                 assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
+    # The shape tables' one-tile configs at their real shapes (Qwen3-30B-A3B: H 2048, I 768,
+    # top-8; GLM-4.7-Flash: I 1536, top-4): no spills, and down requests its whole slab
+    # ([top_k, BLOCK_N, BLOCK_K] bf16 in 16-byte loads) before the PDL wait.
+    for hidden, inter, top_k in ((2048, 768, 8), (2048, 1536, 4)):
+        (gn, gk, gw), (dn, dk, dw) = mt.decode_configs(hidden, inter, top_k)
+        _compile(mt._moe_decode_gate_up_kernel, dict(BLOCK_N=gn, BLOCK_K=gk, PDL=True,
+                                                     HAS_BIAS=False, **silu), gw)  # fmt: skip
+        consts = dict(BLOCK_N=dn, BLOCK_K=dk, PDL=True, PRELOAD=True, HAS_BIAS=False)
+        ptx = _compile(mt._moe_decode_down_kernel, dict(BLOCK_TOPK=top_k, **consts), dw)
+        early = ptx[: ptx.index("griddepcontrol.wait")]
+        assert early.count("ld.global.v4") * 16 * 32 * dw == top_k * dn * dk * 2
 
 
 # ---- GPU ---------------------------------------------------------------------------------------

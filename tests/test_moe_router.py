@@ -186,16 +186,16 @@ def test_qk_norm_matches_reference(dtype: torch.dtype) -> None:
 # ---- sm_90 compile (no GPU needed) ---------------------------------------------------------
 def test_router_kernels_compile_for_sm90() -> None:
     """The fused router compiles for sm_90 without spills at Qwen3-30B-A3B (softmax, bf16
-    router, 128 experts, top-8, 1 and 8 tokens), GLM-4.5-Air (sigmoid, float32 router) and
-    DeepSeek-V3 (256 experts, 8 groups, top-4 groups) shapes, with and without PDL; qk-norm at
-    Qwen3's 32 q / 4 kv heads of 128."""
+    router, 128 experts, top-8, 1 and 8 tokens; every ROUTE_CONFIGS entry at 1 token, with and
+    without PDL), GLM-4.7-Flash (64 experts), GLM-4.5-Air (sigmoid, float32 router) and
+    DeepSeek-V3 (256 experts, 8 groups, top-4 groups) shapes, and requests its router rows
+    before the PDL wait; qk-norm at Qwen3's 32 q / 4 kv heads of 128."""
     pytest.importorskip("triton")
     from specserve.ops import moe_router as mr
     from specserve.ops import triton_kernels as tk
 
     from .test_moe_ops import _compile
 
-    block_e, block_k, _ = mr.ROUTE_CONFIG
     types = {
         "logits_ptr": "*fp32",
         "counter_ptr": "*i32",
@@ -205,25 +205,34 @@ def test_router_kernels_compile_for_sm90() -> None:
         "eps": "fp32",
         "scale": "fp32",
     }
-    cases = [  # (SIGMOID, router dtype, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, E)
-        (False, "bf16", 8, 1, 1, 1, 128),
-        (False, "bf16", 8, 1, 1, 8, 128),
-        (True, "fp32", 8, 1, 1, 1, 128),
-        (True, "fp32", 8, 8, 4, 4, 256),
-        (True, "fp32", 8, 8, 4, 8, 256),
+    cases = [  # (SIGMOID, router dtype, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, E, H)
+        (False, "bf16", 8, 1, 1, 1, 128, 2048),
+        (False, "bf16", 8, 1, 1, 8, 128, 2048),
+        (False, "bf16", 4, 1, 1, 1, 64, 2048),  # GLM-4.7-Flash-sized softmax
+        (True, "fp32", 8, 1, 1, 1, 128, 4096),
+        (True, "fp32", 8, 8, 4, 4, 256, 7168),
+        (True, "fp32", 8, 8, 4, 8, 256, 7168),
     ]
-    for sigmoid, w_dtype, top_k, n_group, topk_group, block_t, E in cases:
-        for pdl in (True, False):
+    for sigmoid, w_dtype, top_k, n_group, topk_group, block_t, E, H in cases:
+        # Every swept config at Qwen3's batch-1 shape, without PDL once; the default elsewhere.
+        runs = [(True, mr.ROUTE_CONFIG)]
+        if (E, H, block_t) == (128, 2048, 1):
+            runs = [(True, c) for c in mr.ROUTE_CONFIGS] + [(False, mr.ROUTE_CONFIG)]
+        for pdl, config in runs:
+            block_e, block_k, _ = config
             consts = dict(HAS_RES=True, SIGMOID=sigmoid, ROUND_LOGITS=not sigmoid)
             consts.update(HAS_BIAS=sigmoid, RENORM=True, TOP_K=top_k, N_GROUP=n_group)
             consts.update(TOPK_GROUP=topk_group, BLOCK_T=block_t, BLOCK_TOPK=top_k)
-            consts.update(BLOCK_E=block_e, BLOCK_K=block_k, BLOCK_ALL_E=E, PDL=pdl)
-            warps = mr.route_warps(block_t, mr.ROUTE_CONFIG)
+            consts.update(BLOCK_E=block_e, BLOCK_K=block_k, K_TILES=-(-H // block_k))
+            consts.update(BLOCK_ALL_E=E, PDL=pdl)
+            warps = mr.route_warps(block_t, config)
             ptx = _compile(
                 mr._norm_route_kernel, consts, warps, 3, {**types, "w_ptr": f"*{w_dtype}"}
             )
             assert ("griddepcontrol.wait" in ptx) == pdl
             assert "atom.global.gpu.acq_rel.add" in ptx
+            if pdl:  # the router rows are requested before the wait
+                assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
     for pdl in (True, False):
         consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_HQ=32, BLOCK_HK=4, PDL=pdl)
         types = {"q_eps": "fp32", "k_eps": "fp32", "stride_qh": "i32", "stride_kh": "i32"}

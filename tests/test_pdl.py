@@ -138,9 +138,11 @@ def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool, fuse_
         EARLY_META=early_meta,
         FUSE_KV=fuse_kv,
         MERGE=False,
+        QK_NORM=fuse_kv,  # Qwen3's per-head q / k RMSNorm inside the fused RoPE tiles
     )
+    eps = {"q_eps": "fp32", "k_eps": "fp32"}
     for kernel, consts in ((tp._rope_and_cache_kernel, rope), (tp._paged_attention_kernel, attn)):
-        ptx = compile_sm90(kernel, consts)
+        ptx = compile_sm90(kernel, consts, types=eps)
         _pdl_ptx(ptx)
         assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == early_meta
     if splits > 1:

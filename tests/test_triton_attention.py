@@ -544,12 +544,20 @@ def test_rope_and_cache_gpu(dtype: torch.dtype, heads: tuple[int, int], head_dim
 
 # ---- RoPE + KV write inside the attention kernel (triton_paged.FUSE_ROPE_KV) -----------------
 def _check_fused_kv_write(
-    device: str, dtype: torch.dtype, heads: tuple[int, int], d: int, window: int | None, splits: int
+    device: str,
+    dtype: torch.dtype,
+    heads: tuple[int, int],
+    d: int,
+    window: int | None,
+    splits: int,
+    qk_norm: bool = False,
 ) -> None:
     """paged_attention(new_kv=...) == rope_and_cache_ then paged_attention: the same cache (every
     new key written once, by the program whose key range holds it; padded rows write nothing)
-    and the same outputs, for decode and 4-token verification requests."""
+    and the same outputs, for decode and 4-token verification requests. qk_norm: Qwen3's
+    per-head RMSNorm fused too (paged_attention(qk_norm=...)) == the qk-norm kernel first."""
     from specserve.attention.triton_paged import paged_attention, rope_and_cache_
+    from specserve.ops.triton_kernels import qk_norm_triton_
 
     hq, hk = heads
     g = torch.Generator().manual_seed(11 + splits)
@@ -557,7 +565,7 @@ def _check_fused_kv_write(
     pages = alloc_pages([c + q for c, q in reqs], g)
     common = make_common(pages, reqs, 1, 4, device)
     T = common.num_tokens
-    qkv = torch.randn(T, (hq + 2 * hk) * d, generator=g).to(dtype).to(device)
+    qkv = (3 * torch.randn(T, (hq + 2 * hk) * d, generator=g)).to(dtype).to(device)
     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
     q, k, v = q.view(T, hq, d), k.view(T, hk, d), v.view(T, hk, d)
     cache = torch.randn(2, pages.num_blocks, BLOCK_SIZE, hk, d, generator=g).to(dtype).to(device)
@@ -566,14 +574,22 @@ def _check_fused_kv_write(
     ang = torch.outer(torch.arange(64, dtype=torch.float32), inv)
     cos, sin = (torch.cat([f(ang), f(ang)], -1).to(device) for f in (torch.cos, torch.sin))
     scale = d**-0.5
+    norm = None
+    if qk_norm:
+        qw, kw = ((1 + 0.2 * torch.randn(d, generator=g)).to(dtype).to(device) for _ in "qk")
+        norm = (qw, kw, 1e-6, 1e-5)
 
-    two_q, two_cache = q.clone(), cache.clone()
-    rope_and_cache_(common.positions, two_q, k, v, cos, sin, two_cache, common.slot_mapping)
+    two_q, two_k = q.clone(), k.clone()
+    if qk_norm:
+        qk_norm_triton_(two_q, two_k, *norm)
+    two_cache = cache.clone()
+    rope_and_cache_(common.positions, two_q, two_k, v, cos, sin, two_cache, common.slot_mapping)
     two = paged_attention(two_q, two_cache, common, scale, window, num_splits=splits)
     one_cache = cache.clone()
     one = paged_attention(
-        q, one_cache, common, scale, window, num_splits=splits, new_kv=(k, v, cos, sin)
-    )
+        q, one_cache, common, scale, window, num_splits=splits, new_kv=(k, v, cos, sin),
+        qk_norm=norm,
+    )  # fmt: skip
     real = real_tokens(common)
     if device == "cpu":  # the interpreter computes both the same way, bit for bit
         assert torch.equal(one_cache, two_cache)
@@ -590,6 +606,17 @@ def test_fused_kv_write_interpreter(interpreter: None, window: int | None, split
     _check_fused_kv_write("cpu", torch.float32, (4, 2), 16, window, splits)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_qk_norm_interpreter(interpreter: None, dtype: torch.dtype) -> None:
+    _check_fused_kv_write("cpu", dtype, (4, 2), 16, None, 2, qk_norm=True)
+    with pytest.raises(ValueError, match="qk_norm is fused only with new_kv"):
+        from specserve.attention.triton_paged import paged_attention
+
+        q = torch.zeros(1, 4, 16)
+        paged_attention(q, None, None, 1.0, None, qk_norm=(q, q, 1e-6, 1e-6))  # type: ignore
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -597,3 +624,5 @@ def test_fused_kv_write_interpreter(interpreter: None, window: int | None, split
 @pytest.mark.parametrize("splits", [1, 4])
 def test_fused_kv_write_gpu(dtype: torch.dtype, window: int | None, splits: int) -> None:
     _check_fused_kv_write("cuda", dtype, (32, 8), 128, window, splits)
+    if dtype == torch.bfloat16:  # Qwen3-30B-A3B's heads: 32 q / 4 kv of 128, qk-norm fused
+        _check_fused_kv_write("cuda", dtype, (32, 4), 128, window, splits, qk_norm=True)

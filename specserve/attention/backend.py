@@ -58,6 +58,10 @@ class AttentionBackend(ABC):
     # True when `forward` takes `rope=(positions, cos, sin)` with q and k not yet rotated and
     # applies the rotary embedding inside its KV write (one kernel instead of two per layer).
     fuses_rope: bool = False
+    # True when `forward` also takes `qk_norm=(q_weight, k_weight, q_eps, k_eps)` with `rope`:
+    # q and k not yet per-head RMS-normed (Qwen3's q_norm / k_norm); it norms them before the
+    # rotation (inside the attention kernel where it fuses the RoPE, else with ops.qk_norm_).
+    fuses_qk_norm: bool = False
 
     @abstractmethod
     def build(self, common: CommonAttentionMetadata, sliding_window: int | None) -> Any:

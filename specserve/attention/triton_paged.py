@@ -36,6 +36,7 @@ from specserve.attention.backend import (
     ForwardContext,
 )
 from specserve.ops import pdl
+from specserve.ops.fused import qk_norm_
 from specserve.ops.spec_kernels import advance_decode_metadata_
 from specserve.ops.triton_kernels import _rope_rows
 
@@ -316,7 +317,14 @@ def _paged_attention_kernel(
     FUSE_KV: tl.constexpr,
     MERGE: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    q_norm_w_ptr,
+    k_norm_w_ptr,
+    q_eps,
+    k_eps,
+    QK_NORM: tl.constexpr,
 ):
+    # QK_NORM (with FUSE_KV): q and k arrive un-normed too; the per-head RMSNorm runs in the
+    # RoPE tiles (no qk-norm launch), q_norm_w / k_norm_w [HEAD_DIM].
     # EARLY_META (pdl.EARLY_METADATA): the metadata loads below go before the wait for the
     # previous kernel (pdl.py says why that is safe); q and the KV cache stay after it.
     pdl.trigger(PDL)
@@ -356,7 +364,10 @@ def _paged_attention_kernel(
 
     q_row = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
     if FUSE_KV:  # q arrives unrotated: RoPE here, rounded as the RoPE kernel rounds
-        q = _rope_tile(q_row, row_valid, pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
+        q = _rope_tile(
+            q_row, row_valid, pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM, q_norm_w_ptr, q_eps,
+            QK_NORM,
+        )  # fmt: skip
         q = q.to(q_ptr.dtype.element_ty)
     else:
         q = tl.load(q_row + d[None, :], mask=row_valid[:, None], other=0.0)
@@ -385,7 +396,10 @@ def _paged_attention_kernel(
         t_slot = tl.load(slot_mapping_ptr + t_tok, mask=t_ok, other=-1)
         mine = t_ok & (t_slot >= 0) & (t_pos >= kv_begin) & (t_pos < kv_end)
         k_row = k_new_ptr + t_tok[:, None] * stride_knt + kv_head * stride_knh
-        k_rot = _rope_tile(k_row, mine, t_pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
+        k_rot = _rope_tile(
+            k_row, mine, t_pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM, k_norm_w_ptr, k_eps,
+            QK_NORM,
+        )  # fmt: skip
         v_new = tl.load(
             v_new_ptr + t_tok[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :],
             mask=mine[:, None],
@@ -503,15 +517,36 @@ def _merge_splits(
 
 
 @triton.jit
-def _rope_tile(row_ptr, row_ok, pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM: tl.constexpr):
+def _rope_tile(
+    row_ptr,
+    row_ok,
+    pos,
+    cos_ptr,
+    sin_ptr,
+    stride_cos,
+    HEAD_DIM: tl.constexpr,
+    norm_w_ptr,
+    eps,
+    NORM: tl.constexpr,
+):
     """[rows, HEAD_DIM] fp32 rotate-half RoPE of the vectors at row_ptr [rows, 1] (positions
     pos [rows]): x1 * c - x2 * s, x2 * c + x1 * s, as the RoPE kernels compute it; each half's
-    partner is a second load of the same row (cos/sin rows are cat(c, c), cat(s, s))."""
+    partner is a second load of the same row (cos/sin rows are cat(c, c), cat(s, s)).
+    NORM: each row RMS-normed over HEAD_DIM first (Qwen3's q_norm / k_norm, weight at
+    norm_w_ptr), rounded as the qk-norm kernel rounds (to the row dtype after the scale and
+    after the weight), so the rotation sees the values that kernel would have stored."""
     d = tl.arange(0, HEAD_DIM)
     partner = (d + HEAD_DIM // 2) % HEAD_DIM
     ok = row_ok[:, None]
     x = tl.load(row_ptr + d[None, :], mask=ok, other=0.0).to(tl.float32)
     xp = tl.load(row_ptr + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        dt = row_ptr.dtype.element_ty
+        inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(norm_w_ptr + d).to(tl.float32)[None, :]
+        wp = tl.load(norm_w_ptr + partner).to(tl.float32)[None, :]
+        x = (w * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        xp = (wp * (xp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     trig = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
     c = tl.load(cos_ptr + trig, mask=ok, other=0.0)
     s = tl.load(sin_ptr + trig, mask=ok, other=0.0)
@@ -598,12 +633,18 @@ def paged_attention(
     counters: torch.Tensor | None = None,
     # [num_heads] per-head sink logits (gpt-oss) or None
     sinks: torch.Tensor | None = None,
+    # (q_norm weight [head_dim], k_norm weight [head_dim], q_eps, k_eps): q and k not yet
+    # per-head RMS-normed (Qwen3); only with `new_kv`
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
 ) -> torch.Tensor:
     """`num_splits`: key splits per program (None: `split_count`'s choice; tests force it).
     `split_len`: the key count that choice assumes (the engine passes max_model_len; None: the
     batch's max_seq_len). `new_kv`: RoPE and the KV write inside this kernel (the RoPE + KV
-    write kernel's work; positions and slots from `common`)."""
+    write kernel's work; positions and slots from `common`). `qk_norm`: with `new_kv`, the
+    qk-norm kernel's work too (ops.qk_norm_)."""
     num_tokens, num_heads, head_dim = q.shape
+    if qk_norm is not None and new_kv is None:
+        raise ValueError("qk_norm is fused only with new_kv (RoPE + KV write in the kernel)")
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}.")
@@ -704,6 +745,7 @@ def paged_attention(
         EARLY_META=kw["PDL"] and pdl.EARLY_METADATA,
         FUSE_KV=new_kv is not None,
         MERGE=merge,
+        **_qk_norm_args(qk_norm, q),
         **kw,
     )
     if num_splits > 1 and not merge:
@@ -720,6 +762,16 @@ def paged_attention(
             **kw,
         )
     return out
+
+
+def _qk_norm_args(
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None, dummy: torch.Tensor
+) -> dict:
+    """The attention kernel's qk-norm arguments (any tensor stands in when off: never read)."""
+    if qk_norm is None:
+        return dict(q_norm_w_ptr=dummy, k_norm_w_ptr=dummy, q_eps=0.0, k_eps=0.0, QK_NORM=False)
+    q_w, k_w, q_eps, k_eps = qk_norm
+    return dict(q_norm_w_ptr=q_w, k_norm_w_ptr=k_w, q_eps=q_eps, k_eps=k_eps, QK_NORM=True)
 
 
 def fuses_kv_write(
@@ -790,6 +842,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_inplace_advance = True
     fuses_rope = True
+    fuses_qk_norm = True
 
     def __init__(
         self, max_model_len: int | None = None, device: torch.device | None = None
@@ -828,7 +881,11 @@ class TritonAttentionBackend(AttentionBackend):
         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         # [num_heads] per-head sink logits (gpt-oss) or None
         sinks: torch.Tensor | None = None,
+        # (q_norm weight, k_norm weight, q_eps, k_eps): with `rope`, q and k not normed yet
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
     ) -> torch.Tensor:
+        if qk_norm is not None and rope is None:
+            raise ValueError("qk_norm comes with rope (see AttentionBackend.fuses_qk_norm)")
         if sliding_window != meta.sliding_window:
             raise ValueError(
                 f"metadata was built for sliding_window={meta.sliding_window}, "
@@ -843,6 +900,9 @@ class TritonAttentionBackend(AttentionBackend):
         if same_pos and rope[0].shape == c.positions.shape and k.stride(-1) == 1:
             if fuses_kv_write(q.shape[1], k.shape[1], c.max_query_len, q.shape[2], kv_cache.dtype):
                 new_kv = (k, v, rope[1], rope[2])
+        if new_kv is None and qk_norm is not None:  # not fusable here: the qk-norm kernel
+            q, k = qk_norm_(q, k, *qk_norm)
+            qk_norm = None
         if new_kv is None and rope is not None:
             rope_and_cache_(rope[0], q, k, v, rope[1], rope[2], kv_cache, c.slot_mapping)
         elif new_kv is None:
@@ -857,6 +917,7 @@ class TritonAttentionBackend(AttentionBackend):
             new_kv=new_kv,
             counters=self.counters,
             sinks=sinks,
+            qk_norm=qk_norm,
         )
 
     def advance_decode_(self, meta: TritonAttentionMetadata, block_size: int) -> None:

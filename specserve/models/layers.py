@@ -216,18 +216,24 @@ class Attention(KVCacheLayer):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        rd = self.rope.rotary_dim
+        fused_rope = rd == self.head_dim and ctx.backend.fuses_rope
+        fused_rope = fused_rope and q.stride(-1) == 1 and k.stride(-1) == 1
+        # Only sink / qk-norm layers pass `sinks` / `qk_norm`, so other backends keep their
+        # signature.
+        kw = {} if self.sinks is None else {"sinks": self.sinks}
         if self.q_norm is not None:
             qn, kn = self.q_norm, self.k_norm
-            q, k = ops.qk_norm_(q, k, qn.weight, kn.weight, qn.eps, kn.eps)
+            if fused_rope and ctx.backend.fuses_qk_norm:  # normed where RoPE is: one launch less
+                kw["qk_norm"] = (qn.weight, kn.weight, qn.eps, kn.eps)
+            else:
+                q, k = ops.qk_norm_(q, k, qn.weight, kn.weight, qn.eps, kn.eps)
         args = (ctx.kv_caches[self.kv_index], ctx.meta(self.sliding_window), self.scale)
         args = (*args, self.sliding_window)
-        # Only sink layers pass `sinks`, so backends without them keep their signature.
-        kw = {} if self.sinks is None else {"sinks": self.sinks}
-        rd = self.rope.rotary_dim
         if rd < self.head_dim:
             q, k = self._partial_rope(positions, q, k, rd)
             out = ctx.backend.forward(q, k, v, *args, **kw)
-        elif ctx.backend.fuses_rope and q.stride(-1) == 1 and k.stride(-1) == 1:
+        elif fused_rope:
             # RoPE inside the KV write: q rotated in place, rotated k goes to the cache only.
             rope = (positions, self.rope.cos, self.rope.sin)
             out = ctx.backend.forward(q, k, v, *args, rope=rope, **kw)

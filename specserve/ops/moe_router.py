@@ -17,6 +17,18 @@ program from x: T x H elements from L2, next to BLOCK_E x H weights); program 0 
 normed x and the residual; the last program to finish (an acq_rel counter, reset by that
 program, so a captured graph replays it) reads every logit and makes the choice.
 
+Latency, not bandwidth, is this kernel's cost (0.5 MB of router at Qwen3-30B-A3B): its time is
+the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
+- the router rows (weights: they never depend on the previous kernel) are requested before the
+  PDL wait, a program's whole [BLOCK_E, H] slab in one go where it fits a tile (K_TILES = 1 at
+  H = 2048), so they arrive during the previous kernel's tail;
+- the K loops are unrolled (K_TILES constexpr), so no load waits on the previous tile's math;
+- the choice takes the k best in k rounds of ONE max reduction each over (score, expert)
+  packed in an int64 (the weight decoded from the winning key) instead of three (max, the
+  lowest id at the max, the weight's gather): a round is a cross-warp reduction through shared
+  memory and a barrier, and the rounds are serial. (A one-shot rank from an [E, E] comparison
+  was tried: it spills at E = 128 with 4 warps.)
+
 Ties among experts: the kernel takes the lowest expert index first (torch.topk does not promise
 an order among equal values); the choice is otherwise the reference's, the weights equal up to
 float32 summation order.
@@ -38,8 +50,17 @@ except ImportError:  # CPU-only installs: the reference only
 
 ROUTE_MAX_TOKENS = 8  # decode batches; larger ones run the norm kernel, cuBLAS and torch
 ROUTE_MAX_EXPERTS = 512  # the choice reads all of a token's logits in one tile
-# (BLOCK_E experts a program, BLOCK_K, num_warps): 128 experts -> 32 programs.
-ROUTE_CONFIG = (4, 512, 4)
+# (BLOCK_E experts a program, BLOCK_K, num_warps): 128 experts -> 64 programs, each with its
+# two router rows (8 KB at H = 2048, bf16) in one tile requested before the PDL wait.
+ROUTE_CONFIG = (2, 2048, 4)
+# What benchmarks/moe.py --route-sweep times at the real router shapes (one compile each).
+ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
+    (2, 2048, 4),
+    (2, 1024, 4),
+    (4, 2048, 4),
+    (4, 1024, 4),
+    (8, 1024, 8),
+)
 SCORINGS = ("softmax", "sigmoid")
 
 
@@ -210,6 +231,21 @@ if triton is not None:
         return best + tl.max(rest, axis=2)
 
     @triton.jit
+    def _scores(s, bias_ptr, e, E, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """(val, choice) of float32 logits s [BLOCK_T, BLOCK_ALL_E] (-inf past E): the routing
+        weights' source (softmax / sigmoid) and what the choice ranks (+ correction bias)."""
+        if SIGMOID:
+            val = 1.0 / (1.0 + tl.exp(-s))
+            choice = val
+            if HAS_BIAS:
+                choice += tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :]
+        else:
+            p = tl.exp(s - tl.max(s, axis=1)[:, None])
+            val = p / tl.sum(p, axis=1)[:, None]
+            choice = val
+        return val, choice
+
+    @triton.jit
     def _choose(
         logits_ptr,
         bias_ptr,
@@ -237,15 +273,7 @@ if triton is not None:
             logits_ptr + t[:, None] * E + e[None, :], mask=ok, other=0.0, cache_modifier=".cg"
         )
         s = tl.where((e < E)[None, :], s, float("-inf"))
-        if SIGMOID:
-            val = 1.0 / (1.0 + tl.exp(-s))
-            choice = val
-            if HAS_BIAS:
-                choice += tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :]
-        else:
-            p = tl.exp(s - tl.max(s, axis=1)[:, None])
-            val = p / tl.sum(p, axis=1)[:, None]
-            choice = val
+        val, choice = _scores(s, bias_ptr, e, E, SIGMOID, HAS_BIAS)
         choice = tl.where(ok, choice, float("-inf"))
         if TOPK_GROUP < N_GROUP:
             GROUP: tl.constexpr = BLOCK_ALL_E // N_GROUP
@@ -261,18 +289,27 @@ if triton is not None:
                 gs = tl.where(hit, float("-inf"), gs)
             keep3 = tl.broadcast_to(keep[:, :, None], (BLOCK_T, N_GROUP, GROUP))
             choice = tl.where(tl.reshape(keep3, (BLOCK_T, BLOCK_ALL_E)) != 0, choice, float("-inf"))
+        # The k best, one max reduction a round: each score and its expert in one int64 key,
+        # the score's float32 bits made order-preserving as a signed int, the id inverted so a
+        # tie goes to the lower id. The chosen weight is the score itself (decoded from the
+        # key) unless a correction bias separates the two (then a gather: a second reduction).
+        bits = choice.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32
+        key = key | (BLOCK_ALL_E - 1 - e)[None, :].to(tl.int64)
         kk = tl.arange(0, BLOCK_TOPK)
         weights = tl.zeros([BLOCK_T, BLOCK_TOPK], dtype=tl.float32)
         ids = tl.zeros([BLOCK_T, BLOCK_TOPK], dtype=tl.int32)
         for j in tl.static_range(TOP_K):
-            best = tl.max(choice, axis=1)
-            pick = tl.min(tl.where(choice == best[:, None], e[None, :], BLOCK_ALL_E), axis=1)
-            hit = e[None, :] == pick[:, None]
-            weights = tl.where(
-                kk[None, :] == j, tl.sum(tl.where(hit, val, 0.0), axis=1)[:, None], weights
-            )
+            best = tl.max(key, axis=1)
+            pick = BLOCK_ALL_E - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+            if HAS_BIAS:
+                w_j = tl.sum(tl.where(e[None, :] == pick[:, None], val, 0.0), axis=1)
+            else:
+                hi = (best >> 32).to(tl.int32)
+                w_j = (hi ^ ((hi >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            weights = tl.where(kk[None, :] == j, w_j[:, None], weights)
             ids = tl.where(kk[None, :] == j, pick[:, None], ids)
-            choice = tl.where(hit, float("-inf"), choice)
+            key = tl.where(key == best[:, None], -(2**63), key)
         if RENORM:
             total = tl.sum(weights, axis=1)[:, None]
             weights = weights / (total + (1e-20 if SIGMOID else 0.0))
@@ -280,6 +317,15 @@ if triton is not None:
         out_ok = (t < T)[:, None] & (kk < TOP_K)[None, :]
         tl.store(topk_w_ptr + out, weights * scale, mask=out_ok)
         tl.store(topk_ids_ptr + out, ids.to(tl.int64), mask=out_ok)
+
+    @triton.jit
+    def _x_row(x_ptr, res_ptr, k, k_ok, HAS_RES: tl.constexpr):
+        """One token's x + res at columns k, rounded to the model dtype (the norm's input)."""
+        h = tl.load(x_ptr + k, mask=k_ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + k, mask=k_ok, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        return h.to(tl.float32)
 
     @triton.jit(do_not_specialize=["T"])
     def _norm_route_kernel(
@@ -314,38 +360,41 @@ if triton is not None:
         BLOCK_TOPK: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        K_TILES: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
         PDL: tl.constexpr,
     ):
         # logits[t, e] = W[e] @ rms_norm(x[t] + res[t]) for this program's BLOCK_E experts.
-        # normed / res_out rows are [T, H] contiguous (fresh outputs).
-        pdl.start(PDL)
+        # normed / res_out rows are [T, H] contiguous (fresh outputs). H <= K_TILES * BLOCK_K.
         pid = tl.program_id(0)
         rows = tl.arange(0, BLOCK_T)
         e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
         e_ok = e < E
         w_rows = w_ptr + e.to(tl.int64)[:, None] * stride_we
+        # The first weight tile (the whole slab when K_TILES == 1) before the wait: weights
+        # never depend on the previous kernel, so they stream during its tail.
+        k = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & (k < H)[None, :], other=0.0)
+        pdl.start(PDL)
         # Pass 1: each token's sum of squares (x + res rounded to the model dtype first).
         sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < H
+        for kt in tl.static_range(K_TILES):
+            k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
             for i in tl.static_range(BLOCK_T):
-                m = k_ok & (i < T)
-                h = tl.load(x_ptr + i * stride_x + k, mask=m, other=0.0)
-                if HAS_RES:
-                    r = tl.load(res_ptr + i * stride_r + k, mask=m, other=0.0)
-                    h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                hf = h.to(tl.float32)
+                hf = _x_row(x_ptr + i * stride_x, res_ptr + i * stride_r, k, (k < H) & (i < T),
+                            HAS_RES)  # fmt: skip
                 sum_sq += tl.where(rows == i, tl.sum(hf * hf, axis=0), 0.0)
         rstd = tl.rsqrt(sum_sq / H + eps)
         # Pass 2: the normed rows (program 0 stores them) against this program's weight rows.
         acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+        for kt in tl.static_range(K_TILES):
+            k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < H
-            w = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-            w = w.to(tl.float32)
+            if kt == 0:
+                w = w0.to(tl.float32)
+            else:
+                w = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+                w = w.to(tl.float32)
             g = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             for i in tl.static_range(BLOCK_T):
                 m = k_ok & (i < T)
@@ -411,7 +460,9 @@ def norm_route_triton(
     topk_w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     topk_ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
     block_e, block_k, _ = config
+    block_k = min(block_k, triton.next_power_of_2(H))
     block_t = triton.next_power_of_2(T)
+    block_all_e = triton.next_power_of_2(E)
     sigmoid = scoring == "sigmoid"
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x,
@@ -445,7 +496,8 @@ def norm_route_triton(
         BLOCK_TOPK=triton.next_power_of_2(top_k),
         BLOCK_E=block_e,
         BLOCK_K=block_k,
-        BLOCK_ALL_E=triton.next_power_of_2(E),
+        K_TILES=triton.cdiv(H, block_k),
+        BLOCK_ALL_E=block_all_e,
         num_warps=route_warps(block_t, config),
         **pdl.launch_kwargs(dev),
     )

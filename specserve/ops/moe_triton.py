@@ -49,22 +49,57 @@ DECODE_MAX_TOKENS = 8
 # BLOCK_N still keeps top_k * BLOCK_N * BLOCK_K weights in flight and gives H / BLOCK_N
 # programs per token. benchmarks/moe.py --sweep times the alternatives.
 DecodeConfig = tuple[int, int, int]
-DECODE_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)
+DECODE_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # any shape (the tables' fallback)
 DECODE_DOWN_CONFIG: DecodeConfig = (4, 256, 4)
+# Per shape class, the first row whose bounds hold: (max K, max top_k, config); K is H for
+# gate_up, the expert intermediate I for down. Why (issue 18, Qwen3-30B-A3B batch 1 at
+# (8, 512, 4) / (4, 256, 4): gate_up 81%, down 64% of the copy bandwidth, both ~4 us over
+# their bytes): at short K a program's few K steps are serial round trips (each step's loads
+# wait for the previous step's math, a cross-warp reduction), and down only preloads its
+# first tile before the PDL wait. One tile spanning K (BLOCK_K >= K) makes a program ONE
+# round trip: gate_up issues all its weights as soon as it has its expert id, down all of
+# its slab before the wait (during gate_up's tail). Register counts (sm_90 cubin, Qwen3
+# shape): gate_up (4, 2048, 4) 72 -> 7 programs an SM; down (2, 1024, 4) 145 -> 3 an SM,
+# 24 KB each (K = 768 in a 1024 tile: masked lanes cost registers, no bytes).
+DECODE_GATE_UP_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
+    (2048, float("inf"), (4, 2048, 4)),
+    (float("inf"), float("inf"), DECODE_GATE_UP_CONFIG),
+)
+DECODE_DOWN_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
+    (1024, 8, (2, 1024, 4)),
+    (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: I = 1536, top-4
+    (float("inf"), float("inf"), DECODE_DOWN_CONFIG),
+)
+# What benchmarks/moe.py --sweep times (each with the other kernel at its table config).
 DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
-    (4, 512, 4),
     (8, 512, 4),
+    (4, 2048, 4),
+    (4, 2048, 8),
+    (4, 1024, 4),
     (8, 1024, 4),
-    (16, 256, 4),
+    (2, 2048, 8),
     (16, 512, 8),
 )
 DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
-    (2, 256, 4),
     (4, 256, 4),
-    (4, 128, 2),
-    (8, 128, 4),
-    (8, 256, 8),
+    (2, 1024, 4),
+    (1, 1024, 4),
+    (2, 1024, 8),
+    (2, 512, 4),
+    (2, 256, 4),
+    (4, 512, 8),
+    (2, 2048, 8),
+    (1, 2048, 8),
 )
+
+
+def decode_configs(hidden: int, inter: int, top_k: int) -> tuple[DecodeConfig, DecodeConfig]:
+    """(gate_up, down) launch configs of the decode kernels for this expert shape."""
+    gate_up = next(c for k, t, c in DECODE_GATE_UP_TABLE if hidden <= k and top_k <= t)
+    down = next(c for k, t, c in DECODE_DOWN_TABLE if inter <= k and top_k <= t)
+    return gate_up, down
+
+
 # Grouped GEMM configs: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), by the
 # mean pairs per expert (P / E; bounds inclusive). Chosen after vLLM's tuned H100 table for
 # E=128, N=768; one config serves both GEMMs (gate_up reads twice BLOCK_N weight columns a
@@ -548,7 +583,7 @@ def fused_moe_decode(
     T, top_k = topk_ids.shape
     E, two_i, H = w13.shape
     inter_size, P = two_i // 2, T * top_k
-    (gn, gk, gw), (dn, dk, dw) = configs or (DECODE_GATE_UP_CONFIG, DECODE_DOWN_CONFIG)
+    (gn, gk, gw), (dn, dk, dw) = configs or decode_configs(H, inter_size, top_k)
     kw = pdl.launch_kwargs(x.device)
     b13, s13 = _bias_args(epilogue.w13_bias, w13)
     b2, s2 = _bias_args(epilogue.w2_bias, w2)
