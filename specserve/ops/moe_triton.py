@@ -61,12 +61,16 @@ DECODE_DOWN_CONFIG: DecodeConfig = (4, 256, 4)
 # its slab before the wait (during gate_up's tail). Register counts (sm_90 cubin, Qwen3
 # shape): gate_up (4, 2048, 4) 72 -> 7 programs an SM; down (2, 1024, 4) 145 -> 3 an SM,
 # 24 KB each (K = 768 in a 1024 tile: masked lanes cost registers, no bytes).
+# Measured on the H100 (benchmarks/moe.py --quick --sweep, RESULTS.md session 10): per layer at
+# one token, Qwen3-30B-A3B 32.9 us with down (2, 256, 4) vs 33.7 with (2, 1024, 4); GLM-4.7-Flash
+# 31.5 us with gate_up (2, 2048, 8) vs 42.7 with (4, 2048, 4).
 DECODE_GATE_UP_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
+    (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: H = 2048, top-4
     (2048, float("inf"), (4, 2048, 4)),
     (float("inf"), float("inf"), DECODE_GATE_UP_CONFIG),
 )
 DECODE_DOWN_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
-    (1024, 8, (2, 1024, 4)),
+    (1024, 8, (2, 256, 4)),  # Qwen3-30B-A3B: I = 768, top-8
     (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: I = 1536, top-4
     (float("inf"), float("inf"), DECODE_DOWN_CONFIG),
 )
