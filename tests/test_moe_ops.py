@@ -216,8 +216,8 @@ def test_every_launch_config() -> None:
         _check(mt.fused_moe_decode(*args, configs=(mt.DECODE_GATE_UP_CONFIG, down)), ref)
     # The shape tables: one K tile at Qwen3-30B-A3B / GLM-4.7-Flash, the old configs beyond
     # (gpt-oss, GLM-4.5-Air's H = 4096); every table config is one the sweep times.
-    assert mt.decode_configs(2048, 768, 8) == ((4, 2048, 4), (2, 1024, 4))
-    assert mt.decode_configs(2048, 1536, 4) == ((4, 2048, 4), (2, 2048, 8))
+    assert mt.decode_configs(2048, 768, 8) == ((4, 2048, 4), (2, 256, 4))
+    assert mt.decode_configs(2048, 1536, 4) == ((2, 2048, 8), (2, 2048, 8))
     assert mt.decode_configs(2880, 2880, 4) == (mt.DECODE_GATE_UP_CONFIG, mt.DECODE_DOWN_CONFIG)
     assert mt.decode_configs(4096, 1408, 8)[1] == mt.DECODE_DOWN_CONFIG
     assert {c for *_, c in mt.DECODE_GATE_UP_TABLE} <= set(mt.DECODE_GATE_UP_CONFIGS)
