@@ -72,7 +72,14 @@ def test_warmup_leaves_no_state(ckpt_dir, tmp_path, kind: str | None, async_sche
             # prefills of 1..64 tokens beside 0, 1, 2 and 3 decoding rows where they fit
             lens = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64]
             eager = sum(p + d * k1 <= 64 for p in lens for d in (0, 1, 2, 3))
-            assert rep.steps == uniform + eager
+            # several requests prefilling at once (2, 3, and 16 cut to MAX_SEQS), beside 0 / 1
+            multi = sum(
+                n * p + d * k1 <= 64 and n + d <= MAX_SEQS
+                for n in sorted({2, 3, min(16, MAX_SEQS)})
+                for p in (1, 2, 17)
+                for d in (0, 1)
+            )
+            assert rep.steps == uniform + eager + multi
         else:
             assert rep is None
         # Nothing left behind: every row free, every KV block free, no request anywhere.

@@ -21,7 +21,8 @@ KV blocks (their KV writes land in the null block, as padded rows' do):
     corrected on the device;
   - eager steps: one prefill of 1, 2, 3 and each power of two (and one past it) up to the
     token budget, alone and beside 1, 2, 15 and max_num_seqs - 1 decoding requests (batch
-    sizes 1, 2, 3, 16, max_num_seqs: Triton's int classes == 1, % 16, other, both parities).
+    sizes 1, 2, 3, 16, max_num_seqs: Triton's int classes == 1, % 16, other, both parities),
+    and 2, 3 and 16 requests prefilling 1, 2 or 17 tokens each, alone and beside one decode.
 Rows, the token buffer's dummy tokens and the dummy KV are left as a finished request leaves
 them; nothing reaches the engine's scheduler, stats or outputs.
 """
@@ -52,6 +53,11 @@ FLAVORS = (
 )
 # Decoding requests beside an eager step's prefill (cut to max_num_seqs - 1).
 MIXED_DECODES = (0, 1, 2, 15)
+# Several requests prefilling in one step (chunked prefill under load), each with these many
+# tokens, beside 0 or 1 decoding request: the eager step's request count and the offsets of its
+# per-request metadata take the classes a single prefill never does.
+MULTI_PREFILLS = (2, 3, 16)
+MULTI_PREFILL_LENS = (1, 2, 17)
 
 
 @dataclass
@@ -99,14 +105,15 @@ def _step(
     q: int,
     prefill: int = 0,
     on_device: bool = False,
+    prefills: int = 1,
 ) -> None:
     """One real step over dummy requests: `decodes` rows of q tokens (q - 1 drafts) and,
-    with prefill > 0, one row prefilling that many tokens first."""
+    with prefill > 0, `prefills` rows prefilling that many tokens each first."""
     k = runner.num_spec_tokens
     ctx = 2 * (k + 1)  # tokens before a decode row's step: room for the drafts' positions
     sched = SchedulerOutput()
-    if prefill:
-        req = Request("warmup-prefill", [1] * prefill, sp)
+    for j in range(prefills if prefill else 0):
+        req = Request(f"warmup-prefill-{j}", [1] * prefill, sp)
         sched.scheduled.append(ScheduledRequest(req, prefill, 0, 0))
     for i in range(decodes):
         req = Request(f"warmup-{i}", [1] * ctx, sp, seed=i)
@@ -149,6 +156,12 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int) -> WarmupReport:
             if prefill + d * qs[-1] <= max_num_batched_tokens:
                 _step(runner, FLAVORS[0], d, qs[-1], prefill=prefill)
                 steps += 1
+    for n in sorted({min(n, max_seqs) for n in MULTI_PREFILLS} - {1}):
+        for prefill in MULTI_PREFILL_LENS:
+            for d in (0, 1):
+                if n + d <= max_seqs and n * prefill + d * qs[-1] <= budget:
+                    _step(runner, FLAVORS[0], d, qs[-1], prefill=prefill, prefills=n)
+                    steps += 1
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
     report = WarmupReport(steps, time.perf_counter() - t0, compiled_kernel_count() - before)
