@@ -78,11 +78,8 @@ def test_mxfp4_gemm_matches_dequantized_reference(
 ) -> None:
     """The grouped GEMM (prefill / verification) with 4-bit experts, and "auto" choosing it
     above DECODE_MAX_TOKENS tokens."""
-    from specserve.ops.moe_mxfp4 import (
-        fused_moe_mxfp4_gemm,
-        fused_moe_mxfp4_ref,
-        fused_moe_mxfp4_triton,
-    )
+    from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_ref, fused_moe_mxfp4_triton
+    from specserve.ops.moe_mxfp4_gemm import fused_moe_mxfp4_gemm
     from specserve.ops.moe_triton import PLAIN, Epilogue
 
     args = _quantized(T, dtype, seed=T, routing=routing)
@@ -100,6 +97,7 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
     without spilling (the interpreter accepts code the compiler rejects)."""
     pytest.importorskip("triton")
     from specserve.ops import moe_mxfp4 as mx
+    from specserve.ops import moe_mxfp4_gemm as mxg
     from specserve.ops.moe_triton import PLAIN, Epilogue
 
     from .test_moe_ops import _compile
@@ -116,7 +114,9 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
     # and runs on tensor cores.
     oai = Epilogue(activation="swiglu_oai").consts()
     for per_expert in (1, 8, 32, 64, 1000):  # every table entry
-        bm, bn, bk, group, warps, stages = mx.mxfp4_gemm_config(per_expert * 32, 32, torch.bfloat16)
+        bm, bn, bk, group, warps, stages = mxg.mxfp4_gemm_config(
+            per_expert * 32, 32, torch.bfloat16
+        )
         for gate_up in (True, False):
             consts = dict(GATE_UP=gate_up, MUL_WEIGHT=not gate_up, HAS_BIAS=True)
             consts.update(oai if gate_up else PLAIN.consts())
@@ -124,7 +124,7 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
             consts.update(DOT_PRECISION="tf32")
             types = {**u8, **{name: "*bf16" for name in ("a_ptr", "b_ptr", "c_ptr")}}
             out: list = []
-            ptx = _compile(mx._moe_mxfp4_gemm_kernel, consts, warps, stages, types, out)
+            ptx = _compile(mxg._moe_mxfp4_gemm_kernel, consts, warps, stages, types, out)
             assert out[0].metadata.shared <= 227 * 1024, (consts, out[0].metadata.shared)
             assert ("wgmma" if bm >= 64 else "mma.sync") in ptx
 
