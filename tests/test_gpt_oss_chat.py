@@ -36,13 +36,16 @@ SPECIALS = [
 
 # The harmony format as gpt-oss's published template renders a plain conversation (abridged:
 # no tools, no thinking field): a system turn with the model identity, dates and the reasoning
-# effort (a template variable, "medium" when the request names none), the request's first
+# effort (template variables; "medium" when the request names none), the request's first
 # system / developer message as the developer turn's instructions, then the other turns, and
 # `<|start|>assistant` as the generation prompt. `strftime_now` and `raise_exception` are
 # transformers' template globals, which the published template uses too.
 HARMONY_TEMPLATE = """\
 {%- if reasoning_effort is not defined %}{%- set reasoning_effort = "medium" %}{%- endif %}
-{{- "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\\n" }}
+{%- if model_identity is not defined %}
+    {%- set model_identity = "You are ChatGPT, a large language model trained by OpenAI." %}
+{%- endif %}
+{{- "<|start|>system<|message|>" + model_identity + "\\n" }}
 {{- "Knowledge cutoff: 2024-06\\nCurrent date: " + strftime_now("%Y-%m-%d") + "\\n\\n" }}
 {{- "Reasoning: " + reasoning_effort + "\\n\\n" }}
 {{- "# Valid channels: analysis, commentary, final. Channel must be included for every message." }}
@@ -204,6 +207,28 @@ def test_reasoning_effort_reaches_the_template(server: LiveServer, tok: Any) -> 
             model=server.model, messages=MESSAGES, max_tokens=1, reasoning_effort="extreme"
         )
     assert e.value.body["param"] == "reasoning_effort"
+
+
+def test_chat_template_kwargs_reach_the_template(server: LiveServer, tok: Any) -> None:
+    """vLLM's chat_template_kwargs: a variable the template reads changes the prompt; one it
+    does not read, or one the server sets itself, is a 400."""
+    c = server.client()
+    ident = {"model_identity": "You are a tiny test model."}
+    want = _template_ids(tok, MESSAGES, reasoning_effort="high", **ident)
+    assert "tiny test model" in tok.decode(want)
+    r = c.chat.completions.create(
+        model=server.model, messages=MESSAGES, max_tokens=1, reasoning_effort="high",
+        extra_body={"prompt_logprobs": 0, "chat_template_kwargs": ident},
+    )  # fmt: skip
+    assert _prompt_ids(r) == want[1:]
+    for bad in ({"enable_thinking": False}, {"messages": []}, {"add_generation_prompt": False}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(
+                model=server.model, messages=MESSAGES, max_tokens=1,
+                extra_body={"chat_template_kwargs": bad},
+            )  # fmt: skip
+        assert e.value.body["param"] == "chat_template_kwargs", bad
+        assert next(iter(bad)) in e.value.body["message"]
 
 
 def test_template_stop_tokens_end_generation(server: LiveServer, tok: Any) -> None:

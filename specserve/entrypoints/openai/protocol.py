@@ -16,7 +16,8 @@ do not change what is generated, and so are accepted without an effect:
 `response_format` (json_object, json_schema) and vLLM's `structured_outputs` map onto
 `StructuredOutputsParams`, enforced by the grammar step of verification and sampling.
 `reasoning_effort` (chat) goes to the model's chat template (gpt-oss's harmony template writes it
-into its system turn); where the template does not read it, it is a 400 (chat_template.py).
+into its system turn), and so do vLLM's `chat_template_kwargs`; one the template does not read
+is a 400 (chat_template.py).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class SamplingRequest(OpenAIModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -305,6 +306,9 @@ class ChatCompletionRequest(SamplingRequest):
     # Passed to the chat template (gpt-oss's harmony template writes it into its system turn);
     # a 400 where the model's template does not read it. The harmony format's three levels.
     reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's extension: more variables for the chat template (`enable_thinking`,
+    # `model_identity`, ...); a 400 naming any the model's template does not read.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -122,7 +122,9 @@ class OpenAIServing:
         if tok is None:
             raise APIError("this model has no tokenizer, so chat is not available.")
 
-        extra = template_kwargs(self.template_variables, req.reasoning_effort)
+        extra = template_kwargs(
+            self.template_variables, req.reasoning_effort, req.chat_template_kwargs
+        )
         core = self.engine.engine
         chars = sum(len(m["content"]) for m in conv)
         if chars > core.max_prompt_chars:  # cheaper than rendering and tokenizing it
