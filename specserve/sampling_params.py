@@ -67,8 +67,10 @@ class SamplingParams:
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0")
+        # NOTE: min_tokens rides in an int64 tensor of the penalty step: a larger one would
+        # kill the engine loop for every request, not fail this one.
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= 2**63 - 1:
+            raise bad("min_tokens", "must be an integer in [0, 2**63 - 1]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", "must be <= max_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):

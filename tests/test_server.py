@@ -381,6 +381,8 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"prompt": "hi", "seed": 2**63 - 1, "n": 2}, "seed"),
     ({"prompt": "hi", "stop": ""}, "stop"),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    # (Past int64 it once reached the penalty step's upload and killed the engine loop.)
+    ({"prompt": "hi", "min_tokens": 2**63}, "min_tokens"),
     ({"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty"),
     ({"prompt": "hi", "tools": [{"type": "function"}]}, "tools"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
@@ -394,6 +396,15 @@ BAD_CHAT: list[tuple[Any, str | None]] = [
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    # The test tokenizer's template reads neither.
+    (
+        {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "low"},
+        "reasoning_effort",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": 1}},
+        "chat_template_kwargs",
+    ),
 ]
 
 

@@ -6,7 +6,7 @@ value there would kill the engine loop for every client, not fail one request.
 
 No field is accepted and then ignored: a field this file does not declare is a 400 that names
 it (`tools`, `tool_choice`, `functions`, `function_call`, `parallel_tool_calls`, `audio`,
-`modalities`, `prediction`, `reasoning_effort`, `web_search_options`, `logit_bias` keys that are
+`modalities`, `prediction`, `web_search_options`, `logit_bias` keys that are
 not token ids, vLLM's `guided_*`, `priority`, `lora_request`, ...). The declared fields that
 do not change what is generated, and so are accepted without an effect:
   - `user`: an end-user id for the provider's abuse monitoring (OpenAI);
@@ -15,6 +15,9 @@ do not change what is generated, and so are accepted without an effect:
     dashboards and distillation; specserve keeps nothing.
 `response_format` (json_object, json_schema) and vLLM's `structured_outputs` map onto
 `StructuredOutputsParams`, enforced by the grammar step of verification and sampling.
+`reasoning_effort` (chat) goes to the model's chat template (gpt-oss's harmony template writes it
+into its system turn), and so do vLLM's `chat_template_kwargs`; one the template does not read
+is a 400 (chat_template.py).
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ class SamplingRequest(OpenAIModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -300,6 +303,12 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # Passed to the chat template (gpt-oss's harmony template writes it into its system turn);
+    # a 400 where the model's template does not read it. The harmony format's three levels.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    # vLLM's extension: more variables for the chat template (`enable_thinking`,
+    # `model_identity`, ...); a 400 naming any the model's template does not read.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -22,6 +22,7 @@ from specserve.engine.async_engine import (
     PromptSource,
     RequestGroup,
 )
+from specserve.entrypoints.openai.chat_template import template_kwargs, template_variables
 from specserve.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -69,6 +70,8 @@ class OpenAIServing:
         # a 4 MB prompt must not stall every running stream. One worker: the tokenizer's Rust
         # backend is not meant to be driven from several threads at once.
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenizer")
+        # What the model's chat template reads (request fields it does not read are 400s).
+        self.template_variables = template_variables(self.tokenizer)
 
     async def _off_thread(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
@@ -119,6 +122,9 @@ class OpenAIServing:
         if tok is None:
             raise APIError("this model has no tokenizer, so chat is not available.")
 
+        extra = template_kwargs(
+            self.template_variables, req.reasoning_effort, req.chat_template_kwargs
+        )
         core = self.engine.engine
         chars = sum(len(m["content"]) for m in conv)
         if chars > core.max_prompt_chars:  # cheaper than rendering and tokenizing it
@@ -130,7 +136,7 @@ class OpenAIServing:
 
         def make() -> dict[str, Any]:
             ids = tok.apply_chat_template(
-                conv, add_generation_prompt=add_gen, tokenize=True, return_dict=False
+                conv, add_generation_prompt=add_gen, tokenize=True, return_dict=False, **extra
             )
             return {"prompt_token_ids": list(ids)}
 
