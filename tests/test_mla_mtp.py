@@ -1,5 +1,6 @@
 """MTP layers stored in MLA checkpoints (DeepSeek-V3, GLM-4.7-Flash) drive `method: mtp`:
-speculative greedy output equals no speculation; three layers run the multi-layer MTP path."""
+speculative greedy output equals no speculation; three layers run the multi-layer MTP path,
+also for K > 3 (draft step i runs MTP layer i mod 3, its own KV per step)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,10 @@ def mtp(mla_ckpt, tmp_path_factory) -> dict:  # noqa: F811
     root = tmp_path_factory.mktemp("mla_mtp")
     prompts = random_prompts(4, 4, 30, seed=11)
     out: dict = {"prompts": prompts}
-    for name, n in (("deepseek_v3", 1), ("glm4_moe_lite", 1), ("deepseek_v3", 3)):
-        path = append_mtp_layers(mla_ckpt(name), str(root / f"{name}_{n}"), n, seed=n)
-        out[name, n] = (path, _generate(LLM(path, max_model_len=128), prompts))
+    for name in ("deepseek_v3", "glm4_moe_lite"):
+        for n in (1, 3):
+            path = append_mtp_layers(mla_ckpt(name), str(root / f"{name}_{n}"), n, seed=n)
+            out[name, n] = (path, _generate(LLM(path, max_model_len=128), prompts))
     return out
 
 
@@ -67,15 +69,28 @@ def test_single_mtp_layer_greedy_equals_no_speculation(mtp: dict, name: str, k: 
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_three_mtp_layers_run_multi_layer_mtp(mtp: dict, k: int, mode: str) -> None:
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+def test_three_mtp_layers_run_multi_layer_mtp(mtp: dict, name: str, k: int, mode: str) -> None:
+    """K <= 3 loads the first K layers; K = 5 runs layers 0, 1, 2, 0, 1 (vLLM's
+    `spec_step_idx % num_mtp_layers`): steps 3 and 4 share layers 0 and 1's weights (no copy)
+    but each step has its own attention layer, hence its own latent KV layer."""
     from specserve.spec_decode.multi_layer_mtp import MultiLayerMTPSpeculator
 
-    path, ref = mtp["deepseek_v3", 3]
+    path, ref = mtp[name, 3]
     llm = _check(path, ref, mtp["prompts"], k, MODES[mode])
     assert isinstance(llm.engine.speculator, MultiLayerMTPSpeculator)
-    assert len(llm.engine.speculator.model.mtp) == k
+    modules = llm.engine.speculator.model.mtp
+    assert len(modules) == k
     assert len(llm.engine.runner.kv_caches) == 3 + k
+    assert len({m.layer.self_attn.kv_index for m in modules}) == k
+    for i, m in enumerate(modules):
+        src = dict(modules[i % 3].named_parameters())
+        assert all(p is src[n] for n, p in m.named_parameters())
+    # The drafter holds min(K, 3) layers' own weights (embedding and head are the target's).
+    target = {id(p) for p in llm.engine.model.parameters()}
+    own = [{id(p) for p in m.parameters()} - target for m in modules]
+    assert len(set().union(*own)) == min(k, 3) * len(own[0]) > 0
 
 
 def test_mtp_module_mask_position0_by_family(mtp: dict) -> None:

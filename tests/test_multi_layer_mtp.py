@@ -77,12 +77,25 @@ def test_near_max_model_len(setup: dict, n: int) -> None:
 
 
 def test_fewer_drafts_than_modules(setup: dict) -> None:
-    """K < N loads the first K modules only; K > N is refused, naming the field."""
+    """K < N loads the first K modules only."""
     llm = mtp_llm(setup[3], 2, max_model_len=256)
     assert len(llm.engine.speculator.model.mtp) == 2
     assert _generate(llm, setup["prompts"], _params(MAX_TOKENS)) == setup["ref"]
-    with pytest.raises(ValueError, match="num_speculative_tokens: multi-layer MTP"):
-        mtp_llm(setup[2], 3)
+
+
+def test_more_drafts_than_modules(setup: dict) -> None:
+    """K > N: step i runs module i mod N (vLLM's `spec_step_idx % num_mtp_layers`), its
+    weights module i mod N's own tensors and its KV layer its own; lossless end to end."""
+    llm = mtp_llm(setup[2], 5, max_model_len=256, max_num_batched_tokens=24)
+    mtp = llm.engine.speculator.model.mtp
+    layers = llm.engine.model.config.num_hidden_layers
+    assert len(mtp) == 5 and len(llm.engine.runner.kv_caches) == layers + 5
+    assert mtp[4].eh_proj.weight is mtp[2].eh_proj.weight is mtp[0].eh_proj.weight
+    assert mtp[3].layer.mlp.gate_up_proj.weight is mtp[1].layer.mlp.gate_up_proj.weight
+    assert mtp[0].eh_proj.weight is not mtp[1].eh_proj.weight
+    assert len({m.layer.self_attn.kv_index for m in mtp}) == 5
+    assert _generate(llm, setup["prompts"], _params(MAX_TOKENS)) == setup["ref"]
+    assert llm.get_metrics()["spec_decode_num_drafts_total"] > 0
 
 
 def test_all_drafts_accepted(setup: dict, tmp_path) -> None:
@@ -122,16 +135,17 @@ def _from_scratch(runner, mtp, toks: list[int], L: int) -> tuple[list[torch.Tens
     return kvs, drafts
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_module_kv_equals_from_scratch(setup: dict, n: int) -> None:
+@pytest.mark.parametrize(("n", "k"), [(2, 2), (3, 3), (2, 5)])
+def test_module_kv_equals_from_scratch(setup: dict, n: int, k: int) -> None:
     """Synthetic acceptance (lossy, 50%) mixes all-rejected, partial and all-accepted steps;
     chunked prefill, a small KV pool (preemption), max_num_seqs 3 (rows reused, reordered) and
     staggered arrivals with different max_tokens. After every step every running request's
-    module-k KV over its verified positions, and its drafts, equal a from-scratch chain."""
+    module-k KV over its verified positions, and its drafts, equal a from-scratch chain. With
+    K > N (steps 3 and 5 rerun module 1, step 4 module 2) each step's own KV is checked."""
     spec = {"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}
     llm = mtp_llm(
         setup[n],
-        n,
+        k,
         spec=spec,
         max_model_len=96,
         max_num_seqs=3,
@@ -167,17 +181,17 @@ def test_module_kv_equals_from_scratch(setup: dict, n: int) -> None:
                 continue
             toks = req.all_token_ids
             with torch.inference_mode():
-                kvs, drafts = _from_scratch(runner, mtp, toks + [0] * n, L)
+                kvs, drafts = _from_scratch(runner, mtp, toks + [0] * k, L)
             for k, (m, ref) in enumerate(zip(mtp, kvs), 1):
                 got = paged_kv(runner, m.layer.self_attn.kv_index, req.block_ids, L - k + 1)
                 torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
             if req.request_id in sampled:  # the K drafts for the next step are ready
-                got_d = runner.states.token_ids[req.row, L + 1 : L + 1 + n].tolist()
+                got_d = runner.states.token_ids[req.row, L + 1 : L + 1 + k].tolist()
                 assert got_d == drafts, (req.request_id, L)
             checked += 1
     assert checked >= 30
     assert llm.get_metrics()["num_preemptions_total"] > 0
-    assert 0 in accepted and n in accepted and any(0 < a < n for a in accepted)
+    assert 0 in accepted and k in accepted and any(0 < a < k for a in accepted)
 
 
 def test_seeded_probabilistic_drafting_is_batch_invariant(setup: dict) -> None:

@@ -62,7 +62,7 @@ def _count_runs(dg) -> list[int]:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "llama"])
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_multi_layer_graph_gives_eager_drafts(targets: dict, name: str, k: int) -> None:
     """Greedy: after every step, every request's tokens and its K drafts are identical with
     the module chain captured (auto) and eager; the captured run replayed its graphs."""

@@ -244,13 +244,34 @@ class MTPDrafter(Drafter):
 
 
 class MultiLayerMTPDrafter(Drafter):
-    """N DeepSeek-style MTP modules chained: module i (0-based) predicts token t + i + 2 from
+    """K DeepSeek-style MTP modules chained: module i (0-based) predicts token t + i + 2 from
     module i-1's output hidden (the target's for i = 0). Driven by spec_decode/multi_layer_mtp.py;
-    every module owns its attention layer, hence its own KV layers in the paged pool."""
+    every module owns its attention layer, hence its own KV layers in the paged pool. With K
+    greater than the checkpoint's N MTP layers, module i's parameters are module (i mod N)'s
+    (tie_weights_)."""
 
     def __init__(self, modules: list[MTPDrafter]) -> None:
         super().__init__()
         self.mtp = nn.ModuleList(modules)
+
+
+def tie_weights_(dst: nn.Module, src: nn.Module) -> None:
+    """Make `dst`'s parameters and persistent buffers `src`'s own tensors (same structure
+    required). Module objects, non-persistent buffers (rotary tables, kernel counters) and plain
+    attributes such as an attention layer's kv_index stay `dst`'s."""
+    pairs = zip(
+        dst.named_modules(remove_duplicate=False), src.named_modules(remove_duplicate=False)
+    )
+    for (dname, d), (sname, s) in pairs:
+        if dname != sname or type(d) is not type(s):
+            raise ValueError(f"tie_weights_: {dname!r} ({type(d).__name__}) is not {sname!r}")
+        for name, p in s._parameters.items():
+            if p is not None and d._parameters[name].shape != p.shape:
+                raise ValueError(f"tie_weights_: {dname}.{name} shapes differ")
+            d._parameters[name] = p
+        for name, b in s._buffers.items():
+            if name not in s._non_persistent_buffers_set:
+                d._buffers[name] = b
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Multi-layer MTP: N chained DeepSeek-style MTP modules, one draft each (K <= N).
+"""Multi-layer MTP: K chained DeepSeek-style MTP modules, one draft each (N in the checkpoint).
 
 Module k (1-based) at position i reads the hidden state h^{k-1}_i and the token t_{i+k} and
 produces h^k_i, which predicts t_{i+k+1}; h^0 is the target's final-norm hidden state.
@@ -32,8 +32,15 @@ of module k+1) is carried. All accepted (v = K), all rejected (v = 0), mid-promp
 (v = num_sched - 1, drafts go to the scratch column) and preemption (start = 0: nothing is read
 from the carry) follow the same rule. No position here ever passes the target's.
 
-K != N: the loader keeps only the first K modules when K < N (the others get no KV layers) and
-refuses K > N (a module past the N-th does not exist).
+K != N: the loader keeps only the first K modules when K < N (the others get no KV layers).
+With K > N, chain step k runs the checkpoint's module ((k - 1) mod N) + 1, as vLLM's DeepSeek
+MTP does (`spec_step_idx % num_mtp_layers`): the loader hands this speculator K modules, step
+k > N sharing module ((k - 1) mod N) + 1's parameters, and everything here stays per chain step.
+In particular each step keeps its OWN KV: the rule above gives step k's KV at position i the
+keys of M(h^{k-1}_i, t_{i+k}), and h^{k-1} (step k-1's output) differs from the hidden state
+step k - N read at the same position, so a repeated module sharing its KV with its earlier use
+would overwrite keys that the earlier step's next proposal still attends over. The carry rows,
+the shifted batches and the graph shapes are all per step, so K > N changes nothing else.
 
 CUDA graphs: the whole proposal (`draft_prefill`, all K modules) reads only tensors and
 host-known sizes (module k's batch is num_tokens + num_reqs * (k - 1) slots), so

@@ -16,6 +16,7 @@ from specserve.models.drafters import (
     MTPDrafter,
     MultiLayerMTPDrafter,
     eagle3_aux_layers,
+    tie_weights_,
 )
 from specserve.models.llama import ArchConfig, LlamaForCausalLM
 from specserve.models.loader import (
@@ -273,31 +274,36 @@ def _construct_multi_mtp(
     n_mtp: int,
     own_layers: bool,
 ) -> tuple[Drafter, Any, tuple[str, ...]]:
-    """N > 1 MTP modules, chained (spec_decode/multi_layer_mtp.py): one draft per module, so
-    K <= N; with K < N only the first K modules are loaded (the others get no KV layers)."""
+    """N > 1 MTP modules, chained (spec_decode/multi_layer_mtp.py): one draft per chain step.
+    With K < N only the first K modules are loaded (the others get no KV layers). With K > N
+    step i runs module i mod N, as vLLM's DeepSeek MTP (`spec_step_idx % num_mtp_layers`): step
+    i >= N is a fresh module object whose parameters ARE module i mod N's (tied before loading,
+    so the checkpoint fills both and no weight memory is added) but whose attention layer is its
+    own, hence its own KV layers: step i's keys come from step i-1's hidden states, which differ
+    from those step i - N's keys come from at the same positions."""
     k = spec.num_speculative_tokens
-    if k > n_mtp:
-        raise _fit_error(
-            "num_speculative_tokens",
-            f"multi-layer MTP drafts one token per MTP module: {k} exceeds the checkpoint's "
-            f"num_nextn_predict_layers {n_mtp}; set num_speculative_tokens <= {n_mtp}",
-        )
     if len(mtp_ids) < n_mtp:
         raise ModelLoadError(
             f"num_nextn_predict_layers is {n_mtp} but the checkpoint holds {len(mtp_ids)} MTP "
             "layer(s) (model.layers.<N>.eh_proj ...)"
         )
-    parts = [_mtp_module(c, max_position, target, names, i, own_layers) for i in mtp_ids[:k]]
+    parts = []
+    for i in range(k):
+        part = _mtp_module(c, max_position, target, names, mtp_ids[i % n_mtp], own_layers)
+        if i >= n_mtp:
+            tie_weights_(part[0], parts[i % n_mtp][0])  # frees this module's own copies now
+        parts.append(part)
     drafter = MultiLayerMTPDrafter([m for m, _, _ in parts])
 
     def rename(n: str) -> str | None:
-        for i, (_, module_rename, _) in enumerate(parts):
+        # The first N modules own the checkpoint's tensors (a repeat's are the same tensors).
+        for i, (_, module_rename, _) in enumerate(parts[:n_mtp]):
             m = module_rename(n)
             if m is not None:
                 return f"mtp.{i}.{m}"
         return None
 
-    allow = tuple(f"mtp.{i}.{a}" for i, (_, _, al) in enumerate(parts) for a in al)
+    allow = tuple(f"mtp.{i}.{a}" for i, (_, _, al) in enumerate(parts[:n_mtp]) for a in al)
     return drafter, rename, allow
 
 
