@@ -156,7 +156,7 @@ def mla_forward(
     if use_triton:
         from specserve.attention import mla_fused
 
-        if mla_fused.fusable(q, w):
+        if mla_fused.fusable(q, w, c):
             return mla_fused.mla_forward_fused(positions, q, kv_a, w, kv_cache, c, split_len)
     q_latent, q_pe = mla_prologue_ref(positions, q, kv_a, w, kv_cache, c.slot_mapping)
     if use_triton:

@@ -193,13 +193,19 @@ def fusable(
     # [num_tokens, H, nope + R]
     q: torch.Tensor,
     w: MLAWeights,
+    c: CommonAttentionMetadata,
 ) -> bool:
     """Whether `mla_forward_fused` takes this batch: few tokens, a power-of-two rotary dim (the
-    RoPE row is one tl.arange), W_UK / W_UV rows contiguous."""
+    RoPE row is one tl.arange), W_UK / W_UV rows contiguous. "Few" is judged on
+    `mla_token_bound` (>= the token count), never the count itself: a captured graph's padded
+    batch and the eager step it stands for must take the same path (the two paths round
+    differently; issue 21)."""
+    from specserve.attention.mla_triton import mla_token_bound
+
     R = q.shape[2] - w.nope
     return (
         ENABLED
-        and q.shape[0] <= FUSE_MAX_TOKENS
+        and mla_token_bound(c.num_reqs, c.max_query_len) <= FUSE_MAX_TOKENS
         and R >= 2
         and R & (R - 1) == 0
         and w.w_uk.stride(-1) == 1
