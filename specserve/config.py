@@ -67,6 +67,9 @@ class EngineConfig:
     # MXFP4 checkpoints (gpt-oss): auto (experts stay 4-bit on CUDA, read by the MXFP4 MoE
     # kernels; dequantized at load on CPU) | mxfp4 (4-bit anywhere) | dequantize (bf16 experts).
     mxfp4_experts: str = "auto"
+    # Block-scaled fp8 checkpoints (DeepSeek-V3): auto (linear layers stay 8-bit on CUDA, read
+    # by ops/fp8_matmul.py; dequantized at load on CPU) | keep (8-bit anywhere) | dequantize.
+    fp8_weights: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
     # Matmuls of decode batches (<= 8 rows) on CUDA: cublas (F.linear) | triton (ops/gemv.py)
     # | auto (per bf16/fp16 weight shape and row count 1-2, whichever was faster when timed at
@@ -110,6 +113,10 @@ class EngineConfig:
         if self.mxfp4_experts not in ("auto", "mxfp4", "dequantize"):
             raise ValueError(
                 f"mxfp4_experts must be auto, mxfp4 or dequantize, got {self.mxfp4_experts!r}."
+            )
+        if self.fp8_weights not in ("auto", "keep", "dequantize"):
+            raise ValueError(
+                f"fp8_weights must be auto, keep or dequantize, got {self.fp8_weights!r}."
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be auto, torch or triton.")

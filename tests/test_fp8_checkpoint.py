@@ -16,6 +16,7 @@ from specserve.models.registry import load_model
 
 from .mla_utils import mla_ckpt  # noqa: F401 - fixture
 from .spec_utils import append_mtp_layers
+from .test_triton_attention import interpreter  # noqa: F401  (fixture)
 
 BLOCK = (16, 16)  # DeepSeek uses 128 x 128; 16 gives several blocks and ragged edges here
 
@@ -159,3 +160,54 @@ def test_fp8_scale_errors_name_the_tensor(ckpts: tuple[str, str, str], tmp_path)
     save_file(w, f, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="o_proj.weight"):
         load_model(path, torch.float32, "cpu", 256)
+
+
+def _greedy(path: str, fp8_weights: str, **kw) -> tuple[list[list[int]], object]:
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(path, max_model_len=64, fp8_weights=fp8_weights, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([[5, 9, 13, 2], list(range(20, 31))], params)
+    return [o.outputs[0].token_ids for o in outs], llm.engine.model
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1")
+@pytest.mark.usefixtures("interpreter")
+def test_fp8_kept_8bit_matches_dequantized(ckpts: tuple[str, str, str]) -> None:
+    """fp8_weights="keep" on CPU (the kernel under the interpreter): the linear layers hold the
+    checkpoint's bytes as stored, and greedy tokens equal the dequantized model's."""
+    from specserve.models.fp8_linear import Fp8Linear
+
+    kept_tokens, kept = _greedy(ckpts[1], "keep")
+    deq_tokens, deq = _greedy(ckpts[1], "dequantize")
+    fp8 = {n: m for n, m in kept.named_modules() if isinstance(m, Fp8Linear)}
+    # Every quantized linear but MLA's kv_b_proj (read as W_UK / W_UV) and the experts.
+    assert any(n.endswith("self_attn.o_proj") for n in fp8)
+    assert any(n.endswith("mlp.gate_up_proj") for n in fp8)
+    assert not any("kv_b_proj" in n or ".experts" in n for n in fp8)
+    assert not any(isinstance(m, Fp8Linear) for m in deq.modules())
+    stored = load_file(os.path.join(ckpts[1], "model.safetensors"))
+    name = next(n for n in fp8 if n.endswith("self_attn.o_proj"))
+    assert fp8[name].weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(
+        fp8[name].weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8)
+    )
+    assert torch.equal(fp8[name].weight_scale_inv, stored[f"{name}.weight_scale_inv"])
+    assert kept_tokens == deq_tokens
+
+
+@pytest.mark.gpu
+def test_fp8_kept_on_gpu_graph_equals_eager(ckpts: tuple[str, str, str]) -> None:
+    """On CUDA ("auto" keeps fp8): weights float8, greedy == the dequantized model's (bf16
+    rounding of the scaled weights may flip a near-tie: compared over the first tokens), and
+    CUDA-graph replay == eager exactly."""
+    from specserve.models.fp8_linear import Fp8Linear
+
+    graph, model = _greedy(ckpts[1], "auto", device="cuda")
+    eager, _ = _greedy(ckpts[1], "auto", device="cuda", enforce_eager=True)
+    deq, _ = _greedy(ckpts[1], "dequantize", device="cuda", enforce_eager=True)
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert fp8 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
+    assert graph == eager
+    assert [t[:2] for t in graph] == [t[:2] for t in deq]

@@ -78,7 +78,13 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or max_pos
         rope_len = max(self.max_model_len, max_pos) + self.num_spec_tokens + 2
         self.model, self.hf_config = load_model(
-            config.model, dtype, device, rope_len, config.load_format, config.mxfp4_experts
+            config.model,
+            dtype,
+            device,
+            rope_len,
+            config.load_format,
+            config.mxfp4_experts,
+            config.fp8_weights,
         )
         self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
         # Structured outputs: xgrammar objects are built at the first request that has one.

@@ -26,6 +26,8 @@ _HELP = {
     "while serving (default: on for CUDA, off on CPU)",
     "mxfp4_experts": "auto | mxfp4 | dequantize (MXFP4 checkpoints such as gpt-oss: auto keeps "
     "the experts 4-bit on CUDA and dequantizes them at load on CPU)",
+    "fp8_weights": "auto | keep | dequantize (block-scaled fp8 checkpoints such as DeepSeek-V3: "
+    "auto keeps the linear layers 8-bit on CUDA and dequantizes them at load on CPU)",
 }
 
 

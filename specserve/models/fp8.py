@@ -6,20 +6,19 @@ A quantized linear weight `X.weight` [N, K] is float8_e4m3fn with `X.weight_scal
 weight[n, k] * weight_scale_inv[n // bn, k // bk] (the name says "inv" because quantizing
 divided by it). Everything else (embeddings, norms, router, lm_head) is stored as is.
 
-NOTE: this dequantizes to the model dtype (bf16) as the weights stream in; the weights are not
-kept 8-bit on the GPU (no block-scaled fp8 matmul yet).
+`dequantize_weights` dequantizes as the weights stream in, except the linear weights that
+models/fp8_linear.py keeps 8-bit (EngineConfig.fp8_weights; "auto": on CUDA): those pass
+through with their scales to Fp8Linear (ops/fp8_matmul.py's W8A16 kernel).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from specserve.models.loader import ModelLoadError
-
-SCALE_SUFFIX = "_scale_inv"
+from specserve.models.loader import SCALE_SUFFIX, ModelLoadError
 
 
 def fp8_block_size(cfg: dict[str, Any]) -> tuple[int, int] | None:
@@ -57,14 +56,19 @@ def dequantize_block_fp8(
 
 
 def dequantize_weights(
-    weights: Iterator[tuple[str, torch.Tensor, str]], block: tuple[int, int]
+    weights: Iterator[tuple[str, torch.Tensor, str]],
+    block: tuple[int, int],
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Pass tensors through, pairing each fp8 weight with its scale (in whichever order they
-    come) and yielding the dequantized float32 weight in their place."""
+    come) and yielding the dequantized float32 weight in their place; weights `keep` names
+    pass through as they are, with their scales."""
     fp8: dict[str, tuple[torch.Tensor, str]] = {}
     scales: dict[str, torch.Tensor] = {}
     for name, t, path in weights:
-        if name.endswith(SCALE_SUFFIX):
+        if keep is not None and keep(name.removesuffix(SCALE_SUFFIX)):
+            yield name, t, path
+        elif name.endswith(SCALE_SUFFIX):
             base = name.removesuffix(SCALE_SUFFIX)
             if base in fp8:
                 w, wpath = fp8.pop(base)

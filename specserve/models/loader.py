@@ -36,6 +36,11 @@ _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\
 _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 
 
+# A block-scaled fp8 weight's scale is stored beside it as `<weight name>_scale_inv`.
+SCALE_SUFFIX = "_scale_inv"
+_FUSED_SUFFIXES = ("weight", "bias", "weight" + SCALE_SUFFIX)
+
+
 class ModelLoadError(ValueError):
     pass
 
@@ -99,15 +104,27 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in files]
 
 
-def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
+def iter_weights(
+    model_dir: str, keep_fp8: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor, str]]:
     """Yields (name, tensor, file) for every tensor in the directory's safetensors files; a
-    block-scaled fp8 checkpoint's weights come out dequantized (models/fp8.py)."""
+    block-scaled fp8 checkpoint's weights come out dequantized (models/fp8.py), except those
+    `keep_fp8(name)` names (kept 8-bit: the weight and its `_scale_inv` pass through)."""
     from specserve.models.fp8 import dequantize_weights, fp8_block_size
 
     has_cfg = os.path.isfile(os.path.join(model_dir, "config.json"))
     block = fp8_block_size(read_config(model_dir)) if has_cfg else None
     weights = _iter_files(model_dir)
-    return dequantize_weights(weights, block) if block is not None else weights
+    return dequantize_weights(weights, block, keep_fp8) if block is not None else weights
+
+
+def checkpoint_names(model_dir: str) -> list[str]:
+    """Every tensor name in the directory's safetensors files (headers only, no data read)."""
+    names: list[str] = []
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            names += list(f.keys())  # noqa: SIM118 - safe_open has no __iter__
+    return names
 
 
 def _iter_files(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
@@ -117,14 +134,31 @@ def _iter_files(model_dir: str) -> Iterator[tuple[str, torch.Tensor, str]]:
                 yield name, f.get_tensor(name), path
 
 
-def _fused_slice(param: nn.Parameter, name: str, shard: int, module: nn.Module) -> torch.Tensor:
-    if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+def stacked_target(name: str, params: dict[str, torch.Tensor]) -> tuple[str, int | None]:
+    """(parameter, shard) a checkpoint tensor fills: q/k/v and gate/up go to their fused
+    parameter's shard; a model without the fused parameter (MLA's own q_proj) takes the name."""
+    for fused, part, idx in STACKED_PARAMS:
+        if part in name and name.replace(part, fused) in params:
+            return name.replace(part, fused), idx
+    return name, None
+
+
+def fused_rows(module: nn.Module, qkv: bool, shard: int) -> tuple[int, int]:
+    """(first row, row count) of shard `shard` in a fused qkv_proj / gate_up_proj."""
+    if qkv:
         q, kv = module.q_size, module.kv_size
-        start, size = [(0, q), (q, kv), (q + kv, kv)][shard]
-    else:
-        n = module.intermediate_size
-        start, size = shard * n, n
-    return param.data.narrow(0, start, size)
+        return [(0, q), (q, kv), (q + kv, kv)][shard]
+    n = module.intermediate_size
+    return shard * n, n
+
+
+def _fused_slice(
+    param: nn.Parameter, name: str, shard: int, module: nn.Module, rows: int = 1
+) -> torch.Tensor:
+    """The shard's rows of a fused parameter; `rows` > 1: of its block scale, one row per
+    `rows` weight rows (the fp8 layer was only kept where each shard starts on a block)."""
+    start, size = fused_rows(module, ".qkv_proj." in name, shard)
+    return param.data.narrow(0, start // rows, -(-size // rows))
 
 
 def load_weights(
@@ -168,19 +202,17 @@ def load_weights(
             dst.copy_(tensor.to(dst.dtype))
             loaded.add(key)
             continue
-        target, shard = name, None
-        for fused, part, idx in STACKED_PARAMS:
-            # A model without the fused parameter (MLA's own q_proj) takes the name as is.
-            if part in name and name.replace(part, fused) in params:
-                target, shard = name.replace(part, fused), idx
-                break
+        target, shard = stacked_target(name, params)
         if target not in params:
             unused.append(f"{hf_name} ({os.path.basename(path)})")
             continue
         param = params[target]
         dst = param.data if isinstance(param, nn.Parameter) else param
         if shard is not None:
-            dst = _fused_slice(param, target, shard, modules[target.rsplit(".", 2)[0]])
+            # A kept fp8 projection's scale (models/fp8_linear.py): one row per bn weight rows.
+            owner = modules.get(target.rsplit(".", 1)[0])
+            rows = owner.block[0] if target.endswith(SCALE_SUFFIX) else 1  # type: ignore[union-attr]
+            dst = _fused_slice(param, target, shard, modules[target.rsplit(".", 2)[0]], rows)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ModelLoadError(
                 f"{path}: tensor {name} has shape {tuple(tensor.shape)} but the config implies "
@@ -197,9 +229,10 @@ def load_weights(
     missing = []
     for pname in params:
         want = [pname]
-        if pname.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+        # (A kept fp8 projection's scale fills like its weight: models/fp8_linear.py.)
+        if pname.endswith(tuple(f"qkv_proj.{s}" for s in _FUSED_SUFFIXES)):
             want = [f"{pname}#{i}" for i in range(3)]
-        elif pname.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+        elif pname.endswith(tuple(f"gate_up_proj.{s}" for s in _FUSED_SUFFIXES)):
             want = [f"{pname}#{i}" for i in range(2)]
         elif (keys := _expert_keys(pname, params[pname])) is not None:
             want = [] if f"{pname}#all" in loaded else keys

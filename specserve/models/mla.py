@@ -104,6 +104,9 @@ class MLAAttention(KVCacheLayer):
         )
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, _LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), False)
+        # NOTE: read as a tensor (absorbed(): W_UK / W_UV), never called: an fp8 checkpoint's
+        # kv_b_proj stays dequantized (models/fp8_linear.py).
+        self.kv_b_proj.keep_dense = True
         self.o_proj = nn.Linear(H * m.v_head_dim, m.hidden_size, bias=bias)
         # norm_forward / forward run these with an RMSNorm fused in: the decode plan times that
         for lin in (self.kv_a_proj_with_mqa, getattr(self, "q_proj", None)):

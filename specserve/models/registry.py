@@ -58,13 +58,15 @@ def load_model(
     max_position: int,
     load_format: str = "auto",
     mxfp4_experts: str = "auto",
+    fp8_weights: str = "auto",
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Build the target from config.json and load its safetensors, checking every shape.
 
     load_format="dummy" skips the safetensors and fills weights with small random values (as
     vLLM's `--load-format dummy`): speed benchmarks of real shapes without real checkpoints.
     mxfp4_experts: whether an MXFP4 checkpoint's experts stay 4-bit (models/mxfp4.py
-    keep_mxfp4; "auto": on CUDA)."""
+    keep_mxfp4; "auto": on CUDA). fp8_weights: whether a block-scaled fp8 checkpoint's linear
+    layers stay 8-bit (models/fp8_linear.py keep_fp8; "auto": on CUDA)."""
     from specserve.models.loader import dummy_weights_, iter_weights, load_weights, read_config
     from specserve.models.mxfp4 import keep_mxfp4
 
@@ -77,7 +79,14 @@ def load_model(
     if load_format == "dummy":
         dummy_weights_(model)
     else:
-        weights = iter_weights(model_dir)
+        from specserve.models.fp8 import fp8_block_size
+        from specserve.models.fp8_linear import keep_fp8, keep_fp8_linears_
+
+        block = fp8_block_size(cfg)
+        keep = None
+        if block is not None and keep_fp8(fp8_weights, torch.device(device)):
+            keep = keep_fp8_linears_(model, model_dir, block, model.checkpoint_rename)
+        weights = iter_weights(model_dir, keep)
         # A family whose stored layout differs from its parameters' (gpt-oss: transposed,
         # interleaved or MXFP4 experts) converts tensors on their way in.
         if hasattr(model, "convert_weights"):
