@@ -211,3 +211,10 @@ def test_fp8_kept_on_gpu_graph_equals_eager(ckpts: tuple[str, str, str]) -> None
     assert fp8 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
     assert graph == eager
     assert [t[:2] for t in graph] == [t[:2] for t in deq]
+
+
+def test_fp8_weights_mode_is_validated(ckpts: tuple[str, str, str]) -> None:
+    from specserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="fp8_weights must be auto, keep or dequantize"):
+        EngineConfig(model=ckpts[1], fp8_weights="fp8")
