@@ -27,7 +27,8 @@ _HELP = {
     "mxfp4_experts": "auto | mxfp4 | dequantize (MXFP4 checkpoints such as gpt-oss: auto keeps "
     "the experts 4-bit on CUDA and dequantizes them at load on CPU)",
     "fp8_weights": "auto | keep | dequantize (block-scaled fp8 checkpoints such as DeepSeek-V3: "
-    "auto keeps the linear layers 8-bit on CUDA and dequantizes them at load on CPU)",
+    "keep: the linear layers stay 8-bit (Triton block-scaled matmul); auto, for now: "
+    "dequantize at load)",
 }
 
 

@@ -7,7 +7,7 @@ weight[n, k] * weight_scale_inv[n // bn, k // bk] (the name says "inv" because q
 divided by it). Everything else (embeddings, norms, router, lm_head) is stored as is.
 
 `dequantize_weights` dequantizes as the weights stream in, except the linear weights that
-models/fp8_linear.py keeps 8-bit (EngineConfig.fp8_weights; "auto": on CUDA): those pass
+models/fp8_linear.py keeps 8-bit (EngineConfig.fp8_weights "keep"; "auto" dequantizes until measured on a GPU): those pass
 through with their scales to Fp8Linear (ops/fp8_matmul.py's W8A16 kernel).
 """
 

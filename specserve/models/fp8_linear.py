@@ -1,7 +1,7 @@
 """Block-scaled fp8 linear layers kept 8-bit (EngineConfig.fp8_weights, issue 21).
 
 A DeepSeek-V3-style checkpoint (models/fp8.py) stores most linear weights as float8_e4m3fn with
-a float32 scale per [bn, bk] block. With `fp8_weights` "keep" ("auto" on CUDA) the model's
+a float32 scale per [bn, bk] block. With `fp8_weights` "keep" the model's
 nn.Linear layers whose checkpoint weights are fp8 become `Fp8Linear` before loading: weight
 [N, K] fp8 and weight_scale_inv [ceil(N / bn), ceil(K / bk)] float32 load as stored (the
 loader's strict accounting covers both), and forward runs ops/fp8_matmul.py (W8A16).
@@ -38,13 +38,16 @@ FP8_WEIGHTS_MODES = ("auto", "keep", "dequantize")
 
 
 def keep_fp8(mode: str, device: torch.device) -> bool:
-    """EngineConfig.fp8_weights resolved: "auto" keeps fp8 linear weights 8-bit on CUDA and
-    dequantizes them elsewhere (CPU: F.linear on dense weights is the fast path there)."""
+    """EngineConfig.fp8_weights resolved: "keep" keeps fp8 linear weights 8-bit. "auto"
+    dequantizes for now, on every device: the kept path has not yet compiled or run on a GPU,
+    and at batch 1 it competes with the planned bf16 gemv (issue 21); it becomes "keep on CUDA"
+    once measured."""
     if mode not in FP8_WEIGHTS_MODES:
         raise ModelLoadError(
             f"fp8_weights must be one of {', '.join(FP8_WEIGHTS_MODES)}, got {mode!r}"
         )
-    return mode == "keep" or (mode == "auto" and device.type == "cuda")
+    del device  # NOTE: "auto" -> keep on CUDA once the kernel is measured on a GPU
+    return mode == "keep"
 
 
 class Fp8Linear(nn.Module):

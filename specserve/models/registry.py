@@ -66,7 +66,7 @@ def load_model(
     vLLM's `--load-format dummy`): speed benchmarks of real shapes without real checkpoints.
     mxfp4_experts: whether an MXFP4 checkpoint's experts stay 4-bit (models/mxfp4.py
     keep_mxfp4; "auto": on CUDA). fp8_weights: whether a block-scaled fp8 checkpoint's linear
-    layers stay 8-bit (models/fp8_linear.py keep_fp8; "auto": on CUDA)."""
+    layers stay 8-bit (models/fp8_linear.py keep_fp8; "keep" only, for now)."""
     from specserve.models.loader import dummy_weights_, iter_weights, load_weights, read_config
     from specserve.models.mxfp4 import keep_mxfp4
 
