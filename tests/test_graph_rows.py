@@ -87,6 +87,9 @@ def test_no_bound_outside_uniform_batches() -> None:
             pass
 
 
+# NOTE: the interpreter's tl.dot gives each row the same result whatever the tile, so this test
+# checks that padded rows never leak into real ones; the GPU test below is the one that the
+# unbounded choice fails (tile shapes change bf16 rounding there).
 # (B, q, bg): 15 real tokens / 24 padded (2 pairs an expert at E = 8: gemm configs (16, 64, ..)
 # vs (16, 128, ..) without the bound); a decode-path batch (6 / 8 tokens).
 MOE_CASES = [(5, 3, 8), (3, 2, 4)]
@@ -107,6 +110,23 @@ def test_fused_moe_padded_equals_eager(B: int, q: int, bg: int, dtype: torch.dty
         eager = fused_moe_triton(x[:T], w13, w2, topk_w[:T], topk_ids[:T])
     with graph_rows.uniform_batch(bg, bg):
         graph = fused_moe_triton(x, w13, w2, topk_w, topk_ids)[:T]
+    assert torch.equal(eager, graph)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("B,q,bg", [*MOE_CASES, (5, 5, 8), (17, 3, 24)])
+def test_fused_moe_padded_equals_eager_gpu(B: int, q: int, bg: int) -> None:
+    """As the interpreter test, on the GPU in bf16 (where tile shapes change the rounding)."""
+    from specserve.ops.moe_triton import fused_moe_triton
+
+    T, tg = B * q, bg * q
+    args = make_moe(tg, E=8, H=256, inter=128, top_k=2, dtype=torch.bfloat16, device="cuda")
+    x, w13, w2, topk_w, topk_ids = args
+    with graph_rows.uniform_batch(B, bg):
+        eager = fused_moe_triton(x[:T], w13, w2, topk_w[:T], topk_ids[:T])
+    with graph_rows.uniform_batch(bg, bg):
+        graph = fused_moe_triton(*args)[:T]
     assert torch.equal(eager, graph)
 
 
