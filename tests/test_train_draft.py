@@ -33,8 +33,9 @@ RUNS = {
     "eagle3": ("eagle3", {"draft_vocab_size": DRAFT_VOCAB}),
     "mtp": ("mtp", {}),
     "ptd": ("ptd", {"draft_vocab_size": DRAFT_VOCAB}),
-    # Two chained MTP modules, one draft each (spec_decode/multi_layer_mtp.py).
-    "mtp2": ("mtp", {"num_layers": 2, "eval_k": 2}),
+    # Two chained MTP modules (spec_decode/multi_layer_mtp.py), evaluated at K = 3 > 2 modules
+    # (draft step i runs module i mod 2).
+    "mtp2": ("mtp", {"num_layers": 2}),
 }
 
 

@@ -77,13 +77,32 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        reasoning_effort: str | None = None,
     ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, each rendered by the model's
+        chat template with the generation prompt. `chat_template_kwargs` (vLLM's) and
+        `reasoning_effort` (gpt-oss's harmony template) reach the template as the server passes
+        them; a ValueError where the template does not read one (it would have no effect)."""
+        from specserve.entrypoints.openai.chat_template import template_kwargs, template_variables
+        from specserve.entrypoints.openai.protocol import APIError
+
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so chat is not available")
+        extra: dict[str, Any] = {}
+        if chat_template_kwargs or reasoning_effort is not None:
+            try:
+                extra = template_kwargs(
+                    template_variables(tok), reasoning_effort, chat_template_kwargs
+                )
+            except APIError as e:
+                raise ValueError(e.message) from None
         prompts = [
             {
                 "prompt_token_ids": tok.apply_chat_template(
-                    c, add_generation_prompt=True, tokenize=True, return_dict=False
+                    c, add_generation_prompt=True, tokenize=True, return_dict=False, **extra
                 )
             }
             for c in convs

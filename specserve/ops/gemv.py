@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.ops import pdl, skinny
+from specserve.ops import graph_rows, pdl, skinny
 
 try:
     import triton
@@ -346,6 +346,14 @@ def bucket(m: int) -> int:
     return next(b for b in BUCKETS if b >= m)
 
 
+def plan_rows(m: int) -> int:
+    """The rows a decode call of `m` rows is planned for: `graph_rows.row_bound(m)`, the rows
+    of the captured graph the batch replays (or would replay), so an eager step and its graph
+    take the same bucket: at 1 + K = 3 a batch of 5 has 15 rows (bucket 16) and its graph of 8
+    has 24 (bucket 32), and the two kernels round differently."""
+    return graph_rows.row_bound(m)
+
+
 def default_plan(config: Config | None) -> dict[int, PlanConfig]:
     """`config` (the gemv's) for up to MAX_M rows, the skinny matmul's default above (None:
     cuBLAS everywhere)."""
@@ -427,10 +435,11 @@ class DecodeLinear(nn.Linear):
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
-        """Whether a call with input `x` may run a Triton kernel."""
+        """Whether a call with input `x` may run a Triton kernel (judged on its rows as a
+        captured graph runs them, `graph_rows.row_bound`: eager and graph choose alike)."""
         return (
             x.dim() == 2
-            and x.shape[0] <= skinny.MAX_M
+            and graph_rows.row_bound(x.shape[0]) <= skinny.MAX_M
             and x.is_cuda
             and x.dtype in (torch.bfloat16, torch.float16)
             and not torch.is_grad_enabled()
@@ -439,10 +448,11 @@ class DecodeLinear(nn.Linear):
     def config(
         self, x: torch.Tensor, silu_mul: bool = False
     ) -> Config | skinny.SkinnyConfig | None:
-        """The Triton launch config for input `x`, or None: cuBLAS."""
+        """The Triton launch config for input `x`, or None: cuBLAS. The plan bucket is that of
+        `plan_rows(x.shape[0])`, never the row count itself (issue 23)."""
         if not self.takes(x):
             return None
-        return (self.silu_plan if silu_mul else self.plan)[bucket(x.shape[0])]
+        return (self.silu_plan if silu_mul else self.plan)[bucket(plan_rows(x.shape[0]))]
 
     def run(
         self, x: torch.Tensor, cfg: Config | skinny.SkinnyConfig, silu_mul: bool = False

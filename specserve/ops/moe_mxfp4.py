@@ -31,10 +31,10 @@ import triton.language as tl
 from specserve.models.mxfp4 import BLOCK, dequantize_mxfp4
 from specserve.ops.moe import fused_moe_ref
 from specserve.ops.moe_triton import (
-    DECODE_MAX_TOKENS,
     PLAIN,
     Epilogue,
     _act,
+    uses_decode_path,
 )
 
 # (BLOCK_N, BLOCK_K, num_warps): BLOCK_K weights a row per step = BLOCK_K / 2 bytes.
@@ -292,7 +292,7 @@ def fused_moe_mxfp4_triton(
             f"{None if b2 is None else tuple(b2.shape)}, expected ({E}, {two_i}) / ({E}, {H})"
         )
     args = (x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids)
-    if path == "decode" or (path == "auto" and topk_ids.shape[0] <= DECODE_MAX_TOKENS):
+    if path == "decode" or (path == "auto" and uses_decode_path(topk_ids.shape[0])):
         return fused_moe_mxfp4_decode(*args, epilogue=epilogue)
     from specserve.ops.moe_mxfp4_gemm import fused_moe_mxfp4_gemm  # it imports this module
 

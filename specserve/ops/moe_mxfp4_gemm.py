@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.ops import graph_rows
 from specserve.ops.moe_mxfp4 import _check_pair, _mxfp4_tile
 from specserve.ops.moe_triton import PLAIN, Epilogue, GemmConfig, _act, _moe_sum_kernel, moe_align
 
@@ -181,7 +182,8 @@ def fused_moe_mxfp4_gemm(
     P = T * top_k
     # NOTE: BLOCK_K columns are BLOCK_K / 2 bytes a step; every table entry keeps that >= 16,
     # tl.dot's minimum.
-    config = config or mxfp4_gemm_config(P, E, x.dtype)
+    # The tiles of the pairs a captured graph runs (graph_rows): eager and graph alike.
+    config = config or mxfp4_gemm_config(graph_rows.row_bound(T) * top_k, E, x.dtype)
     align = moe_align(topk_ids, E, config[0])
     inter = torch.empty(P, two_i // 2, dtype=x.dtype, device=x.device)
     b13, b2 = epilogue.w13_bias, epilogue.w2_bias

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specserve.ops import pdl
+from specserve.ops import graph_rows, pdl
 from specserve.ops.fused import _use_triton, rms_norm_ref
 
 try:
@@ -157,7 +157,9 @@ def fusable(
         triton is not None
         and _use_triton(x)
         and x.dim() == 2
-        and 0 < x.shape[0] <= ROUTE_MAX_TOKENS
+        # Judged on the rows a captured graph runs (graph_rows): eager and graph alike.
+        and 0 < x.shape[0]
+        and graph_rows.row_bound(x.shape[0]) <= ROUTE_MAX_TOKENS
         and scoring in SCORINGS
         and E <= ROUTE_MAX_EXPERTS
         # The in-kernel group choice views the logits as [n_group, E / n_group] tiles.
@@ -461,7 +463,9 @@ def norm_route_triton(
     topk_ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
     block_e, block_k, _ = config
     block_k = min(block_k, triton.next_power_of_2(H))
-    block_t = triton.next_power_of_2(T)
+    # The token tile of the rows a captured graph runs (graph_rows), when it fits the kernel.
+    bound = graph_rows.row_bound(T)
+    block_t = triton.next_power_of_2(bound if bound <= ROUTE_MAX_TOKENS else T)
     block_all_e = triton.next_power_of_2(E)
     sigmoid = scoring == "sigmoid"
     _norm_route_kernel[(triton.cdiv(E, block_e),)](

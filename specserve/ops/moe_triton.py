@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.ops import pdl
+from specserve.ops import graph_rows, pdl
 
 DECODE_MAX_TOKENS = 8
 # Decode launch configs: (BLOCK_N, BLOCK_K, num_warps). gate_up: a [BLOCK_N, BLOCK_K] gate
@@ -116,6 +116,13 @@ GEMM_CONFIGS: tuple[tuple[float, GemmConfig], ...] = (
     (96.0, (64, 128, 64, 8, 4, 3)),
     (float("inf"), (128, 128, 64, 8, 8, 3)),
 )
+
+
+def uses_decode_path(num_tokens: int) -> bool:
+    """Whether "auto" takes the decode kernels for `num_tokens` tokens. Judged on the tokens a
+    captured graph runs (`graph_rows.row_bound`), so an eager step and its padded graph take
+    the same path whatever the capture sizes (the gemm_config below is judged alike)."""
+    return graph_rows.row_bound(num_tokens) <= DECODE_MAX_TOKENS
 
 
 def gemm_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> GemmConfig:
@@ -560,7 +567,9 @@ def fused_moe_gemm(
     T, top_k = topk_ids.shape
     E, two_i, H = w13.shape
     P = T * top_k
-    config = config or gemm_config(P, E, x.dtype)
+    # NOTE: the tiles of the pairs a captured graph runs (graph_rows), not of P itself: the
+    # eager step and its padded graph must pick the same config (issue 23).
+    config = config or gemm_config(graph_rows.row_bound(T) * top_k, E, x.dtype)
     align = moe_align(topk_ids, E, config[0])
     inter = torch.empty(P, two_i // 2, dtype=x.dtype, device=x.device)
     _gemm(x, w13, epilogue.w13_bias, inter, align, topk_weights, top_k, True, epilogue, config)
@@ -669,6 +678,6 @@ def fused_moe_triton(
     b13, b2 = (_last_dim_contiguous(t) for t in (epilogue.w13_bias, epilogue.w2_bias))
     epilogue = replace(epilogue, w13_bias=b13, w2_bias=b2)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
-    if path == "decode" or (path == "auto" and T <= DECODE_MAX_TOKENS):
+    if path == "decode" or (path == "auto" and uses_decode_path(T)):
         return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
     return fused_moe_gemm(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.ops import pdl
+from specserve.ops import graph_rows, pdl
 
 try:
     import triton
@@ -376,7 +376,8 @@ def _launch(
             f"{tuple(w.shape)}"
         )
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bm = block_m(M)
+    # The row tile of the rows a captured graph runs (graph_rows): eager and graph alike.
+    bm = block_m(min(graph_rows.row_bound(M), MAX_M))
     n_tiles = triton.cdiv(N, cfg.block_n)
     splits, k_split = resolve_split(cfg, N, K, num_sms(x.device))
     if splits > 1:

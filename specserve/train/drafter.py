@@ -56,7 +56,8 @@ class DraftTrainConfig:
     ttt_steps: int = 3
     # EAGLE-3 / PTD reduced vocabulary from token frequencies; None = the target's vocabulary.
     draft_vocab_size: int | None = None
-    # EAGLE: decoder layers; MTP: modules (module k predicts k + 2 tokens ahead).
+    # EAGLE: decoder layers; MTP: modules (module k predicts k + 2 tokens ahead). eval_k may
+    # exceed the MTP modules: serving's draft step i runs module i mod num_layers.
     num_layers: int = 1
     # PTD: K trained for (1 accepted slot + K - 1 mask slots); None = eval_k.
     ptd_k: int | None = None
@@ -86,11 +87,6 @@ class DraftTrainConfig:
             raise ValueError(f"ptd_k must be in 2..16, got {self.ptd_k}")
         if self.method in ("eagle3", "ptd") and self.num_layers != 1:
             raise ValueError(f"num_layers: an {self.method} head has one layer; drop --num-layers")
-        if self.method == "mtp" and 1 < self.num_layers < self.eval_k:
-            raise ValueError(
-                f"eval_k (num_speculative_tokens) {self.eval_k}: multi-layer MTP drafts one token "
-                f"per module; pass a value <= num_layers {self.num_layers}"
-            )
         if self.seq_len < self.num_steps + 2:
             raise ValueError(f"seq_len must be >= {self.num_steps + 2} (draft steps + 2)")
         if self.device == "auto":

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import gc
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.attention.backend import CommonAttentionMetadata
+from specserve.ops.graph_rows import uniform_batch
 
 if TYPE_CHECKING:
     from specserve.spec_decode.config import SpeculativeConfig
@@ -47,6 +49,23 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, 1025, 16))
     out = [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
     return sorted(set(out))
+
+
+def padded_size(num_reqs: int, max_num_seqs: int) -> int:
+    """The capture size a uniform batch of `num_reqs` requests replays: the smallest >= it."""
+    return next((s for s in capture_sizes(max_num_seqs) if s >= num_reqs), num_reqs)
+
+
+def eager_rows(
+    num_reqs: int, num_tokens: int, max_query_len: int, max_num_seqs: int
+) -> AbstractContextManager[None]:
+    """What an eager target forward runs in: for a uniform batch (every request
+    `max_query_len` tokens) `uniform_batch` with the capture size a graph engine pads it to, so
+    row-dependent kernel choices (ops/graph_rows.py) match that graph's even without graphs
+    (enforce_eager, or a query length with none); else nothing."""
+    if num_reqs < 1 or num_tokens != num_reqs * max_query_len:
+        return nullcontext()
+    return uniform_batch(num_reqs, padded_size(num_reqs, max_num_seqs))
 
 
 class CudaGraphRunner:
@@ -123,7 +142,9 @@ class CudaGraphRunner:
         r = self.runner
         ctx = r.forward_context(self._common(b, q))
         t = b * q
-        return r.model(self.input_ids[:t], self.positions[:t], ctx, r.aux_layers)
+        # Kernel choices from b x q rows: what the eager step of any B padded to b also uses.
+        with uniform_batch(b, b):
+            return r.model(self.input_ids[:t], self.positions[:t], ctx, r.aux_layers)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

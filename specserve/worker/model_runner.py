@@ -38,6 +38,7 @@ from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import compute_logprobs, sample
 from specserve.spec_decode.drafting import TargetStep
 from specserve.structured.bitmask import apply_grammar_bitmask_, build_grammar_step
+from specserve.worker.cudagraph import eager_rows
 from specserve.worker.input_batch import StepInputs, prepare_inputs
 from specserve.worker.request_states import RequestStates
 
@@ -243,7 +244,12 @@ class ModelRunner:
         else:
             common = self.common_metadata(inp, slot_mapping, block_table)
             ctx = self.forward_context(common)
-            hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
+            # A uniform batch chooses its kernels as its graph would (ops/graph_rows.py).
+            rows = eager_rows(
+                inp.num_reqs, inp.num_tokens, inp.max_query_len, self.config.max_num_seqs
+            )
+            with rows:
+                hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
         # Structured requests: their masks are filled on the host now, while the device runs
         # the forward just queued (CUDA), and uploaded asynchronously. None: no grammar here.
         gs = build_grammar_step(sched.scheduled, k + 1, self.model.config.vocab_size, self.device)
