@@ -33,6 +33,7 @@
 #   bash benchmarks/gpu_session.sh serve-plain    # serve_sweep.py --shape llama3-8b, plain half
 #   bash benchmarks/gpu_session.sh serve-eagle3   # the EAGLE-3 half, then compare + plot
 #   bash benchmarks/gpu_session.sh serve-short    # both halves at 64 output tokens (stalls)
+#   bash benchmarks/gpu_session.sh verify         # session 10's GPU tests not yet run
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -229,8 +230,17 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
     timeout 570 python benchmarks/timeline.py --shape "${SHAPES:-qwen3-30b-a3b,glm47-flash}" \
       2>&1 | grep --line-buffered -v tokenizer | tee "$OUT/timelines.log" | tail -120
     ;;
+  verify)
+    # What session 10 built but could not run on a GPU (device time ran out), most important
+    # first; carry .whl (fastapi / uvicorn / aiohttp / jsonschema wheels) for the server tests.
+    timeout 570 python -m pytest -q -rfE -m gpu \
+      tests/test_warmup.py tests/test_mla_triton.py tests/test_graph_rows.py \
+      tests/test_multi_layer_mtp_gpu.py tests/test_fp8_checkpoint.py tests/test_fp8_matmul.py \
+      -p no:cacheprovider --durations=8 2>&1 | grep -v "Assertion" | tee "$OUT/gpu_verify.log" \
+      | tail -30
+    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|serve-short" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|serve-short|verify" >&2
     exit 2
     ;;
 esac
