@@ -145,3 +145,79 @@ def test_decode_linear_padded_equals_eager_gpu(B: int, q: int, bg: int) -> None:
         with graph_rows.uniform_batch(bg, bg):
             graph = dl(x)[: B * q]
     assert torch.equal(eager, graph)
+
+
+def _draft_choices(rows: int, num_reqs: int) -> tuple:
+    """`_choices` plus the attention choices of a drafter forward over `rows` rows."""
+    from specserve.attention.mla_fused import FUSE_MAX_TOKENS
+    from specserve.attention.mla_triton import mla_split_count
+    from specserve.attention.triton_paged import split_count
+
+    cpu = torch.device("cpu")
+    bound = graph_rows.row_bound(rows)
+    return (
+        _choices(rows),
+        split_count(rows, num_reqs, 4, 8, 4096, cpu),
+        split_count(rows, num_reqs, 16, 2, 400, cpu),
+        bound <= FUSE_MAX_TOKENS,
+        mla_split_count(bound, 2, 4096, cpu),
+    )
+
+
+# Rows per request of each drafter forward, for a target batch of q tokens per request: the
+# EAGLE / EAGLE-3 prefill (q), one draft step (1), PTD's proposal (q + E slots, E = K - 1 here
+# up to 7) and multi-layer MTP module k (q + k - 1 slots, k = 1..3).
+def _draft_rows_per_req(q: int) -> list[int]:
+    return sorted({q, 1, *(q + e for e in range(1, 8)), *(q + k - 1 for k in (1, 2, 3))})
+
+
+@pytest.mark.parametrize("max_num_seqs", [3, 20, 64])
+def test_draft_choices_equal_graph_choices(max_num_seqs: int) -> None:
+    """Eager drafting of a uniform batch (the runner wraps `propose` in `eager_rows`) and the
+    draft graphs of its padded batch (DraftGraphRunner bodies in `uniform_batch(bg, bg)`) choose
+    every row-dependent kernel alike: matmul plan, skinny tile, MoE, attention splits, MLA."""
+    pytest.importorskip("triton")
+    for B, bg in _batches(max_num_seqs):
+        for q in TOKENS_PER_REQ:
+            for per_req in _draft_rows_per_req(q):
+                with eager_rows(B, B * q, q, max_num_seqs):
+                    eager = _draft_choices(B * per_req, B)
+                with graph_rows.uniform_batch(bg, bg):
+                    graph = _draft_choices(bg * per_req, bg)
+                assert eager == graph, (B, bg, q, per_req)
+
+
+def test_eager_drafting_runs_in_the_row_bound(ckpt_dir, tmp_path) -> None:  # noqa: ANN001
+    """The CPU engine's eager drafting (multi-layer MTP, K = 2: q = 3) of a uniform batch of 5
+    requests runs in `uniform_batch(5, 8)`, the padded batch a graph engine drafts for; a
+    mixed batch (prefills) in none. Without the runner's wrapper it would see no bound."""
+    from specserve import LLM, SamplingParams
+
+    from .conftest import random_prompts
+    from .spec_utils import write_multi_mtp_target
+
+    target = write_multi_mtp_target(
+        ckpt_dir("llama_gqa", "llama"), str(tmp_path / "mtp2"), 2, seed=3
+    )
+    llm = LLM(
+        target,
+        max_model_len=128,
+        max_num_seqs=8,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    )
+    spec = llm.engine.speculator
+    seen: list[tuple[int, int, int, tuple[int, int] | None]] = []
+    propose = spec.propose
+
+    def recorded(runner, t, **kw) -> None:  # noqa: ANN001, ANN003
+        inp = t.inp
+        seen.append((inp.num_reqs, inp.num_tokens, inp.max_query_len, graph_rows._UNIFORM.get()))
+        propose(runner, t, **kw)
+
+    spec.propose = recorded
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(5, 5, 30, seed=2)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    uniform = [s for s in seen if s[0] == 5 and s[1] == 5 * s[2]]
+    assert uniform, seen
+    assert all(s[3] == (5, 8) for s in uniform), seen
+    assert all(s[3] is None for s in seen if s[1] != s[0] * s[2]), seen

@@ -3,7 +3,9 @@ of B requests x q tokens, run as the eager step runs it (B rows, the batch's own
 its captured graph runs it (padded to the next capture size: padded rows at positions 0..q-1,
 slot -1, null-block tables, max_seq_len = max_model_len), gives bitwise the same real rows and
 the same written latent cache. Every size-dependent choice of attention/mla*.py (split count,
-the fused-vs-torch switch, the key tile) must come from sizes both runs share."""
+the fused-vs-torch switch, the key tile) must come from sizes both runs share: the token count
+bounded by `graph_rows.row_bound` (the eager step runs in `uniform_batch(B, bg)`, the capture in
+`uniform_batch(bg, bg)`, as worker/cudagraph.py sets them) and max_model_len."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from specserve.attention.backend import CommonAttentionMetadata
+from specserve.ops.graph_rows import row_bound, uniform_batch
 
 from .test_mla_triton import _batch, _prologue_inputs
 from .test_triton_attention import interpreter, needs_interpreter  # noqa: F401
@@ -72,10 +75,12 @@ def test_mla_forward_padded_equals_eager_interpreter(interpreter, B, q, bg, dtyp
     q_all, kv_a_all = q_all.to(dtype), kv_a_all.to(dtype)
     T = c.num_tokens
     eager_cache, graph_cache = cache.clone(), cache.clone()
-    eager = mla_forward(
-        c.positions, q_all[:T], kv_a_all[:T], w, eager_cache, c, True, MAX_MODEL_LEN
-    )
-    graph = mla_forward(cg.positions, q_all, kv_a_all, w, graph_cache, cg, True, MAX_MODEL_LEN)
+    with uniform_batch(B, bg):  # as the runner's eager_rows sets it
+        eager = mla_forward(
+            c.positions, q_all[:T], kv_a_all[:T], w, eager_cache, c, True, MAX_MODEL_LEN
+        )
+    with uniform_batch(bg, bg):  # as the graph capture sets it
+        graph = mla_forward(cg.positions, q_all, kv_a_all, w, graph_cache, cg, True, MAX_MODEL_LEN)
     assert eager.shape == (T, HEADS, V)
     assert torch.equal(graph[:T], eager)
     # Padded rows write no real block (the torch path sends slot -1 to the null block's last
@@ -84,22 +89,37 @@ def test_mla_forward_padded_equals_eager_interpreter(interpreter, B, q, bg, dtyp
 
 
 def test_mla_choices_same_for_graph_and_eager() -> None:
-    """Host-side choices over every batch a graph may stand for: the eager step (B requests) and
-    its padded graph (bg) take the same path and split count, for any query length."""
+    """Host-side choices over every batch a graph may stand for: the eager step (B requests,
+    in `eager_rows`) and its padded graph (bg, in `uniform_batch(bg, bg)`) take the same path
+    and split count, for any query length; outside a uniform batch the bound is the count."""
     pytest.importorskip("triton")
     from specserve.attention.mla_fused import FUSE_MAX_TOKENS
-    from specserve.attention.mla_triton import mla_split_count, mla_token_bound
-    from specserve.worker.cudagraph import capture_sizes
+    from specserve.attention.mla_triton import mla_split_count
+    from specserve.worker.cudagraph import capture_sizes, eager_rows
 
     cpu = torch.device("cpu")
+
+    def choices(tokens: int) -> tuple:
+        bound = row_bound(tokens)
+        assert bound >= tokens
+        splits = [
+            mla_split_count(bound, head_blocks, split_len, cpu)
+            for head_blocks, split_len in ((1, 512), (2, 4096), (8, 32768))
+        ]
+        return bound <= FUSE_MAX_TOKENS, splits
+
     for max_num_seqs in (1, 3, 6, 20, 100, 256):
         sizes = capture_sizes(max_num_seqs)
         for b in range(1, max_num_seqs + 1):
             bg = next(s for s in sizes if s >= b)
             for q in range(1, 9):
-                eager, graph = mla_token_bound(b, q), mla_token_bound(bg, q)
-                assert b * q <= eager
-                assert (eager <= FUSE_MAX_TOKENS) == (graph <= FUSE_MAX_TOKENS), (b, bg, q)
-                for head_blocks, split_len in ((1, 512), (2, 4096), (8, 32768)):
-                    e = mla_split_count(eager, head_blocks, split_len, cpu)
-                    assert e == mla_split_count(graph, head_blocks, split_len, cpu), (b, bg, q)
+                with eager_rows(b, b * q, q, max_num_seqs):
+                    eager = choices(b * q)
+                with uniform_batch(bg, bg):
+                    graph = choices(bg * q)
+                assert eager == graph, (b, bg, q)
+    # 5 requests x 3 tokens: 15 tokens take the fused path, their graph's 24 do not; the
+    # bound is what makes the test above fail-able.
+    assert 15 <= FUSE_MAX_TOKENS < 24
+    with uniform_batch(5, 8):
+        assert row_bound(15) == 24

@@ -286,26 +286,34 @@ def test_split_choice() -> None:
 
 
 def test_split_count_same_for_graph_and_eager() -> None:
-    """A captured graph (padded batch, max_model_len) and the eager step it stands for (the real
-    batch) choose the same split count, so they compute the same bits."""
+    """A captured graph (padded batch in `uniform_batch(bg, bg)`, max_model_len) and the eager
+    step it stands for (the real batch, in the runner's `eager_rows`) choose the same split
+    count, so they compute the same bits."""
     pytest.importorskip("triton")
     from specserve.attention.triton_paged import split_count
-    from specserve.worker.cudagraph import capture_sizes
+    from specserve.ops.graph_rows import uniform_batch
+    from specserve.worker.cudagraph import capture_sizes, eager_rows
 
     cpu = torch.device("cpu")
     for max_num_seqs in (1, 3, 20, 100, 256):
         sizes = capture_sizes(max_num_seqs)
         for b in range(1, max_num_seqs + 1):
             bg = next(s for s in sizes if s >= b)  # the graph a batch of b replays
-            for q, block_q, kv_heads in ((1, 4, 8), (5, 4, 8), (8, 32, 2)):
+            for q, block_q, kv_heads in ((1, 4, 8), (5, 4, 8), (3, 4, 2), (8, 32, 2)):
                 for max_len in (400, 4096, 32768):
-                    eager = split_count(b, q, block_q, kv_heads, max_len, cpu)
-                    graph = split_count(bg, q, block_q, kv_heads, max_len, cpu)
+                    with eager_rows(b, b * q, q, max_num_seqs):
+                        eager = split_count(b * q, b, block_q, kv_heads, max_len, cpu)
+                    with uniform_batch(bg, bg):
+                        graph = split_count(bg * q, bg, block_q, kv_heads, max_len, cpu)
                     assert eager == graph, (max_num_seqs, b, q, max_len)
+    # Without the bound the counts differ: 3 decode requests are 3 q-blocks (24 programs over 8
+    # KV heads: 4 splits), their graph of 4 has 5 (40 programs: 2 splits).
+    assert split_count(3, 3, 4, 8, 4096, cpu) == 4
+    assert split_count(4, 4, 4, 8, 4096, cpu) == 2
     assert split_count(1, 1, 4, 8, 4096, cpu) == 16  # batch-1 decode at max_model_len 4096
     assert split_count(1, 1, 4, 8, 400, cpu) == 4
-    assert split_count(4, 1, 4, 8, 4096, cpu) == 2  # 5 q-blocks x 8 KV heads
-    assert split_count(64, 1, 4, 8, 32768, cpu) == 1  # the grid fills the GPU
+    assert split_count(4, 4, 4, 8, 4096, cpu) == 2  # 5 q-blocks x 8 KV heads
+    assert split_count(64, 64, 4, 8, 32768, cpu) == 1  # the grid fills the GPU
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
 from specserve.attention.mla import MLAWeights
-from specserve.ops import pdl
+from specserve.ops import graph_rows, pdl
 
 # Tokens a step at most for the fused path (a batch-16 decode, a batch-4 K = 3 verification).
 FUSE_MAX_TOKENS = 16
@@ -197,15 +197,13 @@ def fusable(
 ) -> bool:
     """Whether `mla_forward_fused` takes this batch: few tokens, a power-of-two rotary dim (the
     RoPE row is one tl.arange), W_UK / W_UV rows contiguous. "Few" is judged on
-    `mla_token_bound` (>= the token count), never the count itself: a captured graph's padded
-    batch and the eager step it stands for must take the same path (the two paths round
-    differently; issue 21)."""
-    from specserve.attention.mla_triton import mla_token_bound
-
+    `graph_rows.row_bound` of the token count (the rows of the padded graph a uniform batch
+    replays), never the count itself: a captured graph's padded batch and the eager step it
+    stands for must take the same path (the two paths round differently; issue 21)."""
     R = q.shape[2] - w.nope
     return (
         ENABLED
-        and mla_token_bound(c.num_reqs, c.max_query_len) <= FUSE_MAX_TOKENS
+        and graph_rows.row_bound(c.num_tokens) <= FUSE_MAX_TOKENS
         and R >= 2
         and R & (R - 1) == 0
         and w.w_uk.stride(-1) == 1

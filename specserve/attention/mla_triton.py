@@ -13,7 +13,7 @@ Split-KV (flash-decoding): a batch-1 decode step has one token and cdiv(20, 16) 
 2 programs for the whole GPU (18 us a layer on the H100 at GLM-4.7-Flash's shape). The keys
 of each token are then split evenly over `num_splits` programs (a count fixed by host-side
 sizes that a padded graph batch and the eager step it stands for share: max_model_len, never
-the batch's seq lens, and `mla_token_bound`, never the token count itself);
+the batch's seq lens, and `graph_rows.row_bound` of the token count, never the count itself);
 each writes its partial softmax state (m, l, unnormalized acc) and `_mla_merge_kernel` merges
 the splits in a fixed order (deterministic). The merge can also apply W_UV (the absorbed value
 up-projection, [H, v, L]) to the merged latent: the output is then [T, H, v] and the separate
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
-from specserve.ops import pdl
+from specserve.ops import graph_rows, pdl
 
 
 @triton.jit
@@ -217,8 +217,8 @@ def mla_attention(
     """Causal latent attention; returns [num_tokens, num_heads, L] in kv_cache's dtype, or with
     `w_uv` the value-projected [num_tokens, num_heads, v] (W_UV applied in the merge kernel).
     `num_splits`: key splits per token (None: `mla_split_count`'s choice over `split_len`, the
-    engine's max_model_len, and `mla_token_bound` of `c`; tests force it). Padding tokens
-    (positions of a padded row) attend over their row's pages harmlessly."""
+    engine's max_model_len, and `graph_rows.row_bound` of the token count; tests force it).
+    Padding tokens (positions of a padded row) attend over their row's pages harmlessly."""
     T, H, L = q_latent.shape
     R = q_pe.shape[-1]
     if q_latent.stride(-1) != 1:
@@ -229,7 +229,7 @@ def mla_attention(
     head_blocks = triton.cdiv(H, block_h)
     split_len = split_len or c.max_seq_len
     if num_splits is None:
-        bound = mla_token_bound(c.num_reqs, c.max_query_len)
+        bound = graph_rows.row_bound(T)
         num_splits = mla_split_count(bound, head_blocks, split_len, q_latent.device)
     out_dim = L if w_uv is None else w_uv.shape[1]
     out = torch.empty(T, H, out_dim, dtype=kv_cache.dtype, device=q_latent.device)
@@ -283,20 +283,12 @@ def mla_attention(
     return out
 
 
-def mla_token_bound(num_reqs: int, max_query_len: int) -> int:
-    """An upper bound on a batch's token count that a captured graph (padded to a capture size)
-    and the eager step it stands for share: num_reqs rounded up to a power of two (every power
-    of two up to max_num_seqs is a capture size, so the real and the padded batch round alike),
-    times the query length. Not the token count itself: at 1 + K = 3 a batch of 5 has 15
-    tokens, its graph of 8 has 24, and a choice made from those differs (issue 21)."""
-    return triton.next_power_of_2(max(num_reqs, 1)) * max_query_len
-
-
 def mla_split_count(max_tokens: int, head_blocks: int, split_len: int, device: torch.device) -> int:
     """Key splits per (token, head block): 1 unless the grid leaves most SMs idle (decode and
     small verification batches) and keys are many (at least MIN_KEYS_PER_SPLIT a split); a power
-    of two <= MAX_SPLITS. From host-side sizes only: `max_tokens` (`mla_token_bound`, rounded
-    up to a power of two) and split_len (max_model_len), so graph and eager split alike."""
+    of two <= MAX_SPLITS. From host-side sizes only: `max_tokens` (`graph_rows.row_bound` of
+    the token count: bg x q for a uniform batch of B padded to bg, eager or graph; rounded up to
+    a power of two) and split_len (max_model_len), so graph and eager split alike."""
     programs = triton.next_power_of_2(max(max_tokens, 1)) * head_blocks
     sms = _num_sms(device.index) if device.type == "cuda" else 132
     want = min(MAX_SPLITS, split_len // MIN_KEYS_PER_SPLIT, sms // programs)

@@ -35,7 +35,7 @@ from specserve.attention.backend import (
     CommonAttentionMetadata,
     ForwardContext,
 )
-from specserve.ops import pdl
+from specserve.ops import graph_rows, pdl
 from specserve.ops.fused import qk_norm_
 from specserve.ops.spec_kernels import advance_decode_metadata_
 from specserve.ops.triton_kernels import _rope_rows
@@ -664,8 +664,8 @@ def paged_attention(
     q_blocks = num_tokens // block_q + common.num_reqs
     if num_splits is None:
         num_splits = split_count(
+            num_tokens,
             common.num_reqs,
-            common.max_query_len,
             block_q,
             num_kv_heads,
             split_len or common.max_seq_len,
@@ -801,20 +801,19 @@ MAX_SPLIT_GROUPS = 1024
 
 
 def split_count(
+    num_tokens: int,
     num_reqs: int,
-    max_query_len: int,
     block_q: int,
     num_kv_heads: int,
     split_len: int,
     device: torch.device,
 ) -> int:
     """The split count of a launch, from sizes that a captured graph and the eager step it
-    stands for share, so both round the same way: the batch rounded up to a power of two (every
-    power of two up to max_num_seqs is a graph size, so a padded graph batch and the real one
-    round alike), the query length, and `split_len` (max_model_len in the engine: the graph's
-    bound, never the batch's own max_seq_len). An upper bound on the grid's q-blocks decides."""
-    rows = triton.next_power_of_2(max(num_reqs, 1))
-    q_blocks = rows * max_query_len // block_q + rows
+    stands for share, so both round the same way: the launch's q-blocks (num_tokens // block_q
+    + num_reqs) bounded by `graph_rows.row_bound` (for a uniform batch of B requests padded to
+    the capture size bg, eager or graph: bg x q tokens and bg requests) and `split_len`
+    (max_model_len in the engine: the graph's bound, never the batch's own max_seq_len)."""
+    q_blocks = graph_rows.row_bound(num_tokens) // block_q + graph_rows.row_bound(num_reqs)
     return _num_splits(q_blocks * num_kv_heads, split_len, device)
 
 

@@ -7,11 +7,14 @@ bucket and skinny row tile, the MoE decode/GEMM switch and tile config, the fuse
 switch) then differ whenever q is not a power of two (at q = 3 a batch of 5 has 15 rows, its
 graph of 8 has 24: buckets 16 and 32), and the two round differently in 16-bit (issue 23).
 
-The fix, as attention/mla_triton.py's `mla_token_bound`: choose from a bound the two share.
+The fix: choose from a bound the two share (also the attention split counts and MLA's fused
+path, attention/triton_paged.py and mla_*.py, and every drafter forward).
 The runner declares the forward's batch with `uniform_batch(num_reqs, padded_reqs)`: eagerly
-(B, the capture size a graph engine would pad B to), in the graph capture (bg, bg);
+(B, the capture size a graph engine would pad B to; also around eager drafting of that batch),
+in the graph capture and the draft graphs' bodies (bg, bg);
 `row_bound(rows)` is then ceil(rows / num_reqs) x padded_reqs: for a tensor of q rows per
-request, bg x q either way, exactly the rows the captured graph ran. Outside `uniform_batch`
+request, bg x q either way, exactly the rows the captured graph ran (and row_bound(num_reqs)
+is bg: the padded request count). Outside `uniform_batch`
 (prefill, mixed batches, training, tests) rows are rows.
 
 NOTE: a context variable, not an argument, because nn.Linear.forward(x) has no room for one;

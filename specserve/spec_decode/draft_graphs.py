@@ -17,7 +17,11 @@ drafter forward over the enlarged batch (b * (q + E) slots). Multi-layer MTP
 over b * (q + k - 1) slots with its metadata built inside the graph (rebuilt between modules on
 every replay), so it needs no in-place advance and every mode but eager captures that one graph.
 Padded rows point at the scratch row of the request state with samples = 0, so all their writes
-are discarded. Sampling parameters are copied into fixed buffers; a batch that needs top-k, top-p
+are discarded. Every body runs in `uniform_batch(b, b)` (ops/graph_rows.py), as the target's
+capture does: its row-dependent kernel choices (decode matmul plan, skinny tile, MoE switches,
+attention split counts, MLA's fused path) are those of the eager drafting of any batch B padded
+to b, which the runner runs in `uniform_batch(B, b)` (cudagraph.eager_rows), so a draft graph
+drafts the eager loop's bits also where q (tokens per request) is not a power of two. Sampling parameters are copied into fixed buffers; a batch that needs top-k, top-p
 or min-p for probabilistic drafting falls back to the eager loop.
 """
 
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.ops.graph_rows import uniform_batch
 from specserve.sample.sampler import SamplingTensors
 
 if TYPE_CHECKING:
@@ -95,6 +100,10 @@ class DraftGraphRunner:
         )
 
     def _prefill(self, q: int, b: int) -> None:
+        with uniform_batch(b, b):
+            self._prefill_body(q, b)
+
+    def _prefill_body(self, q: int, b: int) -> None:
         t, cg = b * q, self.target
         inp = SimpleNamespace(
             idx_mapping=self.rows[:b],
@@ -122,6 +131,10 @@ class DraftGraphRunner:
             self.h[:b].copy_(h)
 
     def _steps(self, b: int, n: int) -> None:
+        with uniform_batch(b, b):
+            self._steps_body(b, n)
+
+    def _steps_body(self, b: int, n: int) -> None:
         """`n` draft steps: n = 1 rebuilds metadata from the buffers; n > 1 advances in place."""
         r, spec = self.runner, self.spec
         rows, pos = self.rows[:b], self.pos[:b]

@@ -10,6 +10,7 @@ the copy; `finish` waits for it, so the engine may schedule and launch the next 
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -245,10 +246,7 @@ class ModelRunner:
             common = self.common_metadata(inp, slot_mapping, block_table)
             ctx = self.forward_context(common)
             # A uniform batch chooses its kernels as its graph would (ops/graph_rows.py).
-            rows = eager_rows(
-                inp.num_reqs, inp.num_tokens, inp.max_query_len, self.config.max_num_seqs
-            )
-            with rows:
+            with self._eager_rows(inp):
                 hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
         # Structured requests: their masks are filled on the host now, while the device runs
         # the forward just queued (CUDA), and uploaded asynchronously. None: no grammar here.
@@ -331,7 +329,10 @@ class ModelRunner:
                     ctx = self.forward_context(common)
                 kw = {"num_drafts": num_drafts} if num_drafts is not None else {}
                 t = TargetStep(inp, common, ctx, hidden, aux, num_acc, st)
-                self.speculator.propose(self, t, **kw)
+                # Drafter forwards of a uniform batch (B x rows each) choose their kernels as
+                # the draft graphs of its padded batch do (DraftGraphRunner).
+                with self._eager_rows(inp):
+                    self.speculator.propose(self, t, **kw)
             if self.draft_events is not None:
                 ev[1].record()
                 self.draft_events.append(ev)
@@ -378,6 +379,10 @@ class ModelRunner:
         # The rank (vLLM's: 1 + tokens more likely) comes with the logprobs: one sum per row.
         lp, ranks, top_ids, top_lp = compute_logprobs(logits, tok_ids, max(n_top, 1))
         return spans, n_top, (lp, tok_ids, ranks, top_ids.flatten(), top_lp.flatten())
+
+    def _eager_rows(self, inp: StepInputs) -> AbstractContextManager[None]:
+        """`cudagraph.eager_rows` for this step's batch: a uniform batch's row bound."""
+        return eager_rows(inp.num_reqs, inp.num_tokens, inp.max_query_len, self.config.max_num_seqs)
 
     def _next_drafts(self, inp: StepInputs, num_acc: torch.Tensor) -> torch.Tensor:
         """[B, K] the drafts just proposed (after each request's newest token): structured
