@@ -236,6 +236,7 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
     timeout 570 python -m pytest -q -rfE -m gpu \
       tests/test_warmup.py tests/test_mla_triton.py tests/test_graph_rows.py \
       tests/test_multi_layer_mtp_gpu.py tests/test_fp8_checkpoint.py tests/test_fp8_matmul.py \
+      tests/test_draft_rows_gpu.py tests/test_gpu.py \
       -p no:cacheprovider --durations=8 2>&1 | grep -v "Assertion" | tee "$OUT/gpu_verify.log" \
       | tail -30
     ;;
