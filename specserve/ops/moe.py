@@ -91,6 +91,14 @@ def fused_moe_ref(
     return out
 
 
+def _check_options(path: str, activation: str) -> None:
+    """One clear line for a bad `path` or `activation` (fused_moe and fused_moe_mxfp4)."""
+    if path not in PATHS:
+        raise ValueError(f"fused_moe path must be one of {', '.join(PATHS)}; got {path!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"fused_moe activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
 def fused_moe(
     # [num_tokens, hidden]
     x: torch.Tensor,
@@ -113,10 +121,7 @@ def fused_moe(
     """[num_tokens, hidden] in x's dtype. `path` picks the Triton kernels ("auto": decode
     kernels up to moe_triton.DECODE_MAX_TOKENS tokens, the grouped GEMM above; "decode";
     "gemm"); the reference ignores it."""
-    if path not in PATHS:
-        raise ValueError(f"fused_moe path must be one of {', '.join(PATHS)}; got {path!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"fused_moe activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_options(path, activation)
     if _use_triton(x):
         from specserve.ops.moe_triton import Epilogue, fused_moe_triton
 
@@ -163,10 +168,7 @@ def fused_moe_mxfp4(
     w2). Triton (ops/moe_mxfp4.py) on CUDA outside autograd, and on CPU tensors under
     TRITON_INTERPRET=1 (tests); elsewhere `fused_moe_mxfp4_ref`, which dequantizes every
     expert on each call (a fallback: the CPU default dequantizes once, at load)."""
-    if path not in PATHS:
-        raise ValueError(f"fused_moe path must be one of {', '.join(PATHS)}; got {path!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"fused_moe activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_options(path, activation)
     from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_ref, fused_moe_mxfp4_triton
     from specserve.ops.moe_triton import Epilogue
 
