@@ -199,18 +199,20 @@ def test_fp8_kept_8bit_matches_dequantized(ckpts: tuple[str, str, str]) -> None:
 
 @pytest.mark.gpu
 def test_fp8_kept_on_gpu_graph_equals_eager(ckpts: tuple[str, str, str]) -> None:
-    """On CUDA with "keep": weights float8, greedy == the dequantized model's (bf16
-    rounding of the scaled weights may flip a near-tie: compared over the first tokens), and
-    CUDA-graph replay == eager exactly."""
+    """On CUDA with "keep": weights float8, CUDA-graph replay == eager exactly in bf16, and
+    greedy == the dequantized model's in float32. (Not in bf16: this tiny random model is
+    chaotic, see above, and the two paths round their bf16 products in different orders, which
+    flipped a first token on the H100.)"""
     from specserve.models.fp8_linear import Fp8Linear
 
-    graph, model = _greedy(ckpts[1], "keep", device="cuda")
-    eager, _ = _greedy(ckpts[1], "keep", device="cuda", enforce_eager=True)
-    deq, _ = _greedy(ckpts[1], "dequantize", device="cuda", enforce_eager=True)
+    graph, model = _greedy(ckpts[1], "keep", device="cuda", dtype="bfloat16")
+    eager, _ = _greedy(ckpts[1], "keep", device="cuda", dtype="bfloat16", enforce_eager=True)
     fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert fp8 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
     assert graph == eager
-    assert [t[:2] for t in graph] == [t[:2] for t in deq]
+    kept, _ = _greedy(ckpts[1], "keep", device="cuda", dtype="float32", enforce_eager=True)
+    deq, _ = _greedy(ckpts[1], "dequantize", device="cuda", dtype="float32", enforce_eager=True)
+    assert [t[:2] for t in kept] == [t[:2] for t in deq]
 
 
 def test_fp8_weights_mode_is_validated(ckpts: tuple[str, str, str]) -> None:

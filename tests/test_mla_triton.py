@@ -131,6 +131,7 @@ def test_mla_model_triton_equals_torch_backend_gpu(tmp_path) -> None:
     """A tiny DeepSeek-V3 on CUDA in fp32: the Triton backend (MLA kernel, CUDA graphs) and
     the torch reference backend give the same greedy tokens, with and without MTP."""
     from specserve import LLM, SamplingParams
+    from specserve.ops import gemv
 
     from .mla_utils import make_mla_checkpoint
     from .spec_utils import append_mtp_layers
@@ -232,6 +233,7 @@ def test_mla_model_bf16_graph_equals_eager_gpu(tmp_path) -> None:
     the projections, the fused MLA kernels): CUDA-graph greedy tokens equal eager ones, with
     and without MTP, and a layer's fused norm_forward matches its unfused form."""
     from specserve import LLM, SamplingParams
+    from specserve.ops import gemv
 
     from .mla_utils import make_mla_checkpoint
     from .spec_utils import append_mtp_layers
@@ -259,8 +261,9 @@ def test_mla_model_bf16_graph_equals_eager_gpu(tmp_path) -> None:
     x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
     res = torch.randn_like(x)
     a, b = attn.q_a_proj, attn.kv_a_proj_with_mqa
-    q_in, h = a.run_norm(x, norm.weight, norm.eps, res, a.config(x))
-    kv_a, _ = b.run_norm(h, norm.weight, norm.eps, None, b.config(x))
+    # config() is None where the plan left a row count to cuBLAS: force the Triton gemv then.
+    q_in, h = a.run_norm(x, norm.weight, norm.eps, res, a.config(x) or gemv.DEFAULT_CONFIG)
+    kv_a, _ = b.run_norm(h, norm.weight, norm.eps, None, b.config(x) or gemv.DEFAULT_CONFIG)
     normed, h_ref = norm(x, res)
     torch.testing.assert_close(h, h_ref)
     for got, lin in ((q_in, a), (kv_a, b)):

@@ -55,7 +55,10 @@ def _rope_row(
     return tl.where(d < R // 2, x * c - xp * s, x * c + xp * s)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["num_tokens"],
+    do_not_specialize_on_alignment=["positions_ptr", "slot_mapping_ptr"],  # per-step views
+)
 def _mla_prologue_kernel(
     q_ptr,
     kv_a_ptr,

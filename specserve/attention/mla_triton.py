@@ -32,7 +32,14 @@ from specserve.attention.backend import CommonAttentionMetadata
 from specserve.ops import graph_rows, pdl
 
 
-@triton.jit
+# Per-step views (metadata uploads, split workspaces): no alignment specialization, so no batch
+# shape compiles a variant after start-up (see triton_paged._PER_STEP_ARGS).
+@triton.jit(
+    do_not_specialize=["stride_bt"],
+    do_not_specialize_on_alignment=[
+        "ws_acc_ptr", "ws_ml_ptr", "block_table_ptr", "token_req_ptr", "positions_ptr"
+    ],
+)  # fmt: skip
 def _mla_attention_kernel(
     q_lat_ptr,
     q_pe_ptr,

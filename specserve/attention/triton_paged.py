@@ -48,7 +48,7 @@ class TritonAttentionMetadata:
 
 
 # ---- KV cache write ---------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # per-step views
 def _reshape_and_cache_kernel(
     k_ptr,
     v_ptr,
@@ -124,7 +124,7 @@ def reshape_and_cache(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_mapping_ptr"])  # per-step views
 def _rope_and_cache_kernel(
     pos_ptr,
     q_ptr,
@@ -265,7 +265,28 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-@triton.jit
+# The metadata arguments are views into the step's one upload and the request count: Triton
+# would specialize on their 16-byte alignment and on num_reqs == 1 / % 16, so a batch shape first
+# seen while serving compiled a new variant there (issue 23's stalls). They are scalar loads:
+# one variant for every batch costs nothing. q, the caches and the output keep their alignment
+# (vectorized loads).
+_PER_STEP_ARGS = [
+    "query_start_loc_ptr",
+    "seq_lens_ptr",
+    "positions_ptr",
+    "block_table_ptr",
+    "slot_mapping_ptr",
+    "counter_ptr",
+    "ws_acc_ptr",
+    "ws_m_ptr",
+    "ws_l_ptr",
+]
+
+
+@triton.jit(
+    do_not_specialize=["num_reqs", "stride_bt"],
+    do_not_specialize_on_alignment=_PER_STEP_ARGS,
+)
 def _paged_attention_kernel(
     out_ptr,
     q_ptr,
