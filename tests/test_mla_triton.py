@@ -131,7 +131,6 @@ def test_mla_model_triton_equals_torch_backend_gpu(tmp_path) -> None:
     """A tiny DeepSeek-V3 on CUDA in fp32: the Triton backend (MLA kernel, CUDA graphs) and
     the torch reference backend give the same greedy tokens, with and without MTP."""
     from specserve import LLM, SamplingParams
-    from specserve.ops import gemv
 
     from .mla_utils import make_mla_checkpoint
     from .spec_utils import append_mtp_layers
