@@ -840,17 +840,19 @@ def split_count(
 
 def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
     """Key splits per (q-block, KV head): 1 unless the grid leaves most SMs idle (small decode
-    batches) and keys are many (at least MIN_KEYS_PER_SPLIT each); a power of two <= 16.
+    batches) and keys are many (at least MIN_KEYS_PER_SPLIT each); a power of two <=
+    MAX_SPLITS.
 
     From host-side sizes only (a captured graph uses max_model_len for max_seq_len)."""
     sms = _num_sms(device.index) if device.type == "cuda" else 132
-    want = min(16, max_seq_len // MIN_KEYS_PER_SPLIT, sms // max(num_programs, 1))
+    want = min(MAX_SPLITS, max_seq_len // MIN_KEYS_PER_SPLIT, sms // max(num_programs, 1))
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
 # Splits pay off from short contexts on (batch-1 decode at max_model_len 400, H100: 5.64 vs
 # 5.76 ms a graph with 4 splits instead of 1; benchmarks/RESULTS.md).
 MIN_KEYS_PER_SPLIT = 64
+MAX_SPLITS = 16
 
 
 @functools.cache

@@ -1,0 +1,50 @@
+"""benchmarks/timeline.py under module switches, one run each: the step span per variant.
+
+    python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
+        --variants "base;specserve.attention.triton_paged.MAX_SPLITS=4"
+
+A variant is `;`-separated from the next and sets `module.NAME=value` pairs (`,`-separated; int,
+float or True / False) before timeline.py runs in a fresh process, so compiled kernels and plans
+do not leak between variants. The last lines print each variant's span.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+RUNNER = """
+import importlib, runpy, sys
+for pair in filter(None, sys.argv[1].split(",")):
+    name, value = pair.split("=")
+    mod, attr = name.rsplit(".", 1)
+    setattr(importlib.import_module(mod), attr, eval(value))
+sys.argv = ["timeline.py"] + sys.argv[2:]
+runpy.run_path("benchmarks/timeline.py", run_name="__main__")
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", required=True)
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--variants", required=True)
+    args = ap.parse_args()
+    spans = []
+    for variant in args.variants.split(";"):
+        sets = "" if variant == "base" else variant
+        cmd = [sys.executable, "-c", RUNNER, sets, "--shape", args.shape, "--batch", args.batch]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ).stdout
+        print(f"### {variant}\n{out}", flush=True)
+        m = re.search(r"span (\d+)\s+busy (\d+)", out)
+        spans.append((variant, m.group(1) if m else "?", m.group(2) if m else "?"))
+    print("variant | span us | busy us")
+    for v, span, busy in spans:
+        print(f"{v} | {span} | {busy}")
+
+
+if __name__ == "__main__":
+    main()
