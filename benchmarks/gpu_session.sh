@@ -33,7 +33,8 @@
 #   bash benchmarks/gpu_session.sh serve-plain    # serve_sweep.py --shape llama3-8b, plain half
 #   bash benchmarks/gpu_session.sh serve-eagle3   # the EAGLE-3 half, then compare + plot
 #   bash benchmarks/gpu_session.sh serve-short    # both halves at 64 output tokens (stalls)
-#   bash benchmarks/gpu_session.sh verify         # session 10's GPU tests not yet run
+#   bash benchmarks/gpu_session.sh verify         # session 10's GPU tests (all pass in session 11)
+#   bash benchmarks/gpu_session.sh serve-long     # both serving halves in one call (344 s, warm)
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -207,6 +208,11 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
       --result-dir /tmp/sweep8b 2>&1 | grep --line-buffered -v "^INFO" \
       | tee "$OUT/serve_${1#serve-}.log" | tail -60
     ;;
+  serve-long)
+    timeout 580 python benchmarks/serve_sweep.py --shape llama3-8b --result-dir /tmp/long 2>&1 \
+      | grep --line-buffered -v "^INFO" | tee "$OUT/serve_long.log" | tail -40
+    cp /tmp/long/*.json /tmp/long/sweep.png "$OUT/" 2>/dev/null
+    ;;
   serve-short)
     timeout 570 python benchmarks/serve_sweep.py --shape llama3-8b --output-len 64 \
       --result-dir /tmp/sweep8b_short 2>&1 | grep --line-buffered -v "^INFO" \
@@ -237,11 +243,11 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
       tests/test_warmup.py tests/test_mla_triton.py tests/test_graph_rows.py \
       tests/test_multi_layer_mtp_gpu.py tests/test_fp8_checkpoint.py tests/test_fp8_matmul.py \
       tests/test_draft_rows_gpu.py tests/test_gpu.py \
-      -p no:cacheprovider --durations=8 2>&1 | grep -v "Assertion" | tee "$OUT/gpu_verify.log" \
-      | tail -30
+      -p no:cacheprovider --tb=short --timeout=250 --durations=8 2>&1 \
+      | tee "$OUT/gpu_verify.log" | tail -40
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|serve-short|verify" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|serve-long|serve-short|verify" >&2
     exit 2
     ;;
 esac
