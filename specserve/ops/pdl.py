@@ -15,6 +15,9 @@ the preload), and the matmul prefetching all its weight rows into L2 (TMA bulk p
 waiting (6.37 ms a step; 6.32 with the early trigger). Session 6 (H100, RESULTS.md): only
 o_proj's gemv prefetching its weight slice to L2 while attention runs (graph 5.247 vs 5.221
 ms), and the matmul triggering 1 or 2 K tiles before its last (graph 5.234 / 5.372 ms).
+Session 11 (H100, Qwen3-30B-A3B batch-1 timeline): the attention kernel loading its first
+key tile (page, keys, values) before waiting, this step's keys put into it from registers:
+step span 3246 / 3260 vs 3179 / 3169 us (attention 8.49 vs 7.31 us a layer).
 
 The rule every kernel launched with `launch_kwargs` keeps: `start` comes before any memory
 access other than weight loads, in every program, including programs that then exit early.
