@@ -66,3 +66,18 @@ def test_cpu_smoke_runs_every_configuration(tmp_path) -> None:
     for s in m["spec"]:
         assert s["status"] == "ok", s
         assert all(1.0 <= r["tokens_per_step"] <= s["k"] + 1 for r in s["rows"])
+
+
+def test_prefill_cpu_smoke_runs_both_paths(tmp_path) -> None:
+    """benchmarks/mla_prefill.py --cpu-smoke: both prefill paths time a prompt and agree on
+    its first greedy token (float32)."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    script = os.path.join(ROOT, "benchmarks", "mla_prefill.py")
+    cmd = [sys.executable, script, "--cpu-smoke", "--repeats", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.load(open(tmp_path / "mla_prefill.json"))["rows"]
+    assert [r["prompt_tokens"] for r in rows] == [16, 40]
+    for r in rows:
+        assert r["latent_ms"] > 0 and r["expanded_ms"] > 0
+        assert r["first_tokens"]["latent"] == r["first_tokens"]["expanded"]

@@ -83,6 +83,59 @@ def test_latent_kv_cache_and_its_size(mla_ckpt) -> None:  # noqa: F811
     assert runner.kv_caches[0][:-1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("name", list(MLA_ARCHS))
+@pytest.mark.parametrize(
+    "engine_kw", [{}, {"max_num_batched_tokens": 16}], ids=["plain", "chunked"]
+)
+def test_expanded_prefill_matches_transformers(
+    mla_ckpt,  # noqa: F811
+    hf_refs,
+    monkeypatch,
+    name: str,
+    engine_kw: dict,  # noqa: F811
+) -> None:
+    """Prefill through per-head K/V (attention.mla.mla_prefill_expanded: every step with a
+    query of >= 2 tokens, decode rows beside prefills included): greedy still equals
+    transformers on the mixed-length batch; the path really ran."""
+    from specserve.attention import mla
+
+    monkeypatch.setattr(mla, "EXPAND_PREFILL_MIN_QUERY", 2)
+    calls = []
+    run = mla.mla_prefill_expanded
+    monkeypatch.setattr(mla, "mla_prefill_expanded", lambda *a: calls.append(1) or run(*a))
+    llm = LLM(mla_ckpt(name), max_model_len=128, **engine_kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in hf_refs["_prompts"]], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_refs[name]
+    assert calls
+
+
+def test_expanded_prefill_stays_latent_past_its_budget(mla_ckpt, monkeypatch) -> None:  # noqa: F811
+    """EXPAND_MAX_ELEMENTS bounds the expanded K/V of a step: past it the step stays latent."""
+    from specserve.attention import mla
+    from specserve.attention.backend import CommonAttentionMetadata
+
+    model = LLM(mla_ckpt("deepseek_v3"), max_model_len=64).engine.model
+    w = model.model.layers[1].self_attn.weights()
+    c = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 32], dtype=torch.int32),
+        seq_lens=torch.tensor([32], dtype=torch.int32), positions=torch.arange(32),
+        block_table=torch.zeros(1, 4, dtype=torch.int32), slot_mapping=torch.arange(32),
+        token_req=torch.zeros(32, dtype=torch.long), num_reqs=1, num_tokens=32,
+        max_query_len=32, max_seq_len=32,
+    )  # fmt: skip
+    assert not mla.expand_fits(c, w, 8)  # off by default
+    monkeypatch.setattr(mla, "EXPAND_PREFILL_MIN_QUERY", 16)
+    assert mla.expand_fits(c, w, 8)
+    need = 32 * w.w_uk.shape[0] * (w.nope + 8 + w.w_uv.shape[1])  # S x H x (nope + R + v)
+    monkeypatch.setattr(mla, "EXPAND_MAX_ELEMENTS", need)
+    assert mla.expand_fits(c, w, 8)
+    monkeypatch.setattr(mla, "EXPAND_MAX_ELEMENTS", need - 1)
+    assert not mla.expand_fits(c, w, 8)
+    monkeypatch.setattr(mla, "EXPAND_PREFILL_MIN_QUERY", 33)
+    monkeypatch.setattr(mla, "EXPAND_MAX_ELEMENTS", 1 << 28)
+    assert not mla.expand_fits(c, w, 8)
+
+
 def test_absorbed_attention_equals_expanded(mla_ckpt) -> None:  # noqa: F811
     """One MLA layer over a paged latent cache (absorbed W_UK / W_UV, latent-space attention)
     equals transformers' DeepseekV3Attention (per-head K/V expanded from the latent) in fp32,

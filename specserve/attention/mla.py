@@ -8,8 +8,13 @@ and output projections (models/mla.py), attention runs in the latent space:
     score(h, s) = (q_latent[h] . c[s] + q_pe[h] . k_pe[s]) * scale
     out[h]      = sum_s softmax(score)[h, s] * c[s]           (then W_UV, o_proj)
 
-Decode, verification and prefill all take this path (the kernel in attention/mla_triton.py
-for CUDA); nothing ever expands per-head K/V.
+Decode and verification always take this path (the kernel in attention/mla_triton.py for
+CUDA). Prefill may instead expand per-head keys and values from the latent (`mla_prefill_expanded`,
+vLLM's choice for MLA prefill): k = [W_UK c, k_pe], v = W_UV c, then ordinary attention with
+nope + R = 256 channels a score and v = 256 a value (GLM-4.7-Flash) instead of L + R = 576 and
+L = 512, at the price of the expansion (S x H x (nope + v) x L multiply-adds for S context rows).
+`EXPAND_PREFILL_MIN_QUERY` switches it on for steps with long enough queries; off (None) until
+`benchmarks/mla_prefill.py` has measured which is faster on a GPU.
 
 `mla_forward` is everything between the projections: the latent's RMSNorm, RoPE of q_pe and
 k_pe, the W_UK absorb, the latent KV write, attention and W_UV. Its torch form here
@@ -25,6 +30,12 @@ import torch
 
 from specserve import ops
 from specserve.attention.backend import CommonAttentionMetadata
+
+# Steps whose longest query has at least this many tokens take `mla_prefill_expanded` (None:
+# never). A step's expanded keys and values (requests x longest context x H x (nope + R + v)
+# elements) above EXPAND_MAX_ELEMENTS stay latent.
+EXPAND_PREFILL_MIN_QUERY: int | None = None
+EXPAND_MAX_ELEMENTS = 1 << 28
 
 
 @dataclass
@@ -72,6 +83,22 @@ def mla_prologue_ref(
     slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_latent [T, H, L], rotated q_pe [T, H, R]), this step's latent rows written."""
+    q_nope, q_pe = _prologue_unabsorbed(positions, q, kv_a, w, kv_cache, slot_mapping)
+    # [H, T, nope] @ [H, nope, L] -> [T, H, L]
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)
+    return q_latent, q_pe
+
+
+def _prologue_unabsorbed(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    kv_a: torch.Tensor,
+    w: MLAWeights,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mla_prologue_ref` up to the absorb: (q_nope [T, H, nope], rotated q_pe [T, H, R]),
+    the latent normed and this step's latent rows written."""
     T = q.shape[0]
     L, R = w.w_uk.shape[2], q.shape[2] - w.nope
     q_nope, q_pe = q.split([w.nope, R], -1)
@@ -81,9 +108,70 @@ def mla_prologue_ref(
         q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
     q_pe, k_pe = ops.rope_(positions, q_pe.contiguous(), k_pe.reshape(T, 1, -1), w.cos, w.sin)
     write_latent(kv_cache, kv_c, k_pe.view(T, -1), slot_mapping)
-    # [H, T, nope] @ [H, nope, L] -> [T, H, L]
-    q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)
-    return q_latent, q_pe
+    return q_nope, q_pe
+
+
+def _gather_requests(
+    # [num_tokens, ...]
+    x: torch.Tensor,
+    c: CommonAttentionMetadata,
+    fill: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x padded per request [B, max_query_len, ...], each token's offset in its request)."""
+    T = x.shape[0]
+    offset = torch.arange(T, device=x.device) - c.query_start_loc.long()[c.token_req]
+    out = x.new_full((c.num_reqs, c.max_query_len, *x.shape[1:]), fill)
+    out[c.token_req, offset] = x
+    return out, offset
+
+
+def expand_fits(c: CommonAttentionMetadata, w: MLAWeights, rope_dim: int) -> bool:
+    """Whether `mla_forward` takes `mla_prefill_expanded` for this step (host sizes only)."""
+    if EXPAND_PREFILL_MIN_QUERY is None or c.max_query_len < EXPAND_PREFILL_MIN_QUERY:
+        return False
+    H, nope = w.w_uk.shape[0], w.nope
+    per_row = H * (nope + rope_dim + w.w_uv.shape[1])
+    return c.num_reqs * c.max_seq_len * per_row <= EXPAND_MAX_ELEMENTS
+
+
+def mla_prefill_expanded(
+    # [num_tokens]
+    positions: torch.Tensor,
+    # [num_tokens, H, nope + R]
+    q: torch.Tensor,
+    # [num_tokens, L + R]
+    kv_a: torch.Tensor,
+    w: MLAWeights,
+    # [num_blocks, block_size, L + R]
+    kv_cache: torch.Tensor,
+    c: CommonAttentionMetadata,
+) -> torch.Tensor:
+    """`mla_forward` through per-head K/V: this step's latent rows written as always, then
+    every request's context rows gathered from the cache and expanded (k_nope = W_UK c,
+    v = W_UV c; k_pe shared by the heads) and attended causally by position with SDPA.
+    Returns [num_tokens, H, v] in q's dtype."""
+    q_nope, q_pe = _prologue_unabsorbed(positions, q, kv_a, w, kv_cache, c.slot_mapping)
+    H, nope, L = w.w_uk.shape
+    R = q_pe.shape[-1]
+    bs = kv_cache.shape[1]
+    nblk = (c.max_seq_len + bs - 1) // bs
+    # [B, S, L + R]: each request's pages gathered into one run (rows past its length unused).
+    kv = kv_cache[c.block_table[:, :nblk].long()].flatten(1, 2).to(q.dtype)
+    B, S = kv.shape[0], kv.shape[1]
+    lat, k_pe = kv[..., :L], kv[..., L:]
+    # [B, S, L] x [H, nope, L] -> [B, H, S, nope]; the same for W_UV: [B, H, S, v]
+    k_nope = torch.einsum("bsl,hnl->bhsn", lat, w.w_uk)
+    v = torch.einsum("bsl,hvl->bhsv", lat, w.w_uv)
+    k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, R)], dim=-1)
+    qp, offset = _gather_requests(torch.cat([q_nope, q_pe], dim=-1), c)
+    pos, _ = _gather_requests(positions, c, fill=-1)
+    # [B, 1, Q, S]: a key is visible to the queries at or after its position; padded query
+    # rows (position -1) see key 0 only, so SDPA stays finite (their output is dropped).
+    visible = torch.arange(S, device=q.device)[None, None, :] <= pos.clamp(min=0)[:, :, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qp.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=w.scale
+    )  # [B, H, Q, v]
+    return out.transpose(1, 2)[c.token_req, offset].to(q.dtype)
 
 
 def write_latent(
@@ -114,21 +202,16 @@ def mla_attention_ref(
 ) -> torch.Tensor:
     """Causal latent attention of every token over its request's cached rows (this step's
     rows already written). Returns [num_tokens, num_heads, L] in q_latent's dtype."""
-    T, H, L = q_latent.shape
+    L = q_latent.shape[2]
     bs = kv_cache.shape[1]
     nblk = (c.max_seq_len + bs - 1) // bs
     # [B, nblk * bs, L + R]: each request's pages gathered into one run.
     kv = kv_cache[c.block_table[:, :nblk].long()].flatten(1, 2).float()
-    B, S = kv.shape[0], kv.shape[1]
-    qsl = c.query_start_loc.long()
-    offset = torch.arange(T, device=q_latent.device) - qsl[c.token_req]
-    q = torch.cat([q_latent, q_pe], dim=-1).float()
-    qp = q.new_zeros(B, c.max_query_len, H, q.shape[-1])
-    qp[c.token_req, offset] = q
-    pos = torch.full((B, c.max_query_len), -1, dtype=torch.long, device=q.device)
-    pos[c.token_req, offset] = c.positions
+    S = kv.shape[1]
+    qp, offset = _gather_requests(torch.cat([q_latent, q_pe], dim=-1).float(), c)
+    pos, _ = _gather_requests(c.positions.long(), c, fill=-1)
     scores = torch.einsum("bqhd,bsd->bhqs", qp, kv) * scale
-    visible = torch.arange(S, device=q.device)[None, None, :] <= pos[:, :, None]
+    visible = torch.arange(S, device=kv.device)[None, None, :] <= pos[:, :, None]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     # Padded query rows see nothing; keep them finite (their output is dropped).
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
@@ -158,6 +241,8 @@ def mla_forward(
 
         if mla_fused.fusable(q, w, c):
             return mla_fused.mla_forward_fused(positions, q, kv_a, w, kv_cache, c, split_len)
+    if expand_fits(c, w, q.shape[2] - w.nope):
+        return mla_prefill_expanded(positions, q, kv_a, w, kv_cache, c)
     q_latent, q_pe = mla_prologue_ref(positions, q, kv_a, w, kv_cache, c.slot_mapping)
     if use_triton:
         from specserve.attention.mla_triton import mla_attention
