@@ -35,6 +35,7 @@
 #   bash benchmarks/gpu_session.sh serve-short    # both halves at 64 output tokens (stalls)
 #   bash benchmarks/gpu_session.sh verify         # session 10's GPU tests (all pass in session 11)
 #   bash benchmarks/gpu_session.sh serve-long     # both serving halves in one call (344 s, warm)
+#   bash benchmarks/gpu_session.sh mla-prefill    # MLA prefill: latent vs expanded K/V (issue 21)
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -208,6 +209,10 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
       --result-dir /tmp/sweep8b 2>&1 | grep --line-buffered -v "^INFO" \
       | tee "$OUT/serve_${1#serve-}.log" | tail -60
     ;;
+  mla-prefill)
+    timeout 570 python benchmarks/mla_prefill.py 2>&1 | grep --line-buffered -v tokenizer \
+      | tee "$OUT/mla_prefill.log" | tail -12
+    ;;
   serve-long)
     timeout 580 python benchmarks/serve_sweep.py --shape llama3-8b --result-dir /tmp/long 2>&1 \
       | grep --line-buffered -v "^INFO" | tee "$OUT/serve_long.log" | tail -40
@@ -247,7 +252,7 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
       | tee "$OUT/gpu_verify.log" | tail -40
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|serve-long|serve-short|verify" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|serve-long|serve-short|verify" >&2
     exit 2
     ;;
 esac
