@@ -14,7 +14,15 @@ import triton.language as tl
 
 from specserve.ops import graph_rows
 from specserve.ops.moe_mxfp4 import _check_pair, _mxfp4_tile
-from specserve.ops.moe_triton import PLAIN, Epilogue, GemmConfig, _act, _moe_sum_kernel, moe_align
+from specserve.ops.moe_triton import (
+    PLAIN,
+    Epilogue,
+    GemmConfig,
+    _gemm_block,
+    _gemm_epilogue,
+    _moe_sum_kernel,
+    moe_align,
+)
 
 # Grouped GEMM configs as moe_triton.GEMM_CONFIGS (by mean pairs per expert), with more warps
 # where the dequantized tiles (fp32 lo/hi of gate and up before the casts) would spill at 4.
@@ -69,13 +77,7 @@ def _moe_mxfp4_gemm_kernel(
     # As moe_triton._moe_gemm_kernel (same grouping, sentinel rows, epilogues); weight row r
     # of expert e (2N rows under GATE_UP, N otherwise): K / 2 bytes at wb + (e * rows + r) *
     # K / 2, K / 32 scales at ws + (e * rows + r) * K / 32.
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_m
-    pid_n = (pid % in_group) // group_m
+    pid_m, pid_n = _gemm_block(tl.program_id(0), N, num_pid_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
         return
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -110,17 +112,10 @@ def _moe_mxfp4_gemm_kernel(
             )
             acc_up = tl.dot(a_even, lo.to(a_even.dtype), acc_up, input_precision=DOT_PRECISION)
             acc_up = tl.dot(a_odd, hi.to(a_odd.dtype), acc_up, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        b_row = b_ptr + expert * stride_be + n
-        acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GATE_UP:
-            acc_up += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if GATE_UP:
-        acc = _act(acc, acc_up, ACT, ALPHA, LIMIT)
-    if MUL_WEIGHT:
-        acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + n[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _gemm_epilogue(
+        acc, acc_up, b_ptr, c_ptr, topk_w_ptr, expert, pair, row_ok, n, n_ok, N, stride_be,
+        stride_cm, GATE_UP, MUL_WEIGHT, HAS_BIAS, ACT, ALPHA, LIMIT,
+    )  # fmt: skip
 
 
 def _gemm_mxfp4(

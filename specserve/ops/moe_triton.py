@@ -194,6 +194,39 @@ def _act(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
     return gate / (1.0 + tl.exp(-gate)) * up
 
 
+@triton.jit
+def _gemm_block(pid, N, num_pid_m, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of program pid in grouped order: GROUP_M consecutive row
+    blocks share a column block, so the blocks of one expert read its weight tile from L2
+    after the first."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % in_group) % group_m, (pid % in_group) // group_m
+
+
+@triton.jit
+def _gemm_epilogue(
+    acc, acc_up, b_ptr, c_ptr, topk_w_ptr, expert, pair, row_ok, n, n_ok, N, stride_be,
+    stride_cm, GATE_UP: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+):  # fmt: skip
+    """A grouped-GEMM block's epilogue: + bias (b[e, n], and b[e, N + n] on up), act(gate, up)
+    under GATE_UP, times the routing weight under MUL_WEIGHT; stored at the pairs' rows of c."""
+    if HAS_BIAS:
+        b_row = b_ptr + expert * stride_be + n
+        acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATE_UP:
+            acc_up += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATE_UP:
+        acc = _act(acc, acc_up, ACT, ALPHA, LIMIT)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["P", "num_pid_m"])
 def _moe_gemm_kernel(
     a_ptr,
@@ -230,15 +263,8 @@ def _moe_gemm_kernel(
     # gate_up: a = x, a_div = top_k, W = w13 and c = act(gate, up) (columns n and N + n);
     # down: a = inter, a_div = 1, W = w2, c = routing weight * product. HAS_BIAS: + b[e, n]
     # (and b[e, N + n] on up) before the epilogue (gpt-oss).
-    # Grouped order: GROUP_M consecutive blocks share a column block, so the blocks of one
-    # expert read its weight tile from L2 after the first.
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_m
-    pid_n = (pid % in_group) // group_m
+    # Grouped order (_gemm_block).
+    pid_m, pid_n = _gemm_block(tl.program_id(0), N, num_pid_m, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
         return
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -260,17 +286,10 @@ def _moe_gemm_kernel(
         if GATE_UP:
             w_up = tl.load(w_cols + N * stride_wn + k[:, None], mask=w_ok, other=0.0)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        b_row = b_ptr + expert * stride_be + n
-        acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if GATE_UP:
-            acc_up += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if GATE_UP:
-        acc = _act(acc, acc_up, ACT, ALPHA, LIMIT)
-    if MUL_WEIGHT:
-        acc = acc * tl.load(topk_w_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + n[None, :]
-    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    _gemm_epilogue(
+        acc, acc_up, b_ptr, c_ptr, topk_w_ptr, expert, pair, row_ok, n, n_ok, N, stride_be,
+        stride_cm, GATE_UP, MUL_WEIGHT, HAS_BIAS, ACT, ALPHA, LIMIT,
+    )  # fmt: skip
 
 
 @triton.jit
