@@ -151,7 +151,7 @@ def mla_prefill_expanded(
     v = W_UV c; k_pe shared by the heads) and attended causally by position with SDPA.
     Returns [num_tokens, H, v] in q's dtype."""
     q_nope, q_pe = _prologue_unabsorbed(positions, q, kv_a, w, kv_cache, c.slot_mapping)
-    H, nope, L = w.w_uk.shape
+    H, L = w.w_uk.shape[0], w.w_uk.shape[2]
     R = q_pe.shape[-1]
     bs = kv_cache.shape[1]
     nblk = (c.max_seq_len + bs - 1) // bs
