@@ -81,7 +81,16 @@ ROUTE_CASES = [
     (2, 16, 64, 4, "sigmoid", True, 2.5, 1, 1),
     (5, 16, 64, 4, "sigmoid", True, 1.0, 4, 2),  # group-limited choice
     (4, 32, 64, 6, "sigmoid", False, 1.5, 8, 3),
+    (1, 32, 96, 4, "softmax_topk", False, 1.0, 1, 1),  # gpt-oss: biased logits, softmax of k
+    (6, 16, 64, 2, "softmax_topk", False, 1.0, 1, 1),
 ]
+
+
+def router_bias(scoring: str, E: int, dtype: torch.dtype, seed: int) -> torch.Tensor | None:
+    """gpt-oss's router bias (softmax_topk routers), large enough to move the choice."""
+    if scoring != "softmax_topk":
+        return None
+    return torch.randn(E, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 @pytest.mark.interpret
@@ -96,10 +105,13 @@ def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
     routing = dict(scoring=scoring, top_k=top_k, renormalize=renorm, scale=scale)
     routing.update(n_group=n_group, topk_group=topk_group)
     x, res, norm_w, w, bias = make_route(T, E, H, scoring, dtype, seed=T + E)
+    rb = router_bias(scoring, E, dtype, seed=T)
     counter = torch.zeros(1, dtype=torch.int32)
-    ref = norm_route_ref(x, res, norm_w, 1e-6, w, bias, **routing)
+    ref = norm_route_ref(x, res, norm_w, 1e-6, w, bias, rb, **routing)
     for config in ((4, 512, 4), (8, 32, 4), (1, 16, 2)):  # one program per expert included
-        out = norm_route_triton(x, res, norm_w, 1e-6, w, bias, counter, config, **routing)
+        out = norm_route_triton(
+            x, res, norm_w, 1e-6, w, bias, counter, config, router_bias=rb, **routing
+        )
         if dtype == torch.float32:
             _check_route(out, ref, dtype)
             continue
@@ -113,10 +125,13 @@ def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
             logits = F.linear(out[2].float(), w.float())
             _check_route(out, (*select_experts_ref(logits, bias, **routing), *ref[2:]), dtype)
         else:
-            logits = F.linear(out[2], w).float()
+            logits = F.linear(out[2], w, rb).float()
             chosen = logits.gather(1, out[1]).sort(dim=-1, descending=True)[0]
             best = logits.topk(top_k, dim=-1)[0]
             torch.testing.assert_close(chosen, best, atol=2e-2, rtol=2e-2)
+            if scoring == "softmax_topk":  # the weights: the chosen logits' softmax
+                want = F.linear(out[2], w, rb).gather(1, out[1]).softmax(-1, dtype=torch.float32)
+                torch.testing.assert_close(out[0], want, atol=2e-2, rtol=2e-2)
         assert int(counter) == 0  # reset by the last program: the next launch starts at 0
 
 
@@ -155,7 +170,11 @@ def test_norm_route_cpu_is_reference_and_select_experts_validates() -> None:
     best_groups = choice.sum(-1).topk(2, dim=-1)[1]  # groups of 2: the top-2 sum is the sum
     assert all(set((out[1][t] // 2).tolist()) <= set(best_groups[t].tolist()) for t in range(3))
     with pytest.raises(ValueError, match="scoring must be one of"):
-        select_experts_ref(logits, None, scoring="softmax_topk", top_k=2, renormalize=False)
+        select_experts_ref(logits, None, scoring="topk_softmax", top_k=2, renormalize=False)
+    # softmax_topk (gpt-oss): the k best logits, softmaxed among themselves.
+    w2, ids2 = select_experts_ref(logits, None, scoring="softmax_topk", top_k=3, renormalize=False)
+    assert torch.equal(ids2, logits.topk(3, dim=-1)[1])
+    torch.testing.assert_close(w2, logits.topk(3, dim=-1)[0].softmax(-1))
 
 
 @pytest.mark.interpret
@@ -188,8 +207,8 @@ def test_router_kernels_compile_for_sm90() -> None:
     """The fused router compiles for sm_90 without spills at Qwen3-30B-A3B (softmax, bf16
     router, 128 experts, top-8, 1 and 8 tokens; every ROUTE_CONFIGS entry at 1 token, with and
     without PDL), GLM-4.7-Flash (64 experts), GLM-4.5-Air (sigmoid, float32 router) and
-    DeepSeek-V3 (256 experts, 8 groups, top-4 groups) shapes, and requests its router rows
-    before the PDL wait; qk-norm at Qwen3's 32 q / 4 kv heads of 128."""
+    DeepSeek-V3 (256 experts, 8 groups, top-4 groups) and gpt-oss (biased router, softmax of
+    the k best) shapes, and requests its router rows before the PDL wait; qk-norm at Qwen3's 32 q / 4 kv heads of 128."""
     pytest.importorskip("triton")
     from specserve.ops import moe_router as mr
     from specserve.ops import triton_kernels as tk
@@ -205,15 +224,18 @@ def test_router_kernels_compile_for_sm90() -> None:
         "eps": "fp32",
         "scale": "fp32",
     }
-    cases = [  # (SIGMOID, router dtype, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, E, H)
-        (False, "bf16", 8, 1, 1, 1, 128, 2048),
-        (False, "bf16", 8, 1, 1, 8, 128, 2048),
-        (False, "bf16", 4, 1, 1, 1, 64, 2048),  # GLM-4.7-Flash-sized softmax
-        (True, "fp32", 8, 1, 1, 1, 128, 4096),
-        (True, "fp32", 8, 8, 4, 4, 256, 7168),
-        (True, "fp32", 8, 8, 4, 8, 256, 7168),
+    cases = [  # (scoring, router dtype, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, E, H)
+        ("softmax", "bf16", 8, 1, 1, 1, 128, 2048),
+        ("softmax", "bf16", 8, 1, 1, 8, 128, 2048),
+        ("softmax", "bf16", 4, 1, 1, 1, 64, 2048),  # GLM-4.7-Flash-sized softmax
+        ("sigmoid", "fp32", 8, 1, 1, 1, 128, 4096),
+        ("sigmoid", "fp32", 8, 8, 4, 4, 256, 7168),
+        ("sigmoid", "fp32", 8, 8, 4, 8, 256, 7168),
+        ("softmax_topk", "bf16", 4, 1, 1, 1, 32, 2880),  # gpt-oss-20b (router bias)
+        ("softmax_topk", "bf16", 4, 1, 1, 8, 128, 2880),  # gpt-oss-120b
     ]
-    for sigmoid, w_dtype, top_k, n_group, topk_group, block_t, E, H in cases:
+    for scoring, w_dtype, top_k, n_group, topk_group, block_t, E, H in cases:
+        sigmoid, topk_softmax = scoring == "sigmoid", scoring == "softmax_topk"
         # Every swept config at Qwen3's batch-1 shape, without PDL once; the default elsewhere.
         runs = [(True, mr.ROUTE_CONFIG)]
         if (E, H, block_t) == (128, 2048, 1):
@@ -221,7 +243,9 @@ def test_router_kernels_compile_for_sm90() -> None:
         for pdl, config in runs:
             block_e, block_k, _ = config
             consts = dict(HAS_RES=True, SIGMOID=sigmoid, ROUND_LOGITS=not sigmoid)
-            consts.update(HAS_BIAS=sigmoid, RENORM=True, TOP_K=top_k, N_GROUP=n_group)
+            consts.update(HAS_ROUTER_BIAS=topk_softmax, TOPK_SOFTMAX=topk_softmax)
+            consts.update(HAS_BIAS=sigmoid, RENORM=not topk_softmax, TOP_K=top_k)
+            consts.update(N_GROUP=n_group)
             consts.update(TOPK_GROUP=topk_group, BLOCK_T=block_t, BLOCK_TOPK=top_k)
             consts.update(BLOCK_E=block_e, BLOCK_K=block_k, K_TILES=-(-H // block_k))
             consts.update(BLOCK_ALL_E=E, PDL=pdl)
@@ -245,6 +269,7 @@ GPU_SHAPES = {  # (E, H, top_k, scoring, n_group, topk_group, scale)
     "qwen3-30b-a3b": (128, 2048, 8, "softmax", 1, 1, 1.0),
     "glm-4.5-air": (128, 4096, 8, "sigmoid", 1, 1, 1.0),
     "deepseek-v3": (256, 7168, 8, "sigmoid", 8, 4, 2.5),
+    "gpt-oss-120b": (128, 2880, 4, "softmax_topk", 1, 1, 1.0),
 }
 
 
@@ -259,11 +284,14 @@ def test_norm_route_gpu_real_shapes(name: str, T: int) -> None:
     routing = dict(scoring=scoring, top_k=top_k, renormalize=True, scale=scale)
     routing.update(n_group=n_group, topk_group=topk_group)
     x, res, norm_w, w, bias = make_route(T, E, H, scoring, torch.bfloat16, "cuda", seed=T)
+    rb = router_bias(scoring, E, torch.bfloat16, seed=T)
+    rb = None if rb is None else rb.cuda()
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     with torch.inference_mode():
         assert fusable(x, w, scoring, n_group, topk_group)
-        out = norm_route(x, res, norm_w, 1e-6, w, bias, counter, **routing)
-        _check_route(out, norm_route_ref(x, res, norm_w, 1e-6, w, bias, **routing), x.dtype)
+        out = norm_route(x, res, norm_w, 1e-6, w, bias, counter, rb, **routing)
+        ref = norm_route_ref(x, res, norm_w, 1e-6, w, bias, rb, **routing)
+        _check_route(out, ref, x.dtype)
     assert int(counter) == 0
 
 

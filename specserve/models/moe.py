@@ -85,7 +85,7 @@ class Router(nn.Module):
         self.register_buffer("route_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def routing(self) -> dict[str, Any]:
-        """select_experts_ref's keywords for this router (softmax and sigmoid scoring)."""
+        """select_experts_ref's keywords for this router."""
         m = self.m
         return dict(
             scoring=m.scoring,
@@ -101,17 +101,9 @@ class Router(nn.Module):
         # [num_tokens, hidden]
         x: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        m = self.m
-        if m.scoring == "softmax_topk":
-            logits, ids = F.linear(x, self.weight, self.bias).topk(m.top_k, dim=-1)
-            weights = logits.softmax(dim=-1, dtype=torch.float32)
-            if m.norm_topk_prob:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            if m.routed_scaling_factor != 1.0:
-                weights = weights * m.routed_scaling_factor
-            return weights, ids
-        if m.scoring == "sigmoid":
-            logits = F.linear(x.float(), self.weight.float())
+        if self.m.scoring == "sigmoid":
+            bias = None if self.bias is None else self.bias.float()
+            logits = F.linear(x.float(), self.weight.float(), bias)
         else:
             logits = F.linear(x, self.weight, self.bias)
         return select_experts_ref(logits, self.e_score_correction_bias, **self.routing())
@@ -127,11 +119,10 @@ class Router(nn.Module):
         """(topk_weights, topk_ids, norm(x + residual), x + residual). Decode batches on CUDA:
         norm, router matmul and expert choice in one launch (ops/moe_router.py)."""
         m = self.m
-        if self.bias is None and m.scoring != "softmax_topk":
-            w, b, counter = self.weight, self.e_score_correction_bias, self.route_counter
-            if fusable(x, w, m.scoring, m.n_group, m.topk_group):
-                args = (x, residual, norm.weight, norm.eps, w, b, counter)
-                return norm_route(*args, **self.routing())
+        w, b, counter = self.weight, self.e_score_correction_bias, self.route_counter
+        if fusable(x, w, m.scoring, m.n_group, m.topk_group):
+            args = (x, residual, norm.weight, norm.eps, w, b, counter, self.bias)
+            return norm_route(*args, **self.routing())
         normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
         weights, ids = self(normed)
         return weights, ids, normed, residual

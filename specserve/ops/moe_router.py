@@ -4,6 +4,8 @@ runs a layer's whole path from the attention output to the choice.
 `select_experts_ref` is the routing arithmetic every MoE model uses (models/moe.py's Router),
 after transformers' modeling_qwen3_moe.py / modeling_glm4_moe.py:
   softmax   weights, ids = topk(softmax(logits in float32), k); optionally renormalized over k.
+  softmax_topk  gpt-oss: ids = the k best logits, weights = their softmax among themselves in
+            float32 (transformers' GptOssTopKRouter; its logits carry the router's bias).
   sigmoid   s = sigmoid(logits) in float32; the choice ranks s + correction bias among the
             `topk_group` best of `n_group` groups (a group's score: the sum of its two best);
             the weights are the chosen s, optionally renormalized (+ 1e-20), times `scale`.
@@ -61,7 +63,7 @@ ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
     (4, 1024, 4),
     (8, 1024, 8),
 )
-SCORINGS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid", "softmax_topk")
 
 
 def select_experts_ref(
@@ -81,6 +83,9 @@ def select_experts_ref(
     if scoring == "softmax":
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(top_k, dim=-1)
+    elif scoring == "softmax_topk":
+        best, ids = logits.topk(top_k, dim=-1)
+        weights = best.softmax(dim=-1, dtype=torch.float32)
     elif scoring == "sigmoid":
         scores = logits.float().sigmoid()
         ids = _grouped_choice(scores, correction_bias, top_k, n_group, topk_group)
@@ -128,6 +133,8 @@ def norm_route_ref(
     router_weight: torch.Tensor,
     # [E] float32 or None
     correction_bias: torch.Tensor | None,
+    # [E] or None: gpt-oss's router bias, added to the logits
+    router_bias: torch.Tensor | None = None,
     **routing: object,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(topk_weights, topk_ids, rms_norm(x + residual), x + residual): the norm as
@@ -136,9 +143,10 @@ def norm_route_ref(
     normed, new_res = rms_norm_ref(x, norm_weight, eps, residual)
     new_res = x if new_res is None else new_res
     if routing["scoring"] == "sigmoid":
-        logits = F.linear(normed.float(), router_weight.float())
+        bias = None if router_bias is None else router_bias.float()
+        logits = F.linear(normed.float(), router_weight.float(), bias)
     else:
-        logits = F.linear(normed, router_weight)
+        logits = F.linear(normed, router_weight, router_bias)
     weights, ids = select_experts_ref(logits, correction_bias, **routing)  # type: ignore[arg-type]
     return weights, ids, normed, new_res
 
@@ -181,6 +189,8 @@ def norm_route(
     correction_bias: torch.Tensor | None,
     # [1] int32, zero: the kernel's completion counter (reset by the kernel)
     counter: torch.Tensor,
+    # [E] or None: the router's bias (gpt-oss)
+    router_bias: torch.Tensor | None = None,
     *,
     scoring: str,
     top_k: int,
@@ -193,13 +203,10 @@ def norm_route(
     """`norm_route_ref`, in one Triton launch where `fusable`."""
     routing = dict(scoring=scoring, top_k=top_k, renormalize=renormalize, scale=scale)
     routing.update(n_group=n_group, topk_group=topk_group)
+    args = (x, residual, norm_weight, eps, router_weight, correction_bias)
     if not fusable(x, router_weight, scoring, n_group, topk_group):
-        return norm_route_ref(
-            x, residual, norm_weight, eps, router_weight, correction_bias, **routing
-        )
-    return norm_route_triton(
-        x, residual, norm_weight, eps, router_weight, correction_bias, counter, config, **routing
-    )
+        return norm_route_ref(*args, router_bias, **routing)
+    return norm_route_triton(*args, counter, config, router_bias=router_bias, **routing)
 
 
 if triton is not None:
@@ -233,14 +240,20 @@ if triton is not None:
         return best + tl.max(rest, axis=2)
 
     @triton.jit
-    def _scores(s, bias_ptr, e, E, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
+    def _scores(
+        s, bias_ptr, e, E, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, TOPK_SOFTMAX: tl.constexpr
+    ):
         """(val, choice) of float32 logits s [BLOCK_T, BLOCK_ALL_E] (-inf past E): the routing
-        weights' source (softmax / sigmoid) and what the choice ranks (+ correction bias)."""
+        weights' source (softmax / sigmoid / the logits themselves for softmax_topk, whose
+        softmax comes after the choice) and what the choice ranks (+ correction bias)."""
         if SIGMOID:
             val = 1.0 / (1.0 + tl.exp(-s))
             choice = val
             if HAS_BIAS:
                 choice += tl.load(bias_ptr + e, mask=e < E, other=0.0)[None, :]
+        elif TOPK_SOFTMAX:
+            val = s
+            choice = s
         else:
             p = tl.exp(s - tl.max(s, axis=1)[:, None])
             val = p / tl.sum(p, axis=1)[:, None]
@@ -258,6 +271,7 @@ if triton is not None:
         scale,
         SIGMOID: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        TOPK_SOFTMAX: tl.constexpr,
         RENORM: tl.constexpr,
         TOP_K: tl.constexpr,
         N_GROUP: tl.constexpr,
@@ -275,7 +289,7 @@ if triton is not None:
             logits_ptr + t[:, None] * E + e[None, :], mask=ok, other=0.0, cache_modifier=".cg"
         )
         s = tl.where((e < E)[None, :], s, float("-inf"))
-        val, choice = _scores(s, bias_ptr, e, E, SIGMOID, HAS_BIAS)
+        val, choice = _scores(s, bias_ptr, e, E, SIGMOID, HAS_BIAS, TOPK_SOFTMAX)
         choice = tl.where(ok, choice, float("-inf"))
         if TOPK_GROUP < N_GROUP:
             GROUP: tl.constexpr = BLOCK_ALL_E // N_GROUP
@@ -312,6 +326,11 @@ if triton is not None:
             weights = tl.where(kk[None, :] == j, w_j[:, None], weights)
             ids = tl.where(kk[None, :] == j, pick[:, None], ids)
             key = tl.where(key == best[:, None], -(2**63), key)
+        if TOPK_SOFTMAX:  # the chosen logits softmaxed among themselves; the first is the max
+            weights = tl.where((t < T)[:, None], weights, 0.0)  # padded rows: no 0 / 0
+            first = tl.sum(tl.where(kk[None, :] == 0, weights, 0.0), axis=1)
+            p = tl.where(kk[None, :] < TOP_K, tl.exp(weights - first[:, None]), 0.0)
+            weights = p / tl.sum(p, axis=1)[:, None]
         if RENORM:
             total = tl.sum(weights, axis=1)[:, None]
             weights = weights / (total + (1e-20 if SIGMOID else 0.0))
@@ -337,6 +356,7 @@ if triton is not None:
         normed_ptr,
         norm_w_ptr,
         w_ptr,
+        router_bias_ptr,
         bias_ptr,
         logits_ptr,
         counter_ptr,
@@ -353,7 +373,9 @@ if triton is not None:
         HAS_RES: tl.constexpr,
         SIGMOID: tl.constexpr,
         ROUND_LOGITS: tl.constexpr,
+        HAS_ROUTER_BIAS: tl.constexpr,
         HAS_BIAS: tl.constexpr,
+        TOPK_SOFTMAX: tl.constexpr,
         RENORM: tl.constexpr,
         TOP_K: tl.constexpr,
         N_GROUP: tl.constexpr,
@@ -377,6 +399,8 @@ if triton is not None:
         # never depend on the previous kernel, so they stream during its tail.
         k = tl.arange(0, BLOCK_K)
         w0 = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & (k < H)[None, :], other=0.0)
+        if HAS_ROUTER_BIAS:
+            r_bias = tl.load(router_bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
         pdl.start(PDL)
         # Pass 1: each token's sum of squares (x + res rounded to the model dtype first).
         sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -406,6 +430,8 @@ if triton is not None:
                     normed_ptr + i * H, g, k, m, rstd_i, pid == 0, HAS_RES,
                 )  # fmt: skip
                 acc += tl.where(rows[:, None] == i, tl.sum(w * y[None, :], axis=1)[None, :], 0.0)
+        if HAS_ROUTER_BIAS:  # F.linear's bias, added before its one rounding
+            acc += r_bias[None, :]
         if ROUND_LOGITS:  # softmax routers: F.linear's output, in the router weight's dtype
             acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
         out_ok = (rows < T)[:, None] & e_ok[None, :]
@@ -416,7 +442,7 @@ if triton is not None:
             tl.store(counter_ptr, 0)
             _choose(
                 logits_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, T, E, scale, SIGMOID, HAS_BIAS,
-                RENORM, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK, BLOCK_ALL_E,
+                TOPK_SOFTMAX, RENORM, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK, BLOCK_ALL_E,
             )  # fmt: skip
 
 
@@ -436,6 +462,7 @@ def norm_route_triton(
     counter: torch.Tensor,
     config: tuple[int, int, int] = ROUTE_CONFIG,
     *,
+    router_bias: torch.Tensor | None = None,
     scoring: str,
     top_k: int,
     renormalize: bool,
@@ -446,10 +473,12 @@ def norm_route_triton(
     """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
     T, H = x.shape
     E = router_weight.shape[0]
-    if router_weight.shape[1] != H or norm_weight.shape != (H,) or top_k > E:
+    bad_bias = router_bias is not None and router_bias.shape != (E,)
+    if router_weight.shape[1] != H or norm_weight.shape != (H,) or top_k > E or bad_bias:
         raise ValueError(
-            f"norm_route takes x [T, H], norm [H], router [E, H], top_k <= E; got "
-            f"{tuple(x.shape)}, {tuple(norm_weight.shape)}, {tuple(router_weight.shape)}, {top_k}"
+            f"norm_route takes x [T, H], norm [H], router [E, H], router bias [E], top_k <= E; "
+            f"got {tuple(x.shape)}, {tuple(norm_weight.shape)}, {tuple(router_weight.shape)}, "
+            f"{None if router_bias is None else tuple(router_bias.shape)}, {top_k}"
         )
     x = x if x.stride(-1) == 1 else x.contiguous()
     if residual is not None and residual.stride(-1) != 1:
@@ -475,6 +504,7 @@ def norm_route_triton(
         normed,
         norm_weight,
         router_weight,
+        router_bias if router_bias is not None else logits,
         correction_bias if correction_bias is not None else logits,
         logits,
         counter,
@@ -491,7 +521,9 @@ def norm_route_triton(
         HAS_RES=residual is not None,
         SIGMOID=sigmoid,
         ROUND_LOGITS=not sigmoid,
+        HAS_ROUTER_BIAS=router_bias is not None,
         HAS_BIAS=sigmoid and correction_bias is not None,
+        TOPK_SOFTMAX=scoring == "softmax_topk",
         RENORM=renormalize,
         TOP_K=top_k,
         N_GROUP=n_group if topk_group < n_group else 1,
