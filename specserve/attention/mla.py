@@ -13,8 +13,10 @@ CUDA). Prefill may instead expand per-head keys and values from the latent (`mla
 vLLM's choice for MLA prefill): k = [W_UK c, k_pe], v = W_UV c, then ordinary attention with
 nope + R = 256 channels a score and v = 256 a value (GLM-4.7-Flash) instead of L + R = 576 and
 L = 512, at the price of the expansion (S x H x (nope + v) x L multiply-adds for S context rows).
-`EXPAND_PREFILL_MIN_QUERY` switches it on for steps with long enough queries; off (None) until
-`benchmarks/mla_prefill.py` has measured which is faster on a GPU.
+`EXPAND_PREFILL_MIN_QUERY` switches it on for steps with long enough queries. Measured on an H100
+(`benchmarks/mla_prefill.py`, GLM-4.7-Flash shape, time to first token of one prompt, RESULTS.md
+2026-11-26): latent 39.5 / 80.1 / 817 ms vs expanded 54.6 / 56.2 / 254 ms at 512 / 2048 / 8192
+tokens, so queries from 1024 tokens on expand.
 
 `mla_forward` is everything between the projections: the latent's RMSNorm, RoPE of q_pe and
 k_pe, the W_UK absorb, the latent KV write, attention and W_UV. Its torch form here
@@ -34,7 +36,7 @@ from specserve.attention.backend import CommonAttentionMetadata
 # Steps whose longest query has at least this many tokens take `mla_prefill_expanded` (None:
 # never). A step's expanded keys and values (requests x longest context x H x (nope + R + v)
 # elements) above EXPAND_MAX_ELEMENTS stay latent.
-EXPAND_PREFILL_MIN_QUERY: int | None = None
+EXPAND_PREFILL_MIN_QUERY: int | None = 1024
 EXPAND_MAX_ELEMENTS = 1 << 28
 
 
