@@ -36,6 +36,9 @@
 #   bash benchmarks/gpu_session.sh verify         # session 10's GPU tests (all pass in session 11)
 #   bash benchmarks/gpu_session.sh serve-long     # both serving halves in one call (344 s, warm)
 #   bash benchmarks/gpu_session.sh mla-prefill    # MLA prefill: latent vs expanded K/V (issue 21)
+#   bash benchmarks/gpu_session.sh oss            # issue 22: MXFP4 kernel tests + sweep
+#                                                 # (benchmarks/mxfp4.py), gpt-oss-20b timeline,
+#                                                 # gpt_oss_decode.py --quick (20b, 120b)
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -213,6 +216,17 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
     timeout 570 python benchmarks/mla_prefill.py 2>&1 | grep --line-buffered -v tokenizer \
       | tee "$OUT/mla_prefill.log" | tail -12
     ;;
+  oss)
+    timeout 150 python -m pytest -q -m gpu tests/test_moe_mxfp4.py tests/test_gpt_oss_mxfp4.py \
+      -p no:cacheprovider -rfE --tb=short 2>&1 | tee "$OUT/gpu_tests_oss.log" | tail -8
+    [ -f benchmarks/mxfp4.py ] && timeout 200 python benchmarks/mxfp4.py 2>&1 \
+      | tee "$OUT/mxfp4.log" | tail -30
+    timeout 90 python benchmarks/timeline.py --shape gpt-oss-20b --rows 10 2>&1 \
+      | grep -v -i "tokenizer\|warn" | tee "$OUT/timeline_oss.log" | tail -14
+    timeout $((580 - SECONDS)) python benchmarks/gpt_oss_decode.py --quick \
+      --budget-s $((480 - SECONDS)) 2>&1 | grep --line-buffered -v tokenizer \
+      | tee "$OUT/gpt_oss_decode.log" | tail -20
+    ;;
   serve-long)
     timeout 580 python benchmarks/serve_sweep.py --shape llama3-8b --result-dir /tmp/long 2>&1 \
       | grep --line-buffered -v "^INFO" | tee "$OUT/serve_long.log" | tail -40
@@ -252,7 +266,7 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
       | tee "$OUT/gpu_verify.log" | tail -40
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|serve-long|serve-short|verify" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify" >&2
     exit 2
     ;;
 esac
