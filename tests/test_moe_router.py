@@ -233,6 +233,7 @@ def test_router_kernels_compile_for_sm90() -> None:
         ("sigmoid", "fp32", 8, 8, 4, 8, 256, 7168),
         ("softmax_topk", "bf16", 4, 1, 1, 1, 32, 2880),  # gpt-oss-20b (router bias)
         ("softmax_topk", "bf16", 4, 1, 1, 8, 128, 2880),  # gpt-oss-120b
+        ("softmax_topk", "bf16", 4, 1, 1, 8, 32, 2880),  # 20b, 8 tokens (2 K tiles spilled)
     ]
     for scoring, w_dtype, top_k, n_group, topk_group, block_t, E, H in cases:
         sigmoid, topk_softmax = scoring == "sigmoid", scoring == "softmax_topk"
@@ -241,7 +242,7 @@ def test_router_kernels_compile_for_sm90() -> None:
         if (E, H, block_t) == (128, 2048, 1):
             runs = [(True, c) for c in mr.ROUTE_CONFIGS] + [(False, mr.ROUTE_CONFIG)]
         for pdl, config in runs:
-            block_e, block_k, _ = config
+            block_e, block_k = config[0], mr.route_block_k(H, config)
             consts = dict(HAS_RES=True, SIGMOID=sigmoid, ROUND_LOGITS=not sigmoid)
             consts.update(HAS_ROUTER_BIAS=topk_softmax, TOPK_SOFTMAX=topk_softmax)
             consts.update(HAS_BIAS=sigmoid, RENORM=not topk_softmax, TOP_K=top_k)

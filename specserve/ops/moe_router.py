@@ -446,6 +446,14 @@ if triton is not None:
             )  # fmt: skip
 
 
+def route_block_k(H: int, config: tuple[int, int, int]) -> int:
+    """The K tile of a launch: the config's, or one tile over all of H where H would leave a
+    partial second tile (gpt-oss's 2880 in 2048-wide tiles: the second tile's router rows
+    would load after the PDL wait, and at 8 tokens the two tiles spill on sm_90)."""
+    block_k = min(config[1], triton.next_power_of_2(H))
+    return 2 * block_k if block_k < H < 2 * block_k else block_k
+
+
 def route_warps(block_t: int, config: tuple[int, int, int]) -> int:
     """Warps of a launch for BLOCK_T tokens: at least 8 from 8 tokens on (with 4, the choice's
     [8, E] tiles spill at E = 128 on sm_90)."""
@@ -490,8 +498,8 @@ def norm_route_triton(
     logits = torch.empty(T, E, dtype=torch.float32, device=dev)
     topk_w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
     topk_ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
-    block_e, block_k, _ = config
-    block_k = min(block_k, triton.next_power_of_2(H))
+    block_e = config[0]
+    block_k = route_block_k(H, config)
     # The token tile of the rows a captured graph runs (graph_rows), when it fits the kernel.
     bound = graph_rows.row_bound(T)
     block_t = triton.next_power_of_2(bound if bound <= ROUTE_MAX_TOKENS else T)
