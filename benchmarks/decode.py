@@ -306,6 +306,18 @@ def timeline(
     print(f"outside it {sum(r[0] for r in out_rows):.0f}:")
     for us, calls, name in out_rows[:25]:
         print(f"{us:>9.1f} us {calls:>5.1f}x  {name}")
+    # The decode_matmul=auto plan at this step's row bucket: what each weight shape runs and
+    # what every candidate cost when the plan timed it (to compare with the chain above).
+    from specserve.ops.gemv import bucket as row_bucket
+
+    bucket = row_bucket(batch)
+    plan = [r for r in getattr(engine, "decode_matmul_plan", []) if r["rows"] == bucket]
+    if plan:
+        print(f"decode_matmul plan at {bucket} rows (us for all layers of a shape):")
+    for r in plan:
+        cands = ", ".join(f"{c}: {t:.1f}" for c, t in r["us"].items())
+        kind = " silu" if r["silu_mul"] else (" norm" if r["norm_fed"] else "")
+        print(f"  {r['shape']}{kind} x{r['layers']} -> {r['choice']} ({cands})")
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -316,6 +328,7 @@ def timeline(
         "graph_kernels": launches,
         "graph_chain": [{"us": r[0], "calls": r[1], "name": r[2]} for r in chain_rows],
         "outside": [{"us": r[0], "calls": r[1], "name": r[2]} for r in out_rows],
+        "plan": plan,
     }
 
 
