@@ -31,10 +31,6 @@ MAX_M = 8
 # Decoder layers run their RMSNorms inside the Triton gemv that follows (models/layers.py
 # norm_linear) wherever the plan picks Triton; a switch for benchmarks (decode.py --sweep).
 FUSE_NORM = True
-# The K loop requests the next weight tile before each tile's math (the sm_90 PTX shows these
-# loads unpipelined: without it each K step is a memory round trip, hidden only by the other
-# programs on the SM). Off until measured on a GPU (benchmarks/timeline_sweep.py).
-PREFETCH = False
 
 
 def gemv_ref(
@@ -175,7 +171,6 @@ if triton is not None:
         PDL: tl.constexpr,
         EARLY_TRIGGER: tl.constexpr,
         PRELOAD: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         # Each program owns BLOCK_N output columns and walks K in BLOCK_K tiles.
         # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
@@ -205,27 +200,17 @@ if triton is not None:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         write_res = pid == 0
-        if PREFETCH:  # the next tile in flight during this one's math (masked past K)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                w_next, w_up_next = _weight_tiles(w_row, up_row, k + BLOCK_K, n_ok, K, SILU_MUL)
-                acc, acc_up, sum_sq = _gemv_tile(
-                    acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M,
-                    K, stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
-                )  # fmt: skip
-                w, w_up = w_next, w_up_next
-        else:
+        acc, acc_up, sum_sq = _gemv_tile(
+            acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
+            stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
+        )  # fmt: skip
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
             acc, acc_up, sum_sq = _gemv_tile(
                 acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
                 stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
             )  # fmt: skip
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
-                acc, acc_up, sum_sq = _gemv_tile(
-                    acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M,
-                    K, stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
-                )  # fmt: skip
         pdl.trigger(PDL and not EARLY_TRIGGER)
         if NORM:
             rstd = tl.rsqrt(sum_sq / K + eps)[:, None]
@@ -344,7 +329,6 @@ def _launch(
         # Both only mean something under PDL (they are the overlap it buys).
         EARLY_TRIGGER=kw["PDL"] and pdl.GEMV_EARLY_TRIGGER,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
-        PREFETCH=PREFETCH and block_k < K,
         **kw,
     )
     return y
