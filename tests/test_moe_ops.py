@@ -336,11 +336,7 @@ def test_moe_kernels_compile_for_sm90() -> None:
     ] + [
         (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, dict(BLOCK_TOPK=8, **extra))
         for bias in (False, True)
-        for extra in (
-            dict(PRELOAD=False, HAS_BIAS=bias, PREFETCH=False),
-            dict(PRELOAD=True, HAS_BIAS=bias, PREFETCH=False),
-            dict(PRELOAD=True, HAS_BIAS=bias, PREFETCH=True),
-        )
+        for extra in (dict(PRELOAD=False, HAS_BIAS=bias), dict(PRELOAD=True, HAS_BIAS=bias))
     ]
     for kernel, (bn, bk, warps), extra in decode_cases:
         preload = extra.get("PRELOAD", False)
@@ -352,22 +348,15 @@ def test_moe_kernels_compile_for_sm90() -> None:
                 assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
     # The shape tables' one-tile configs at their real shapes (Qwen3-30B-A3B: H 2048, I 768,
     # top-8; GLM-4.7-Flash: I 1536, top-4): no spills, and down requests its whole slab
-    # ([top_k, BLOCK_N, BLOCK_K] bf16 in 16-byte loads) before the PDL wait. With PREFETCH (a
-    # K loop of several tiles: Qwen3's 768 in 256-wide tiles) the loop requests the next tile
-    # before the current one's math: its weight loads come before its first reduction.
+    # ([top_k, BLOCK_N, BLOCK_K] bf16 in 16-byte loads) before the PDL wait.
     for hidden, inter, top_k in ((2048, 768, 8), (2048, 1536, 4)):
         (gn, gk, gw), (dn, dk, dw) = mt.decode_configs(hidden, inter, top_k)
         _compile(mt._moe_decode_gate_up_kernel, dict(BLOCK_N=gn, BLOCK_K=gk, PDL=True,
                                                      HAS_BIAS=False, **silu), gw)  # fmt: skip
-        prefetch = dk < inter
         consts = dict(BLOCK_N=dn, BLOCK_K=dk, PDL=True, PRELOAD=True, HAS_BIAS=False)
-        consts.update(PREFETCH=prefetch)
         ptx = _compile(mt._moe_decode_down_kernel, dict(BLOCK_TOPK=top_k, **consts), dw)
         early = ptx[: ptx.index("griddepcontrol.wait")]
         assert early.count("ld.global.v4") * 16 * 32 * dw == top_k * dn * dk * 2
-        if prefetch:
-            body = ptx[ptx.index("griddepcontrol.wait") :]
-            assert 0 <= body.index("ld.global.v4") < body.index("shfl.sync")
 
 
 # ---- GPU ---------------------------------------------------------------------------------------

@@ -49,9 +49,6 @@ DECODE_MAX_TOKENS = 8
 # BLOCK_N still keeps top_k * BLOCK_N * BLOCK_K weights in flight and gives H / BLOCK_N
 # programs per token. benchmarks/moe.py --sweep times the alternatives.
 DecodeConfig = tuple[int, int, int]
-# The down kernel requests its next K tile before each step's math (see the kernel); a switch
-# for benchmarks/timeline_sweep.py.
-DECODE_PREFETCH = True
 DECODE_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # any shape (the tables' fallback)
 DECODE_DOWN_CONFIG: DecodeConfig = (4, 256, 4)
 # Per shape class, the first row whose bounds hold: (max K, max top_k, config); K is H for
@@ -401,16 +398,12 @@ def _moe_decode_down_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
     # PRELOAD (under PDL): the routing and the first weight tile are loaded before waiting for
     # the gate_up kernel, so this kernel's weight stream starts during gate_up's tail. Safe
     # because the routing was written before gate_up started (it is gate_up's input too) and
     # gate_up lets this kernel launch only after its own wait; only inter needs the wait.
-    # PREFETCH: each K step first requests the next step's weight tile, then does this step's
-    # math, so a program always has a tile in flight (Triton does not pipeline these loads:
-    # no cp.async in the sm_90 PTX, each step was a full memory round trip).
     pid = tl.program_id(0)
     t = pid % T
     n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -431,22 +424,13 @@ def _moe_decode_down_kernel(
         pdl.wait(PDL)
     # [BLOCK_TOPK, 1] inter rows
     h_rows = inter_ptr + pair.to(tl.int64)[:, None] * stride_im
-    acc = tl.zeros([BLOCK_TOPK, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            w_next = _down_tile(w_rows, rows_ok, k + BLOCK_K, K)  # masked past K: no bytes
-            h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
-            w = w_next
-    else:
+    h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
+    acc = tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = _down_tile(w_rows, rows_ok, k, K)
         h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            w = _down_tile(w_rows, rows_ok, k, K)
-            h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
     pdl.trigger(PDL)
     if HAS_BIAS:  # [BLOCK_TOPK, BLOCK_N]: the chosen experts' biases
         b = b_ptr + expert[:, None] * stride_be + n[None, :]
@@ -648,8 +632,7 @@ def fused_moe_decode(
         inter.stride(0), w2.stride(0), w2.stride(1), s2, out.stride(0),
         HAS_BIAS=epilogue.w2_bias is not None,
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk, num_warps=dw,
-        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, PREFETCH=DECODE_PREFETCH and dk < inter_size,
-        **kw,
+        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, **kw,
     )  # fmt: skip
     return out
 
