@@ -18,6 +18,10 @@ ms), and the matmul triggering 1 or 2 K tiles before its last (graph 5.234 / 5.3
 Session 11 (H100, Qwen3-30B-A3B batch-1 timeline): the attention kernel loading its first
 key tile (page, keys, values) before waiting, this step's keys put into it from registers:
 step span 3246 / 3260 vs 3179 / 3169 us (attention 8.49 vs 7.31 us a layer).
+Session 12 (H100, benchmarks/timeline_sweep.py): the K loops of the decode gemv and of the MoE
+decode down kernel requesting their next weight tile before each tile's math (software
+pipelining by hand; their sm_90 PTX has no cp.async): Llama-3-8B batch-1 span 5731 vs 5498 us
+with the gemv's, Qwen3-30B-A3B 3229 / 3202 vs 3162 us with the down kernel's; both dropped.
 
 The rule every kernel launched with `launch_kwargs` keeps: `start` comes before any memory
 access other than weight loads, in every program, including programs that then exit early.
