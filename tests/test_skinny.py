@@ -179,6 +179,14 @@ def test_plan_picks_the_fastest_candidate() -> None:
             assert lin.plan[b] == want, (lin.weight.shape, b)
             if lin is gate_up:
                 assert lin.silu_plan[b] == ({1: None, 64: None}.get(b, cands[-1])), b
+    # Near ties (within TIE_MARGIN) go to the earlier candidate; a clear win does not.
+    from specserve.ops.gemv_plan import TIE_MARGIN, fastest
+
+    lin = lins[0]
+    for later, want in ((1 - TIE_MARGIN / 2, 0), (1 - 2 * TIE_MARGIN, 1)):
+        times = iter([100.0, 100.0 * later] + [200.0] * 8)
+        pick = fastest([lin], 16, False, lambda *_, it=times: next(it))[0]
+        assert pick == candidates(16)[want]
     # An injected timer caches nothing: a second engine's real timing would not see fakes.
     from specserve.ops import gemv_plan
 
