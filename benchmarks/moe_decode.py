@@ -187,13 +187,13 @@ def expected_distinct(num_experts: int, top_k: int, batch: int) -> float:
 
 def step_bytes(model: nn.Module, batch: int, context: int) -> dict[str, float]:
     """Bytes one decode step of `batch` requests at `context` tokens each must read: every
-    parameter but the routed experts and the embedding table (shared experts fused into the
-    stacked experts, models/moe.py, count here too: every token reads them), the routed experts
-    the batch chose (expected distinct ones per layer, biases included, matrices as loaded: bf16, or
-    MXFP4's blocks + scales where models/moe.py Mxfp4Experts keeps them 4-bit), one embedding
-    row a token and the KV. `routed_experts_mxfp4` / `total_mxfp4`: the same with the expert
-    matrices at MXFP4's 4.25 bits a weight (biases as loaded), gpt-oss's checkpoint format;
-    equal to `routed_experts` / `total` for 4-bit experts."""
+    parameter but the routed experts and the embedding table (shared experts too where
+    models/moe.py stacks them with the routed ones: every token reads them), the routed
+    experts the batch chose (expected distinct ones per layer, biases included, matrices as
+    loaded: bf16, or MXFP4's blocks + scales where models/moe.py Mxfp4Experts keeps them
+    4-bit), one embedding row a token and the KV. `routed_experts_mxfp4` / `total_mxfp4`: the
+    same with the expert matrices at MXFP4's 4.25 bits a weight (biases as loaded), gpt-oss's
+    checkpoint format; equal to `routed_experts` / `total` for 4-bit experts."""
     from specserve.models.layers import KVCacheLayer
     from specserve.models.moe import SparseMoE
 

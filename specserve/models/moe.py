@@ -241,10 +241,8 @@ class SparseMoE(nn.Module):
     def __init__(self, m: MoeConfig, hidden_size: int) -> None:
         super().__init__()
         self.gate = Router(m, hidden_size)
-        # The loader fills slots E.. from the checkpoint's `mlp.shared_experts.*` tensors.
-        self.n_fused_shared = m.n_fused_shared
         experts = Mxfp4Experts if m.mxfp4 else StackedExperts
-        total = m.num_experts + self.n_fused_shared
+        total = m.num_experts + m.n_fused_shared
         self.experts = experts(total, hidden_size, m.intermediate_size, bias=m.expert_bias)
         # Only gpt-oss-style experts pass the extra arguments of fused_moe.
         self.expert_kw: dict[str, Any] = {}
@@ -252,15 +250,16 @@ class SparseMoE(nn.Module):
             self.expert_kw = dict(
                 activation=m.activation, alpha=m.swiglu_alpha, limit=m.swiglu_limit
             )
-        self.shared_experts = None
-        if m.n_shared_experts and not self.n_fused_shared:
+        self.shared_experts: MLP | None = None
+        if m.n_shared_experts and not m.n_fused_shared:
             self.shared_experts = MLP(hidden_size, m.n_shared_experts * m.intermediate_size)
 
     @property
     def shared_slots(self) -> range:
-        """The expert ids of the fused shared experts (empty when unfused)."""
-        E = self.gate.m.num_experts
-        return range(E, E + self.n_fused_shared)
+        """The expert ids of the fused shared experts (empty when unfused); the loader fills
+        them from the checkpoint's `mlp.shared_experts.*` tensors."""
+        m = self.gate.m
+        return range(m.num_experts, m.num_experts + m.n_fused_shared)
 
     def forward(
         self,
