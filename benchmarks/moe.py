@@ -9,10 +9,11 @@ GEMM), and the torch reference (`fused_moe_ref`: per-expert F.linear, eager) for
 Every result is checked against the reference before it is timed; a mismatch stops the run.
 `--sweep` also times each decode launch config (ops/moe_triton.py DECODE_*_CONFIGS, each with
 the other kernel at its shape-table config, T <= 16) and each grouped-GEMM config (T >= 16)
-and reports the fastest. `--route-sweep` times the fused norm + router + choice
-(ops/moe_router.py norm_route) at each model's router shape for every ROUTE_CONFIGS entry,
-chained over LAYERS distinct routers in one graph (its PDL preload overlaps the previous
-call's tail there, as it overlaps o_proj's in a forward).
+and reports the fastest (`--models glm-4.7-flash+shared,glm-4.5-air+shared`: the shapes with
+the shared expert fused, top_k + 1 experts). `--route-sweep` times the fused norm + router +
+choice (ops/moe_router.py norm_route) at each model's router shape for every ROUTE_CONFIGS
+entry, chained over LAYERS distinct routers in one graph (its PDL preload overlaps the
+previous call's tail there, as it overlaps o_proj's in a forward).
 
     python benchmarks/moe.py [--quick] [--sweep] [--route-sweep] [--models a,b]
     # table last; writes $OUT/moe.json
@@ -33,12 +34,17 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from decode import copy_bandwidth  # noqa: E402
 
-# name: (hidden H, moe_intermediate_size I, experts E, top_k)
+# name: (hidden H, moe_intermediate_size I, experts E, top_k, fused shared experts): "+shared",
+# the shape the model runs with its shared expert fused (models/moe.py): expert E chosen by
+# every token at weight 1.0, so top_k + 1 experts (ops/moe_triton.py's "+ shared" table rows).
 MODELS = {
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "glm-4.7-flash": (2048, 1536, 64, 4),
-    "glm-4.5-air": (4096, 1408, 128, 8),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, 0),
+    "glm-4.7-flash": (2048, 1536, 64, 4, 0),
+    "glm-4.5-air": (4096, 1408, 128, 8, 0),
+    "glm-4.7-flash+shared": (2048, 1536, 64, 4, 1),
+    "glm-4.5-air+shared": (4096, 1408, 128, 8, 1),
 }
+DEFAULT_MODELS = ("qwen3-30b-a3b", "glm-4.7-flash", "glm-4.5-air")
 TOKENS = (1, 2, 4, 8, 16, 64, 512)
 QUICK_TOKENS = (1, 8, 64)
 LAYERS = 4  # distinct weight sets a graph cycles through: 4.8 GB (Qwen3) / 17.7 GB (GLM)
@@ -92,9 +98,15 @@ def over_layers(
     return fn
 
 
-def routing(T: int, E: int, top_k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+def routing(
+    T: int, E: int, top_k: int, gen: torch.Generator, shared: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """Random softmax top-k over E experts, then `shared` experts E.. at weight 1.0."""
     logits = torch.randn(T, E, generator=gen, device=DEVICE)
     w, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    if shared:
+        w = torch.cat([w, w.new_ones(T, shared)], dim=1)
+        ids = torch.cat([ids, torch.arange(E, E + shared, device=DEVICE).expand(T, shared)], 1)
     return w, ids.to(torch.int32)
 
 
@@ -108,7 +120,7 @@ def bench_model(name: str, tokens: tuple[int, ...], layers: int, sweep: bool, bw
     from specserve.ops import moe_triton as mt
     from specserve.ops.moe import fused_moe, fused_moe_ref
 
-    H, inter, E, top_k = MODELS[name]
+    H, inter, E, top_k, shared = MODELS[name]
     gen = torch.Generator(device=DEVICE).manual_seed(0)
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -116,14 +128,17 @@ def bench_model(name: str, tokens: tuple[int, ...], layers: int, sweep: bool, bw
         return x.mul_(scale)
 
     weights = [
-        (randn(E, 2 * inter, H, scale=H**-0.5), randn(E, H, inter, scale=inter**-0.5))
+        (
+            randn(E + shared, 2 * inter, H, scale=H**-0.5),
+            randn(E + shared, H, inter, scale=inter**-0.5),
+        )
         for _ in range(layers)
     ]
     expert_bytes = 2 * (3 * inter * H)  # w13 + w2 rows of one expert, bf16
     rows = []
     for T in tokens:
         xs = [randn(T, H) for _ in range(layers)]
-        routes = [routing(T, E, top_k, gen) for _ in range(layers)]
+        routes = [routing(T, E, top_k, gen, shared) for _ in range(layers)]
         distinct = sum(len(torch.unique(ids)) for _, ids in routes) / layers
         floor_bytes = distinct * expert_bytes
 
@@ -194,9 +209,9 @@ def route_sweep(name: str, tokens: tuple[int, ...], layers: int) -> list:
     for every ROUTE_CONFIGS entry, each checked against norm_route_ref first."""
     from specserve.ops import moe_router as mr
 
-    H, _, E, top_k = MODELS[name]
+    H, _, E, top_k, shared = MODELS[name]
     gen = torch.Generator(device=DEVICE).manual_seed(1)
-    routing = dict(scoring="softmax", top_k=top_k, renormalize=True)
+    routing = dict(scoring="softmax", top_k=top_k, renormalize=True, n_shared=shared)
     norm_w = torch.ones(H, device=DEVICE, dtype=torch.bfloat16)
     routers = [
         torch.randn(E, H, device=DEVICE, generator=gen).mul_(H**-0.5).to(torch.bfloat16)
@@ -240,7 +255,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS}, 2 layers")
     p.add_argument("--sweep", action="store_true", help="also time every launch config")
     p.add_argument("--route-sweep", action="store_true", help="time norm_route's configs")
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
+    p.add_argument(
+        "--models", default=",".join(DEFAULT_MODELS), help=f"comma-separated: {', '.join(MODELS)}"
+    )
     args = p.parse_args()
     t0 = time.time()
     tokens = QUICK_TOKENS if args.quick else TOKENS

@@ -187,17 +187,18 @@ def expected_distinct(num_experts: int, top_k: int, batch: int) -> float:
 
 def step_bytes(model: nn.Module, batch: int, context: int) -> dict[str, float]:
     """Bytes one decode step of `batch` requests at `context` tokens each must read: every
-    parameter but the routed experts and the embedding table, the routed experts the batch
-    chose (expected distinct ones per layer, biases included, matrices as loaded: bf16, or
-    MXFP4's blocks + scales where models/moe.py Mxfp4Experts keeps them 4-bit), one embedding
-    row a token and the KV. `routed_experts_mxfp4` / `total_mxfp4`: the same with the expert
-    matrices at MXFP4's 4.25 bits a weight (biases as loaded), gpt-oss's checkpoint format;
-    equal to `routed_experts` / `total` for 4-bit experts."""
+    parameter but the routed experts and the embedding table (shared experts too where
+    models/moe.py stacks them with the routed ones: every token reads them), the routed
+    experts the batch chose (expected distinct ones per layer, biases included, matrices as
+    loaded: bf16, or MXFP4's blocks + scales where models/moe.py Mxfp4Experts keeps them
+    4-bit), one embedding row a token and the KV. `routed_experts_mxfp4` / `total_mxfp4`: the
+    same with the expert matrices at MXFP4's 4.25 bits a weight (biases as loaded), gpt-oss's
+    checkpoint format; equal to `routed_experts` / `total` for 4-bit experts."""
     from specserve.models.layers import KVCacheLayer
     from specserve.models.moe import SparseMoE
 
     routed: set[int] = set()
-    experts = experts_mxfp4 = 0.0
+    experts = experts_mxfp4 = shared = 0.0
     for m in model.modules():
         if isinstance(m, SparseMoE):
             e = m.experts
@@ -210,10 +211,11 @@ def step_bytes(model: nn.Module, batch: int, context: int) -> dict[str, float]:
             bias = sum(b[0].numel() * b.element_size() for b in biases)
             n = expected_distinct(m.gate.m.num_experts, m.gate.m.top_k, batch)
             experts += n * (stored + bias)
+            shared += len(m.shared_slots) * (stored + bias)
             experts_mxfp4 += n * (weights_per_expert * MXFP4_BITS / 8 + bias)
     embed = model.model.embed_tokens.weight  # type: ignore[union-attr]
     tied = embed is model.lm_head.weight  # type: ignore[union-attr]
-    weights = sum(
+    weights = shared + sum(
         p.numel() * p.element_size()
         for p in model.parameters()
         if id(p) not in routed and (tied or p is not embed)

@@ -67,6 +67,21 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def unfused_shared_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM-4.x MoE / DeepSeek-V3 models built during the test keep their shared experts as a
+    separate MLP (models/moe.py MoeConfig.fuse_shared_experts False) instead of fusing them."""
+    from dataclasses import replace
+
+    from specserve.models import deepseek, glm4_moe, moe
+
+    def unfused(cfg: dict[str, Any]) -> moe.MoeConfig:
+        return replace(moe.sigmoid_moe_config(cfg), fuse_shared_experts=False)
+
+    for family in (deepseek, glm4_moe):
+        monkeypatch.setattr(family, "sigmoid_moe_config", unfused)
+
+
 @pytest.fixture(scope="session")
 def ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Factory: ckpt_dir(name, arch, **overrides) -> path (cached per session)."""

@@ -125,6 +125,12 @@ def test_fp8_loads_dequantized_and_matches_bf16(ckpts: tuple[str, str, str]) -> 
     # ... within e4m3's 3 mantissa bits of the original, relative to each tensor's range.
     for k in changed:
         assert (sf[k] - so[k]).abs().max() <= so[k].abs().max() / 16, k
+    # The shared expert, fused as expert 8 of the stacked ones (models/moe.py), dequantized too.
+    stored = load_file(os.path.join(deq_dir, "model.safetensors"))
+    p = "model.layers.1.mlp."
+    gate_up = [stored[f"{p}shared_experts.{n}_proj.weight"] for n in ("gate", "up")]
+    assert torch.equal(sf[p + "experts.w13"][8], torch.cat(gate_up))
+    assert torch.equal(sf[p + "experts.w2"][8], stored[p + "shared_experts.down_proj.weight"])
     ids = list(range(5, 45))
     a, b = _logits(orig, ids), _logits(fp8, ids)
     assert torch.equal(b, _logits(deq, ids))
@@ -185,7 +191,7 @@ def test_fp8_kept_8bit_matches_dequantized(ckpts: tuple[str, str, str]) -> None:
     # Every quantized linear but MLA's kv_b_proj (read as W_UK / W_UV) and the experts.
     assert any(n.endswith("self_attn.o_proj") for n in fp8)
     assert any(n.endswith("mlp.gate_up_proj") for n in fp8)
-    assert not any("kv_b_proj" in n or ".experts" in n for n in fp8)
+    assert not any("kv_b_proj" in n or "experts" in n for n in fp8)  # shared ones: fused
     assert not any(isinstance(m, Fp8Linear) for m in deq.modules())
     stored = load_file(os.path.join(ckpts[1], "model.safetensors"))
     name = next(n for n in fp8 if n.endswith("self_attn.o_proj"))
@@ -194,6 +200,22 @@ def test_fp8_kept_8bit_matches_dequantized(ckpts: tuple[str, str, str]) -> None:
         fp8[name].weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8)
     )
     assert torch.equal(fp8[name].weight_scale_inv, stored[f"{name}.weight_scale_inv"])
+    assert kept_tokens == deq_tokens
+
+
+@pytest.mark.interpret
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1")
+@pytest.mark.usefixtures("interpreter", "unfused_shared_experts")
+def test_fp8_kept_unfused_shared_mlp(ckpts: tuple[str, str, str]) -> None:
+    """With the shared experts left unfused (fuse_shared_experts False), "keep" keeps their
+    MLP's projections 8-bit like any linear, and greedy tokens equal the dequantized model's."""
+    from specserve.models.fp8_linear import Fp8Linear
+
+    kept_tokens, kept = _greedy(ckpts[1], "keep")
+    deq_tokens, _ = _greedy(ckpts[1], "dequantize")
+    fp8 = {n for n, m in kept.named_modules() if isinstance(m, Fp8Linear)}
+    shared = "model.layers.1.mlp.shared_experts."
+    assert {shared + "gate_up_proj", shared + "down_proj"} <= fp8
     assert kept_tokens == deq_tokens
 
 

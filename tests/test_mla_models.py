@@ -43,6 +43,20 @@ def test_greedy_matches_transformers(mla_ckpt, hf_refs, name: str, engine_kw: di
     assert llm.engine.kv.usage() == 0.0
 
 
+@pytest.mark.usefixtures("unfused_shared_experts")
+def test_unfused_shared_experts_match_transformers(mla_ckpt, hf_refs) -> None:  # noqa: F811
+    """The shared expert as its own MLP (fuse_shared_experts False; fused above): the same
+    greedy tokens as transformers."""
+    from specserve.models.moe import SparseMoE
+
+    for name in ("deepseek_v3", "glm4_moe_lite"):
+        llm = LLM(mla_ckpt(name), max_model_len=128)
+        moe = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoE)]
+        assert moe and all(m.shared_experts is not None for m in moe)
+        outs = llm.generate([{"prompt_token_ids": p} for p in hf_refs["_prompts"]], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == hf_refs[name]
+
+
 def test_structure_loads(mla_ckpt) -> None:  # noqa: F811
     """Dense first layers, MoE after; fp32 routers with the checkpoint's correction bias;
     q_lora_rank null gives a plain q_proj; YaRN's mscale lands in the softmax scale."""
@@ -55,6 +69,8 @@ def test_structure_loads(mla_ckpt) -> None:  # noqa: F811
     assert isinstance(layers[0].mlp, MLP) and all(isinstance(x.mlp, SparseMoE) for x in layers[1:])
     assert all(x.mlp.gate.e_score_correction_bias.abs().sum() > 0 for x in layers[1:])
     assert all(x.mlp.gate.weight.dtype == torch.float32 for x in layers[1:])
+    # The shared expert runs as routed expert 8 (models/moe.py), not as its own MLP.
+    assert all(x.mlp.shared_experts is None and list(x.mlp.shared_slots) == [8] for x in layers[1:])
     attn = layers[0].self_attn
     assert hasattr(attn, "q_a_proj") and not hasattr(attn, "q_proj")
     m = yarn_mscale(4.0, 0.8)

@@ -46,6 +46,27 @@ def test_step_bytes_counts_the_chosen_experts(tmp_path) -> None:
     assert mod.expected_distinct(128, 8, 1) == 8
 
 
+def test_step_bytes_counts_fused_shared_experts_once(tmp_path, request) -> None:
+    """GLM-4.5-Air's shared expert, fused into the stacked experts (models/moe.py) or its own
+    MLP, is read whole every step: the same bytes either way, not a routed expert's share."""
+    from specserve.models.registry import load_model
+
+    mod = _script()
+    cfg = mod.tiny(mod.GLM45_AIR, "n_routed_experts")  # 2 layers (1 MoE), 8 experts, top-2
+    mod.write_config(cfg, str(tmp_path))
+    fused, _ = load_model(str(tmp_path), torch.float32, torch.device("cpu"), 64, "dummy")
+    request.getfixturevalue("unfused_shared_experts")
+    unfused, _ = load_model(str(tmp_path), torch.float32, torch.device("cpu"), 64, "dummy")
+    assert len(fused.model.layers[1].mlp.shared_slots) == 1
+    assert unfused.model.layers[1].mlp.shared_experts is not None
+    per_expert = 4 * 3 * 64 * 32  # float32 w13 + w2 rows of one expert
+    for batch in (1, 4):
+        a, b = mod.step_bytes(fused, batch, 10), mod.step_bytes(unfused, batch, 10)
+        assert a == b
+        distinct = 8 * (1 - (1 - 2 / 8) ** batch)
+        assert abs(a["routed_experts"] - distinct * per_expert) < 1e-6
+
+
 def test_cpu_smoke_runs_every_configuration(tmp_path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "moe_decode.py"), "--cpu-smoke"]

@@ -185,3 +185,124 @@ def test_glm_mtp_drafts_equal_transformers_use_mtp(glm_mtp: dict, monkeypatch) -
         speculative_config={"method": "mtp", "num_speculative_tokens": 1},
     )
     assert_same_drafts(drafts_per_step(llm, prompts, GREEDY), theirs)
+
+
+# ---- shared experts fused into the routed ones (models/moe.py) -------------------------------
+@pytest.mark.parametrize("n_shared", [1, 2])
+def test_fused_shared_experts_equal_the_separate_mlp(n_shared: int) -> None:
+    """Shared expert i as routed expert E + i at weight 1.0 (the MLP's intermediate channels
+    i * I .. (i + 1) * I) gives the separate MLP's output: router columns, forward and the
+    norm-fused forward, float32."""
+    from dataclasses import replace
+
+    from torch import nn
+
+    from specserve.models.layers import RMSNorm
+    from specserve.models.moe import MoeConfig, SparseMoE
+
+    E, H, inter, k = 8, 64, 16, 2
+    m = MoeConfig(
+        num_experts=E, top_k=k, intermediate_size=inter, norm_topk_prob=True,
+        scoring="sigmoid", n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        correction_bias=True, n_shared_experts=n_shared, router_fp32=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    unfused, fused = SparseMoE(replace(m, fuse_shared_experts=False), H), SparseMoE(m, H)
+    assert fused.shared_experts is None and list(fused.shared_slots) == list(range(E, E + n_shared))
+    assert fused.experts.w13.shape == (E + n_shared, 2 * inter, H)
+    with torch.no_grad():
+        for p in unfused.parameters():
+            nn.init.normal_(p, std=0.2)
+        unfused.gate.e_score_correction_bias.uniform_(0, 0.2)
+        fused.gate.load_state_dict(unfused.gate.state_dict())
+        fused.experts.w13[:E] = unfused.experts.w13
+        fused.experts.w2[:E] = unfused.experts.w2
+        gate, up = unfused.shared_experts.gate_up_proj.weight.chunk(2)
+        down = unfused.shared_experts.down_proj.weight
+        for i in range(n_shared):
+            ch = slice(i * inter, (i + 1) * inter)
+            fused.experts.w13[E + i] = torch.cat([gate[ch], up[ch]])
+            fused.experts.w2[E + i] = down[:, ch]
+    x, res = torch.randn(5, H), torch.randn(5, H)
+    with torch.no_grad():
+        weights, ids = fused.gate(x)
+        ref_w, ref_ids = unfused.gate(x)
+        assert torch.equal(ids[:, :k], ref_ids) and torch.equal(weights[:, :k], ref_w)
+        assert ids[:, k:].tolist() == [list(range(E, E + n_shared))] * 5
+        assert torch.equal(weights[:, k:], torch.ones(5, n_shared))  # not routed_scaling_factor
+        torch.testing.assert_close(fused(x), unfused(x), rtol=1e-5, atol=1e-6)
+        norm = RMSNorm(H, 1e-6)
+        (a, a_res), (b, b_res) = (
+            fused.norm_forward(norm, x, res),
+            unfused.norm_forward(norm, x, res),
+        )
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.equal(a_res, b_res)
+
+
+def _glm_shared_ckpt(ckpt_dir, n_shared: int) -> str:
+    if n_shared == 1:
+        return moe_ckpt(ckpt_dir, "glm4_moe")
+    over = {**MOE_ARCHS["glm4_moe"][1], "n_shared_experts": n_shared}
+    path = ckpt_dir(f"glm4_moe_shared{n_shared}", "glm4_moe", **over)
+    _randomize_correction_bias(path)
+    return path
+
+
+@pytest.mark.parametrize("n_shared", [1, 2])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_glm_shared_experts_fused_or_not_match_transformers(
+    ckpt_dir, hf_refs, request, n_shared: int, fused: bool
+) -> None:
+    """A transformers-written GLM-4.5 MoE checkpoint (shared MLP of n * I channels) loads with
+    its shared experts fused (slots E.., two of I for n = 2) or as the separate MLP, and both
+    give transformers' greedy tokens."""
+    from specserve.models.moe import SparseMoE
+
+    if not fused:
+        request.getfixturevalue("unfused_shared_experts")
+    path = _glm_shared_ckpt(ckpt_dir, n_shared)
+    prompts = hf_refs["_prompts"]
+    ref = hf_refs["glm4_moe"] if n_shared == 1 else [hf_greedy(path, p, 24) for p in prompts]
+    llm = LLM(path, max_model_len=128)
+    blocks = [m for m in llm.engine.model.modules() if isinstance(m, SparseMoE)]
+    assert len(blocks) == 2
+    for b in blocks:
+        assert len(b.shared_slots) == (n_shared if fused else 0)
+        assert (b.shared_experts is None) == fused
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+def test_fused_shared_expert_loading_is_strict(ckpt_dir, tmp_path) -> None:
+    """The shared MLP's tensors land in slot E (+ i) of the stacked experts; a missing one
+    fails the load naming the stacked parameter, a wrongly shaped one naming the tensor."""
+    import shutil
+
+    from specserve.models.loader import ModelLoadError
+    from specserve.models.registry import load_model
+
+    src = _glm_shared_ckpt(ckpt_dir, 2)
+    model, _ = load_model(src, torch.float32, "cpu", 256)
+    w = load_file(os.path.join(src, "model.safetensors"))
+    p = "model.layers.1.mlp."
+    experts = model.model.layers[1].mlp.experts
+    gate, up = w[p + "shared_experts.gate_proj.weight"], w[p + "shared_experts.up_proj.weight"]
+    down = w[p + "shared_experts.down_proj.weight"]
+    for i in range(2):
+        ch = slice(i * 32, (i + 1) * 32)
+        assert torch.equal(experts.w13[8 + i], torch.cat([gate[ch], up[ch]]))
+        assert torch.equal(experts.w2[8 + i], down[:, ch])
+    dst = str(tmp_path / "broken")
+    shutil.copytree(src, dst)
+    f = os.path.join(dst, "model.safetensors")
+    broken = {k: t for k, t in w.items() if k != p + "shared_experts.down_proj.weight"}
+    save_file(broken, f, metadata={"format": "pt"})
+    with pytest.raises(
+        ModelLoadError, match=r"missing 1 weight\(s\): model.layers.1.mlp.experts.w2"
+    ):
+        load_model(dst, torch.float32, "cpu", 256)
+    broken[p + "shared_experts.down_proj.weight"] = down[:, :60].contiguous()
+    save_file(broken, f, metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="shared_experts.down_proj.weight has shape"):
+        load_model(dst, torch.float32, "cpu", 256)

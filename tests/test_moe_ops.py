@@ -37,7 +37,8 @@ def make_moe(
 ) -> tuple[torch.Tensor, ...]:
     """(x, w13, w2, topk_weights, topk_ids) with softmax top-k routing over random logits.
     routing "idle": only experts 1, 4 and 6 (mod E) can be chosen, the rest get no tokens;
-    "same": every token picks the same top_k experts."""
+    "same": every token picks the same top_k experts; "shared": top_k - 1 of the first E - 1,
+    then expert E - 1 at weight 1.0 for every token (a fused shared expert, models/moe.py)."""
     g = torch.Generator(device).manual_seed(seed)  # on the device: the GPU shapes are large
 
     def randn(*shape: int) -> torch.Tensor:
@@ -53,7 +54,12 @@ def make_moe(
         logits = logits.masked_fill(~allowed, float("-inf"))
     elif routing == "same":
         logits = torch.arange(E, dtype=torch.float32, device=device) + 0.1 * logits.abs()
-    topk_weights, topk_ids = logits.softmax(-1).topk(top_k, dim=-1)
+    if routing == "shared":
+        topk_weights, topk_ids = logits[:, :-1].softmax(-1).topk(top_k - 1, dim=-1)
+        topk_weights = torch.cat([topk_weights, topk_weights.new_ones(T, 1)], dim=1)
+        topk_ids = torch.cat([topk_ids, torch.full_like(topk_ids[:, :1], E - 1)], dim=1)
+    else:
+        topk_weights, topk_ids = logits.softmax(-1).topk(top_k, dim=-1)
     if routing == "same":
         assert (topk_ids == topk_ids[0]).all()
     return x.to(dtype), w13.to(dtype), w2.to(dtype), topk_weights, topk_ids.to(torch.int32)
@@ -81,6 +87,8 @@ CASES = [
     (8, "idle", "auto"),
     (64, "same", "auto"),
     (8, "same", "auto"),
+    (1, "shared", "auto"),
+    (37, "shared", "auto"),
 ]
 # float32 everywhere; bfloat16 (16-bit loads, tensor-core dots) on the random-routing cases.
 CASES_DTYPES = [
@@ -98,7 +106,8 @@ CASES_DTYPES = [
 def test_moe_triton_matches_reference(T: int, routing: str, path: str, dtype: torch.dtype) -> None:
     from specserve.ops.moe_triton import fused_moe_triton
 
-    args = make_moe(T, E=8, H=64, inter=32, top_k=2, dtype=dtype, routing=routing, seed=T)
+    top_k = 3 if routing == "shared" else 2  # shared: top-2 + 1, padded to 4 in down's tile
+    args = make_moe(T, E=8, H=64, inter=32, top_k=top_k, dtype=dtype, routing=routing, seed=T)
     _check(fused_moe_triton(*args, path=path), fused_moe_ref(*args))
 
 
@@ -220,6 +229,11 @@ def test_every_launch_config() -> None:
     assert mt.decode_configs(2048, 1536, 4) == ((2, 2048, 8), (2, 2048, 8))
     assert mt.decode_configs(2880, 2880, 4) == (mt.DECODE_GATE_UP_CONFIG, mt.DECODE_DOWN_CONFIG)
     assert mt.decode_configs(4096, 1408, 8)[1] == mt.DECODE_DOWN_CONFIG
+    # Shared experts fused (top_k + 1): GLM-4.7-Flash keeps gate_up's config and down's tile
+    # size ([8, 1, 2048]); top-8 + 1 (16 rows a tile) halves the fallback's BLOCK_N.
+    assert mt.decode_configs(2048, 1536, 5) == ((2, 2048, 8), (1, 2048, 8))
+    assert mt.decode_configs(4096, 1408, 9) == (mt.DECODE_GATE_UP_CONFIG, (2, 256, 4))
+    assert mt.decode_configs(7168, 2048, 9)[1] == (2, 256, 4)
     assert {c for *_, c in mt.DECODE_GATE_UP_TABLE} <= set(mt.DECODE_GATE_UP_CONFIGS)
     assert {c for *_, c in mt.DECODE_DOWN_TABLE} <= set(mt.DECODE_DOWN_CONFIGS)
     # The default pick (one K tile each here: BLOCK_K >= K) on this shape.
@@ -298,6 +312,8 @@ def test_moe_kernels_compile_for_sm90() -> None:
     silu = mt.PLAIN.consts()
     oai = mt.Epilogue(activation="swiglu_oai").consts()
     _compile(mt._moe_align_kernel, dict(BLOCK_E=128, BLOCK_P=1024, BLOCK_M=16))
+    # DeepSeek-V3's 256 experts + a fused shared one: 512 bins.
+    _compile(mt._moe_align_kernel, dict(BLOCK_E=512, BLOCK_P=1024, BLOCK_M=16))
     _compile(mt._moe_sum_kernel, dict(BLOCK_TOPK=8, BLOCK_H=1024))
     # gate_up at every token density in 16 and 32 bits, down at the extremes: fits the H100's
     # shared memory (227 KB a block), runs on tensor cores where 16-bit. gpt-oss (bias +
@@ -346,17 +362,21 @@ def test_moe_kernels_compile_for_sm90() -> None:
             assert ("griddepcontrol.launch_dependents" in ptx) == pdl
             if pdl:  # only down's preload (routing, first weight tile) loads before the wait
                 assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
-    # The shape tables' one-tile configs at their real shapes (Qwen3-30B-A3B: H 2048, I 768,
-    # top-8; GLM-4.7-Flash: I 1536, top-4): no spills, and down requests its whole slab
-    # ([top_k, BLOCK_N, BLOCK_K] bf16 in 16-byte loads) before the PDL wait.
-    for hidden, inter, top_k in ((2048, 768, 8), (2048, 1536, 4)):
+    # The shape tables' configs at their real shapes (Qwen3-30B-A3B: H 2048, I 768, top-8;
+    # GLM-4.7-Flash: I 1536, top-4; with a fused shared expert top-4 + 1, and GLM-4.5-Air /
+    # DeepSeek-V3's top-8 + 1): no spills, and down requests its first tile ([next_pow2(top_k),
+    # BLOCK_N, BLOCK_K] bf16 in 16-byte loads; the whole slab where one tile spans I) before
+    # the PDL wait.
+    shapes = ((2048, 768, 8), (2048, 1536, 4), (2048, 1536, 5), (4096, 1408, 9), (7168, 2048, 9))
+    for hidden, inter, top_k in shapes:
         (gn, gk, gw), (dn, dk, dw) = mt.decode_configs(hidden, inter, top_k)
         _compile(mt._moe_decode_gate_up_kernel, dict(BLOCK_N=gn, BLOCK_K=gk, PDL=True,
                                                      HAS_BIAS=False, **silu), gw)  # fmt: skip
+        block_topk = 1 << (top_k - 1).bit_length()
         consts = dict(BLOCK_N=dn, BLOCK_K=dk, PDL=True, PRELOAD=True, HAS_BIAS=False)
-        ptx = _compile(mt._moe_decode_down_kernel, dict(BLOCK_TOPK=top_k, **consts), dw)
+        ptx = _compile(mt._moe_decode_down_kernel, dict(BLOCK_TOPK=block_topk, **consts), dw)
         early = ptx[: ptx.index("griddepcontrol.wait")]
-        assert early.count("ld.global.v4") * 16 * 32 * dw == top_k * dn * dk * 2
+        assert early.count("ld.global.v4") * 16 * 32 * dw == block_topk * dn * dk * 2
 
 
 # ---- GPU ---------------------------------------------------------------------------------------

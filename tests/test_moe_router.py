@@ -73,16 +73,21 @@ def _check_route(out: tuple, ref: tuple, dtype: torch.dtype, choice: bool = True
         torch.testing.assert_close(res, rres, **tol)
 
 
-# (T, E, H, top_k, scoring, renormalize, scale, n_group, topk_group)
+# (T, E, H, top_k, scoring, renormalize, scale, n_group, topk_group, n_shared)
 ROUTE_CASES = [
-    (1, 8, 64, 2, "softmax", True, 1.0, 1, 1),
-    (3, 16, 96, 4, "softmax", False, 1.0, 1, 1),  # H not a multiple of BLOCK_K
-    (8, 12, 64, 3, "softmax", True, 1.0, 1, 1),  # E and top_k not powers of two
-    (2, 16, 64, 4, "sigmoid", True, 2.5, 1, 1),
-    (5, 16, 64, 4, "sigmoid", True, 1.0, 4, 2),  # group-limited choice
-    (4, 32, 64, 6, "sigmoid", False, 1.5, 8, 3),
-    (1, 32, 96, 4, "softmax_topk", False, 1.0, 1, 1),  # gpt-oss: biased logits, softmax of k
-    (6, 16, 64, 2, "softmax_topk", False, 1.0, 1, 1),
+    (1, 8, 64, 2, "softmax", True, 1.0, 1, 1, 0),
+    (3, 16, 96, 4, "softmax", False, 1.0, 1, 1, 0),  # H not a multiple of BLOCK_K
+    (8, 12, 64, 3, "softmax", True, 1.0, 1, 1, 0),  # E and top_k not powers of two
+    (2, 16, 64, 4, "sigmoid", True, 2.5, 1, 1, 0),
+    (5, 16, 64, 4, "sigmoid", True, 1.0, 4, 2, 0),  # group-limited choice
+    (4, 32, 64, 6, "sigmoid", False, 1.5, 8, 3, 0),
+    (1, 32, 96, 4, "softmax_topk", False, 1.0, 1, 1, 0),  # gpt-oss: biased logits, softmax of k
+    (6, 16, 64, 2, "softmax_topk", False, 1.0, 1, 1, 0),
+    # Fused shared experts appended (ids E.., weight 1.0): GLM-4.7-Flash's top-4 + 1 (8
+    # columns a tile), top-8 + 1 (16) grouped as DeepSeek-V3, two shared filling a tile of 4.
+    (1, 16, 64, 4, "sigmoid", True, 2.5, 1, 1, 1),
+    (3, 32, 64, 8, "sigmoid", True, 2.5, 4, 2, 1),
+    (2, 8, 64, 2, "softmax", True, 1.0, 1, 1, 2),
 ]
 
 
@@ -101,9 +106,9 @@ def router_bias(scoring: str, E: int, dtype: torch.dtype, seed: int) -> torch.Te
 def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
     from specserve.ops.moe_router import norm_route_triton
 
-    T, E, H, top_k, scoring, renorm, scale, n_group, topk_group = case
+    T, E, H, top_k, scoring, renorm, scale, n_group, topk_group, n_shared = case
     routing = dict(scoring=scoring, top_k=top_k, renormalize=renorm, scale=scale)
-    routing.update(n_group=n_group, topk_group=topk_group)
+    routing.update(n_group=n_group, topk_group=topk_group, n_shared=n_shared)
     x, res, norm_w, w, bias = make_route(T, E, H, scoring, dtype, seed=T + E)
     rb = router_bias(scoring, E, dtype, seed=T)
     counter = torch.zeros(1, dtype=torch.int32)
@@ -112,6 +117,10 @@ def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
         out = norm_route_triton(
             x, res, norm_w, 1e-6, w, bias, counter, config, router_bias=rb, **routing
         )
+        # The shared experts after the k chosen, written by the kernel: ids E.., weight 1.0.
+        assert out[1].shape == out[0].shape == (T, top_k + n_shared)
+        assert out[1][:, top_k:].tolist() == [list(range(E, E + n_shared))] * T
+        assert torch.equal(out[0][:, top_k:], torch.ones(T, n_shared))
         if dtype == torch.float32:
             _check_route(out, ref, dtype)
             continue
@@ -126,7 +135,7 @@ def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
             _check_route(out, (*select_experts_ref(logits, bias, **routing), *ref[2:]), dtype)
         else:
             logits = F.linear(out[2], w, rb).float()
-            chosen = logits.gather(1, out[1]).sort(dim=-1, descending=True)[0]
+            chosen = logits.gather(1, out[1][:, :top_k]).sort(dim=-1, descending=True)[0]
             best = logits.topk(top_k, dim=-1)[0]
             torch.testing.assert_close(chosen, best, atol=2e-2, rtol=2e-2)
             if scoring == "softmax_topk":  # the weights: the chosen logits' softmax
@@ -175,6 +184,15 @@ def test_norm_route_cpu_is_reference_and_select_experts_validates() -> None:
     w2, ids2 = select_experts_ref(logits, None, scoring="softmax_topk", top_k=3, renormalize=False)
     assert torch.equal(ids2, logits.topk(3, dim=-1)[1])
     torch.testing.assert_close(w2, logits.topk(3, dim=-1)[0].softmax(-1))
+    # Fused shared experts: ids E.. at weight 1.0 (not scaled) after the k chosen, which keep
+    # their renormalized, scaled weights; norm_route_ref appends them the same way.
+    routing.update(scale=2.5)
+    w0, ids0 = select_experts_ref(logits, bias, **routing)  # type: ignore[arg-type]
+    ws, ids_s = select_experts_ref(logits, bias, **routing, n_shared=2)  # type: ignore[arg-type]
+    assert torch.equal(ids_s, torch.cat([ids0, torch.tensor([[8, 9]] * 3)], dim=1))
+    assert torch.equal(ws, torch.cat([w0, torch.ones(3, 2)], dim=1))
+    out = norm_route(x, res, norm_w, 1e-6, w, bias, counter, **routing, n_shared=2)
+    assert torch.equal(out[0], ws) and torch.equal(out[1], ids_s)
 
 
 @pytest.mark.interpret
@@ -208,7 +226,7 @@ def test_router_kernels_compile_for_sm90() -> None:
     router, 128 experts, top-8, 1 and 8 tokens; every ROUTE_CONFIGS entry at 1 token, with and
     without PDL), GLM-4.7-Flash (64 experts), GLM-4.5-Air (sigmoid, float32 router) and
     DeepSeek-V3 (256 experts, 8 groups, top-4 groups) and gpt-oss (biased router, softmax of
-    the k best) shapes, and requests its router rows before the PDL wait; qk-norm at Qwen3's 32 q / 4 kv heads of 128."""
+    the k best) shapes, the sigmoid ones also with a fused shared expert appended, and requests its router rows before the PDL wait; qk-norm at Qwen3's 32 q / 4 kv heads of 128."""
     pytest.importorskip("triton")
     from specserve.ops import moe_router as mr
     from specserve.ops import triton_kernels as tk
@@ -224,18 +242,23 @@ def test_router_kernels_compile_for_sm90() -> None:
         "eps": "fp32",
         "scale": "fp32",
     }
-    cases = [  # (scoring, router dtype, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, E, H)
-        ("softmax", "bf16", 8, 1, 1, 1, 128, 2048),
-        ("softmax", "bf16", 8, 1, 1, 8, 128, 2048),
-        ("softmax", "bf16", 4, 1, 1, 1, 64, 2048),  # GLM-4.7-Flash-sized softmax
-        ("sigmoid", "fp32", 8, 1, 1, 1, 128, 4096),
-        ("sigmoid", "fp32", 8, 8, 4, 4, 256, 7168),
-        ("sigmoid", "fp32", 8, 8, 4, 8, 256, 7168),
-        ("softmax_topk", "bf16", 4, 1, 1, 1, 32, 2880),  # gpt-oss-20b (router bias)
-        ("softmax_topk", "bf16", 4, 1, 1, 8, 128, 2880),  # gpt-oss-120b
-        ("softmax_topk", "bf16", 4, 1, 1, 8, 32, 2880),  # 20b, 8 tokens (2 K tiles spilled)
+    cases = [  # (scoring, router dtype, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, E, H, N_SHARED)
+        ("softmax", "bf16", 8, 1, 1, 1, 128, 2048, 0),
+        ("softmax", "bf16", 8, 1, 1, 8, 128, 2048, 0),
+        ("softmax", "bf16", 4, 1, 1, 1, 64, 2048, 0),  # GLM-4.7-Flash-sized softmax
+        ("sigmoid", "fp32", 8, 1, 1, 1, 128, 4096, 0),
+        ("sigmoid", "fp32", 8, 8, 4, 4, 256, 7168, 0),
+        ("sigmoid", "fp32", 8, 8, 4, 8, 256, 7168, 0),
+        ("softmax_topk", "bf16", 4, 1, 1, 1, 32, 2880, 0),  # gpt-oss-20b (router bias)
+        ("softmax_topk", "bf16", 4, 1, 1, 8, 128, 2880, 0),  # gpt-oss-120b
+        ("softmax_topk", "bf16", 4, 1, 1, 8, 32, 2880, 0),  # 20b, 8 tokens (2 K tiles spilled)
+        # Shared experts fused (appended columns): GLM-4.7-Flash, GLM-4.5-Air, DeepSeek-V3.
+        ("sigmoid", "fp32", 4, 1, 1, 1, 64, 2048, 1),
+        ("sigmoid", "fp32", 4, 1, 1, 8, 64, 2048, 1),
+        ("sigmoid", "fp32", 8, 1, 1, 8, 128, 4096, 1),
+        ("sigmoid", "fp32", 8, 8, 4, 8, 256, 7168, 1),
     ]
-    for scoring, w_dtype, top_k, n_group, topk_group, block_t, E, H in cases:
+    for scoring, w_dtype, top_k, n_group, topk_group, block_t, E, H, n_shared in cases:
         sigmoid, topk_softmax = scoring == "sigmoid", scoring == "softmax_topk"
         # Every swept config at Qwen3's batch-1 shape, without PDL once; the default elsewhere.
         runs = [(True, mr.ROUTE_CONFIG)]
@@ -246,8 +269,9 @@ def test_router_kernels_compile_for_sm90() -> None:
             consts = dict(HAS_RES=True, SIGMOID=sigmoid, ROUND_LOGITS=not sigmoid)
             consts.update(HAS_ROUTER_BIAS=topk_softmax, TOPK_SOFTMAX=topk_softmax)
             consts.update(HAS_BIAS=sigmoid, RENORM=not topk_softmax, TOP_K=top_k)
-            consts.update(N_GROUP=n_group)
-            consts.update(TOPK_GROUP=topk_group, BLOCK_T=block_t, BLOCK_TOPK=top_k)
+            consts.update(N_SHARED=n_shared, N_GROUP=n_group, TOPK_GROUP=topk_group)
+            block_topk = 1 << (top_k + n_shared - 1).bit_length()  # next power of two
+            consts.update(BLOCK_T=block_t, BLOCK_TOPK=block_topk)
             consts.update(BLOCK_E=block_e, BLOCK_K=block_k, K_TILES=-(-H // block_k))
             consts.update(BLOCK_ALL_E=E, PDL=pdl)
             warps = mr.route_warps(block_t, config)

@@ -34,6 +34,9 @@ KNOWN_UNUSED_SUFFIXES = (
 # w2 [E, H, I].
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+# Shared experts a SparseMoE runs as routed experts E.. (models/moe.py `shared_slots`): their
+# MLP's tensors load as those experts' per-expert tensors.
+_SHARED_EXPERTS = re.compile(r"^(.*)\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 # A block-scaled fp8 weight's scale is stored beside it as `<weight name>_scale_inv`.
@@ -46,9 +49,9 @@ class ModelLoadError(ValueError):
 
 
 def _expert_target(
-    name: str, params: dict[str, torch.Tensor]
-) -> tuple[str, Callable[[torch.Tensor], torch.Tensor], str] | None:
-    """(stacked parameter, its slice for this tensor, completeness key) for an expert tensor."""
+    name: str, params: dict[str, torch.Tensor], tensor: torch.Tensor
+) -> tuple[str, Callable[[torch.Tensor], torch.Tensor], list[str]] | None:
+    """(stacked parameter, its slice for this tensor, completeness keys) for an expert tensor."""
     m = _PER_EXPERT.match(name)
     if m is not None:
         prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
@@ -56,25 +59,40 @@ def _expert_target(
         if target not in params:
             return None
         if kind == "down_proj":
-            return target, lambda p: p[e], f"{target}#{e}"
+            return target, lambda p: p[e], [f"{target}#{e}"]
         inter = params[target].shape[1] // 2
         shard = 0 if kind == "gate_proj" else 1
-        return target, lambda p: p[e].narrow(0, shard * inter, inter), f"{target}#{e}.{shard}"
+        return target, lambda p: p[e].narrow(0, shard * inter, inter), [f"{target}#{e}.{shard}"]
     m = _FUSED_EXPERTS.match(name)
     if m is not None:
         target = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
         if target in params:
-            return target, lambda p: p, f"{target}#all"
+            # The routed experts (slots past them hold fused shared experts).
+            n = tensor.shape[0]
+            return target, lambda p: p[:n], _expert_keys(target, n)
     return None
 
 
-def _expert_keys(pname: str, param: torch.Tensor) -> list[str] | None:
-    """Completeness keys a stacked expert parameter needs from per-expert tensors."""
-    if pname.endswith(".experts.w13"):
-        return [f"{pname}#{e}.{s}" for e in range(param.shape[0]) for s in (0, 1)]
-    if pname.endswith(".experts.w2"):
-        return [f"{pname}#{e}" for e in range(param.shape[0])]
-    return None
+def _expert_keys(pname: str, num_experts: int) -> list[str]:
+    """Completeness keys of experts 0 .. num_experts - 1 of a stacked expert parameter."""
+    if pname.endswith(".w13"):
+        return [f"{pname}#{e}.{s}" for e in range(num_experts) for s in (0, 1)]
+    return [f"{pname}#{e}" for e in range(num_experts)]
+
+
+def _shared_as_experts(
+    name: str, tensor: torch.Tensor, modules: dict[str, nn.Module]
+) -> list[tuple[str, torch.Tensor]]:
+    """A shared-expert MLP tensor of a SparseMoE that fuses its shared experts (models/moe.py):
+    the per-expert tensors of slots E.. (n shared experts of I channels split the MLP's n * I
+    evenly: gate / up rows, down columns); any other tensor as it is."""
+    m = _SHARED_EXPERTS.match(name)
+    slots = getattr(modules.get(m.group(1)), "shared_slots", None) if m else None
+    if not slots:
+        return [(name, tensor)]
+    prefix, kind = m.group(1), m.group(2)  # type: ignore[union-attr]
+    parts = tensor.chunk(len(slots), dim=1 if kind == "down_proj" else 0)
+    return [(f"{prefix}.experts.{e}.{kind}.weight", t) for e, t in zip(slots, parts)]
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
@@ -183,24 +201,20 @@ def load_weights(
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     unused: list[str] = []
-    for name, tensor, path in weights:
-        hf_name = name
-        name = rename(name) if rename is not None else name
-        if name is None or hf_name.endswith(KNOWN_UNUSED_SUFFIXES):
-            continue
-        expert = _expert_target(name, params)
+    for hf_name, name, tensor, path in _renamed(weights, rename, modules):
+        expert = _expert_target(name, params, tensor)
         if expert is not None:
-            target, view, key = expert
+            target, view, keys = expert
             dst = view(params[target].data)
             if tensor.dim() == 3 and tensor.shape != dst.shape and tensor.mT.shape == dst.shape:
                 tensor = tensor.mT  # fused experts saved as [E, H, 2I] / [E, I, H]
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ModelLoadError(
-                    f"{path}: tensor {name} has shape {tuple(tensor.shape)} but the config "
-                    f"implies {tuple(dst.shape)}"
+                    f"{path}: tensor {hf_name} has shape {tuple(tensor.shape)} but the config "
+                    f"implies {tuple(dst.shape)}" + (f" (as {name})" if name != hf_name else "")
                 )
             dst.copy_(tensor.to(dst.dtype))
-            loaded.add(key)
+            loaded.update(keys)
             continue
         target, shard = stacked_target(name, params)
         if target not in params:
@@ -234,13 +248,28 @@ def load_weights(
             want = [f"{pname}#{i}" for i in range(3)]
         elif pname.endswith(tuple(f"gate_up_proj.{s}" for s in _FUSED_SUFFIXES)):
             want = [f"{pname}#{i}" for i in range(2)]
-        elif (keys := _expert_keys(pname, params[pname])) is not None:
-            want = [] if f"{pname}#all" in loaded else keys
+        elif pname.endswith((".experts.w13", ".experts.w2")):
+            want = _expert_keys(pname, params[pname].shape[0])
         if any(w not in loaded for w in want) and not pname.startswith(allow_missing):
             missing.append(pname)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ModelLoadError(f"checkpoint is missing {len(missing)} weight(s): {shown}")
+
+
+def _renamed(
+    weights: Iterator[tuple[str, torch.Tensor, str]],
+    rename: Any,
+    modules: dict[str, nn.Module],
+) -> Iterator[tuple[str, str, torch.Tensor, str]]:
+    """(checkpoint name, model name, tensor, file) of the tensors the model may read: renamed,
+    known caches and tensors `rename` disowns dropped, fused shared experts split per expert."""
+    for hf_name, tensor, path in weights:
+        name = rename(hf_name) if rename is not None else hf_name
+        if name is None or hf_name.endswith(KNOWN_UNUSED_SUFFIXES):
+            continue
+        for part, t in _shared_as_experts(name, tensor, modules):
+            yield hf_name, part, t, path
 
 
 @torch.no_grad()

@@ -1,6 +1,16 @@
 """Mixture-of-experts block shared by every MoE family: router variants, stacked experts over the
 fused kernel (`ops.moe.fused_moe`), optional shared experts.
 
+Shared experts (DeepSeek-V3 / GLM-4.x: an MLP every token runs) are fused into the routed ones
+by default, as SGLang's shared-experts fusion: shared expert i is expert E + i of the stacked
+weights, chosen for every token with weight exactly 1.0 (the routed weights keep their
+renormalization and routed_scaling_factor), so the MoE kernels run top_k + n_shared experts
+and no separate MLP or add runs. Same math: down(act(gate(x)) * up(x)) of n * I channels is
+the sum of n experts of I channels each (the intermediate channels are independent). Why: at
+GLM-4.7-Flash batch 1 (H100) the separate MLP and add were three launches, ~16 us a layer,
+where streaming its 19 MB inside the MoE kernels costs ~6 us. `fuse_shared_experts=False`
+keeps the separate MLP (tests compare the two); MXFP4 and gpt-oss-style experts keep it too.
+
 Routers (formulas as in transformers' modeling_qwen3_moe.py / modeling_glm4_moe.py):
   softmax   Qwen3-MoE (and Mixtral, gpt-oss): top-k of softmax(x W^T) in float32, optionally
             renormalized over the chosen k (`norm_topk_prob`).
@@ -39,8 +49,10 @@ class MoeConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False
-    # Shared experts run on every token as one dense MLP of n_shared * intermediate_size.
+    # Shared experts run on every token: as routed experts E.. with weight 1.0 (fused, see the
+    # module docstring), or unfused as one dense MLP of n_shared * intermediate_size.
     n_shared_experts: int = 0
+    fuse_shared_experts: bool = True
     # GLM / DeepSeek keep the router in float32 even in a bf16 model (their checkpoints do).
     router_fp32: bool = False
     # gpt-oss: a bias on the router logits and on both expert projections, and the clamped
@@ -68,10 +80,18 @@ class MoeConfig:
                 f"topk_group {self.topk_group} must be in 1..n_group"
             )
 
+    @property
+    def n_fused_shared(self) -> int:
+        """Shared experts that run as routed experts E.. (none for MXFP4 or gpt-oss-style
+        experts: the shared MLP is a plain SwiGLU without biases)."""
+        plain = not (self.mxfp4 or self.expert_bias) and self.activation == "silu"
+        return self.n_shared_experts if self.fuse_shared_experts and plain else 0
+
 
 class Router(nn.Module):
-    """x -> (topk_weights float32 [T, k], topk_ids int64 [T, k]). Checkpoint names:
-    `mlp.gate.weight` [E, H] and, for sigmoid routers, `mlp.gate.e_score_correction_bias`."""
+    """x -> (topk_weights float32 [T, k + s], topk_ids int64 [T, k + s]), s = the fused shared
+    experts (ids E.., weight 1.0, after the k chosen). Checkpoint names: `mlp.gate.weight`
+    [E, H] and, for sigmoid routers, `mlp.gate.e_score_correction_bias`."""
 
     def __init__(self, m: MoeConfig, hidden_size: int) -> None:
         super().__init__()
@@ -94,6 +114,7 @@ class Router(nn.Module):
             scale=m.routed_scaling_factor,
             n_group=m.n_group,
             topk_group=m.topk_group,
+            n_shared=m.n_fused_shared,
         )
 
     def forward(
@@ -214,24 +235,31 @@ class Mxfp4Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """The MoE feed-forward block: router -> fused experts (+ shared experts on every token)."""
+    """The MoE feed-forward block: router -> fused experts (+ shared experts on every token:
+    fused, experts E.. of `experts`; unfused, the `shared_experts` MLP)."""
 
     def __init__(self, m: MoeConfig, hidden_size: int) -> None:
         super().__init__()
         self.gate = Router(m, hidden_size)
         experts = Mxfp4Experts if m.mxfp4 else StackedExperts
-        self.experts = experts(m.num_experts, hidden_size, m.intermediate_size, bias=m.expert_bias)
+        total = m.num_experts + m.n_fused_shared
+        self.experts = experts(total, hidden_size, m.intermediate_size, bias=m.expert_bias)
         # Only gpt-oss-style experts pass the extra arguments of fused_moe.
         self.expert_kw: dict[str, Any] = {}
         if m.expert_bias or m.activation != "silu":
             self.expert_kw = dict(
                 activation=m.activation, alpha=m.swiglu_alpha, limit=m.swiglu_limit
             )
-        self.shared_experts = (
-            MLP(hidden_size, m.n_shared_experts * m.intermediate_size)
-            if m.n_shared_experts
-            else None
-        )
+        self.shared_experts: MLP | None = None
+        if m.n_shared_experts and not m.n_fused_shared:
+            self.shared_experts = MLP(hidden_size, m.n_shared_experts * m.intermediate_size)
+
+    @property
+    def shared_slots(self) -> range:
+        """The expert ids of the fused shared experts (empty when unfused); the loader fills
+        them from the checkpoint's `mlp.shared_experts.*` tensors."""
+        m = self.gate.m
+        return range(m.num_experts, m.num_experts + m.n_fused_shared)
 
     def forward(
         self,
@@ -258,9 +286,9 @@ class SparseMoE(nn.Module):
         self,
         # [num_tokens, hidden]: normed
         x: torch.Tensor,
-        # [num_tokens, top_k] float32
+        # [num_tokens, top_k + fused shared] float32
         weights: torch.Tensor,
-        # [num_tokens, top_k]
+        # [num_tokens, top_k + fused shared]
         ids: torch.Tensor,
     ) -> torch.Tensor:
         out = self.experts(x, weights, ids, **self.expert_kw)

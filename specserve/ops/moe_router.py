@@ -9,6 +9,8 @@ after transformers' modeling_qwen3_moe.py / modeling_glm4_moe.py:
   sigmoid   s = sigmoid(logits) in float32; the choice ranks s + correction bias among the
             `topk_group` best of `n_group` groups (a group's score: the sum of its two best);
             the weights are the chosen s, optionally renormalized (+ 1e-20), times `scale`.
+`n_shared` > 0 (models/moe.py's fused shared experts) appends experts E .. E + n_shared - 1
+with weight 1.0 to every token's choice, after the k chosen: [T, k + n_shared].
 
 `norm_route` = the post-attention RMSNorm (with the residual add), the router matmul and
 `select_experts_ref`, returning what the experts need: (topk_weights, topk_ids, normed x, new
@@ -17,7 +19,8 @@ instead of a norm kernel, a cuBLAS gemv and four or five torch ops (softmax, top
 Each program computes the logits of BLOCK_E experts for every token (the norm recomputed per
 program from x: T x H elements from L2, next to BLOCK_E x H weights); program 0 also writes the
 normed x and the residual; the last program to finish (an acq_rel counter, reset by that
-program, so a captured graph replays it) reads every logit and makes the choice.
+program, so a captured graph replays it) reads every logit and makes the choice, and writes
+the appended shared experts' columns itself (no torch.cat launch on the decode path).
 
 Latency, not bandwidth, is this kernel's cost (0.5 MB of router at Qwen3-30B-A3B): its time is
 the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
@@ -78,8 +81,10 @@ def select_experts_ref(
     scale: float = 1.0,
     n_group: int = 1,
     topk_group: int = 1,
+    n_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [T, k], topk_ids int64 [T, k])."""
+    """(topk_weights float32 [T, k + n_shared], topk_ids int64 [T, k + n_shared]): the k
+    chosen, then experts E.. with weight 1.0 (not scaled)."""
     if scoring == "softmax":
         probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, ids = probs.topk(top_k, dim=-1)
@@ -98,6 +103,11 @@ def select_experts_ref(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
     if scale != 1.0:
         weights = weights * scale
+    if n_shared:
+        T, E = logits.shape
+        shared = torch.arange(E, E + n_shared, device=ids.device).expand(T, n_shared)
+        ids = torch.cat([ids, shared], dim=1)
+        weights = torch.cat([weights, weights.new_ones(T, n_shared)], dim=1)
     return weights, ids
 
 
@@ -198,11 +208,12 @@ def norm_route(
     scale: float = 1.0,
     n_group: int = 1,
     topk_group: int = 1,
+    n_shared: int = 0,
     config: tuple[int, int, int] = ROUTE_CONFIG,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`norm_route_ref`, in one Triton launch where `fusable`."""
     routing = dict(scoring=scoring, top_k=top_k, renormalize=renormalize, scale=scale)
-    routing.update(n_group=n_group, topk_group=topk_group)
+    routing.update(n_group=n_group, topk_group=topk_group, n_shared=n_shared)
     args = (x, residual, norm_weight, eps, router_weight, correction_bias)
     if not fusable(x, router_weight, scoring, n_group, topk_group):
         return norm_route_ref(*args, router_bias, **routing)
@@ -274,13 +285,15 @@ if triton is not None:
         TOPK_SOFTMAX: tl.constexpr,
         RENORM: tl.constexpr,
         TOP_K: tl.constexpr,
+        N_SHARED: tl.constexpr,
         N_GROUP: tl.constexpr,
         TOPK_GROUP: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_TOPK: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
     ):
-        """The expert choice of every token from the float32 logits (select_experts_ref)."""
+        """The expert choice of every token from the float32 logits (select_experts_ref), then
+        N_SHARED appended experts E.. at weight 1.0 (BLOCK_TOPK >= TOP_K + N_SHARED)."""
         t = tl.arange(0, BLOCK_T)
         e = tl.arange(0, BLOCK_ALL_E)
         ok = (t < T)[:, None] & (e < E)[None, :]
@@ -334,9 +347,14 @@ if triton is not None:
         if RENORM:
             total = tl.sum(weights, axis=1)[:, None]
             weights = weights / (total + (1e-20 if SIGMOID else 0.0))
-        out = t[:, None] * TOP_K + kk[None, :]
-        out_ok = (t < T)[:, None] & (kk < TOP_K)[None, :]
-        tl.store(topk_w_ptr + out, weights * scale, mask=out_ok)
+        weights = weights * scale
+        if N_SHARED > 0:  # the fused shared experts: every token, weight 1.0 (not scaled)
+            shared = (kk >= TOP_K)[None, :]
+            weights = tl.where(shared, 1.0, weights)
+            ids = tl.where(shared, E + kk[None, :] - TOP_K, ids)
+        out = t[:, None] * (TOP_K + N_SHARED) + kk[None, :]
+        out_ok = (t < T)[:, None] & (kk < TOP_K + N_SHARED)[None, :]
+        tl.store(topk_w_ptr + out, weights, mask=out_ok)
         tl.store(topk_ids_ptr + out, ids.to(tl.int64), mask=out_ok)
 
     @triton.jit
@@ -378,6 +396,7 @@ if triton is not None:
         TOPK_SOFTMAX: tl.constexpr,
         RENORM: tl.constexpr,
         TOP_K: tl.constexpr,
+        N_SHARED: tl.constexpr,
         N_GROUP: tl.constexpr,
         TOPK_GROUP: tl.constexpr,
         BLOCK_T: tl.constexpr,
@@ -442,7 +461,8 @@ if triton is not None:
             tl.store(counter_ptr, 0)
             _choose(
                 logits_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, T, E, scale, SIGMOID, HAS_BIAS,
-                TOPK_SOFTMAX, RENORM, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK, BLOCK_ALL_E,
+                TOPK_SOFTMAX, RENORM, TOP_K, N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK,
+                BLOCK_ALL_E,
             )  # fmt: skip
 
 
@@ -477,6 +497,7 @@ def norm_route_triton(
     scale: float = 1.0,
     n_group: int = 1,
     topk_group: int = 1,
+    n_shared: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
     T, H = x.shape
@@ -496,8 +517,8 @@ def norm_route_triton(
     normed = torch.empty(T, H, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=dev)
     res_out = torch.empty_like(x) if residual is not None else x
     logits = torch.empty(T, E, dtype=torch.float32, device=dev)
-    topk_w = torch.empty(T, top_k, dtype=torch.float32, device=dev)
-    topk_ids = torch.empty(T, top_k, dtype=torch.int64, device=dev)
+    topk_w = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=dev)
+    topk_ids = torch.empty(T, top_k + n_shared, dtype=torch.int64, device=dev)
     block_e = config[0]
     block_k = route_block_k(H, config)
     # The token tile of the rows a captured graph runs (graph_rows), when it fits the kernel.
@@ -534,10 +555,11 @@ def norm_route_triton(
         TOPK_SOFTMAX=scoring == "softmax_topk",
         RENORM=renormalize,
         TOP_K=top_k,
+        N_SHARED=n_shared,
         N_GROUP=n_group if topk_group < n_group else 1,
         TOPK_GROUP=topk_group if topk_group < n_group else 1,
         BLOCK_T=block_t,
-        BLOCK_TOPK=triton.next_power_of_2(top_k),
+        BLOCK_TOPK=triton.next_power_of_2(top_k + n_shared),
         BLOCK_E=block_e,
         BLOCK_K=block_k,
         K_TILES=triton.cdiv(H, block_k),

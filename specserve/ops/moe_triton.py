@@ -64,15 +64,25 @@ DECODE_DOWN_CONFIG: DecodeConfig = (4, 256, 4)
 # Measured on the H100 (benchmarks/moe.py --quick --sweep, RESULTS.md session 10): per layer at
 # one token, Qwen3-30B-A3B 32.9 us with down (2, 256, 4) vs 33.7 with (2, 1024, 4); GLM-4.7-Flash
 # 31.5 us with gate_up (2, 2048, 8) vs 42.7 with (4, 2048, 4).
+# Fused shared experts (models/moe.py) make top_k + 1: GLM-4.7-Flash runs top-5, GLM-4.5-Air
+# and DeepSeek-V3 top-9. gate_up's tile does not depend on top_k (only its grid does); down's
+# [next_pow2(top_k), BLOCK_N, BLOCK_K] pads 5 to 8 and 9 to 16 rows, so those rows halve
+# BLOCK_N to keep the tile (registers) of the measured config. NOTE: the "+ shared" rows are
+# unmeasured (sm_90 compile only: no spills) until a GPU run of
+# benchmarks/moe.py --sweep --models glm-4.7-flash+shared,glm-4.5-air+shared.
 DECODE_GATE_UP_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
     (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: H = 2048, top-4
+    (2048, 5, (2, 2048, 8)),  # GLM-4.7-Flash + shared: top-4 + 1 (unmeasured)
     (2048, float("inf"), (4, 2048, 4)),
     (float("inf"), float("inf"), DECODE_GATE_UP_CONFIG),
 )
 DECODE_DOWN_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
     (1024, 8, (2, 256, 4)),  # Qwen3-30B-A3B: I = 768, top-8
     (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: I = 1536, top-4
-    (float("inf"), float("inf"), DECODE_DOWN_CONFIG),
+    (2048, 5, (1, 2048, 8)),  # GLM-4.7-Flash + shared: [8, 1, 2048] (unmeasured)
+    (float("inf"), 8, DECODE_DOWN_CONFIG),
+    # Top-8 + shared (GLM-4.5-Air I = 1408, DeepSeek-V3 I = 2048): [16, 2, 256] (unmeasured)
+    (float("inf"), float("inf"), (2, 256, 4)),
 )
 # What benchmarks/moe.py --sweep times (each with the other kernel at its table config).
 DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
@@ -94,6 +104,8 @@ DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
     (4, 512, 8),
     (2, 2048, 8),
     (1, 2048, 8),
+    (4, 128, 4),  # 9..16 experts (top-8 + shared): [16, 4, 128]
+    (1, 512, 4),
 )
 
 
