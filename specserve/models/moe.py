@@ -297,6 +297,11 @@ class SparseMoE(nn.Module):
         return out
 
 
+# The default of sigmoid_moe_config's fuse_shared_experts: a switch for benchmarks
+# (benchmarks/timeline_sweep.py "specserve.models.moe.FUSE_SHARED_EXPERTS=False").
+FUSE_SHARED_EXPERTS = True
+
+
 def sigmoid_moe_config(cfg: dict[str, Any]) -> MoeConfig:
     """The DeepSeek-V3 / GLM-4.x MoE block from config.json: sigmoid group-limited routing with
     a correction bias, routed_scaling_factor, shared experts, a float32 router."""
@@ -311,6 +316,7 @@ def sigmoid_moe_config(cfg: dict[str, Any]) -> MoeConfig:
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
         correction_bias=True,
         n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        fuse_shared_experts=FUSE_SHARED_EXPERTS,
         router_fp32=True,
     )
 
