@@ -9,6 +9,10 @@ registers and multiplies them with the even and the odd activation columns.
 
   `_moe_mxfp4_gate_up_kernel`  decode: program (pair, column block) -> inter[pair] = act(g, u)
   `_moe_mxfp4_down_kernel`     decode: program (token, column block), the top_k sum fused
+  `*_kernel_v2`                the same programs over 32-bit code words (one a thread, its 8
+                               activations one 16-byte load, decoded by `_e2m1_words`), per-block
+                               scales applied in registers, one reduction after the K loop, PDL;
+                               the default (DECODE_VARIANT), "v1" kept for benchmarks/mxfp4.py.
   ops/moe_mxfp4_gemm.py        prefill / verification (> DECODE_MAX_TOKENS tokens): the grouped
                                GEMM over the same 4-bit tiles (the in-register dequantization
                                helpers below are shared).
