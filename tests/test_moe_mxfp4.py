@@ -25,14 +25,18 @@ def _quantized(
     return x.to(dtype), b13, s13, b2, s2, tw, ids
 
 
+VARIANTS = ("v1", "v2")
+
+
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gpt_oss", [False, True])
 @pytest.mark.parametrize("T", [1, 5])
 def test_mxfp4_decode_matches_dequantized_reference(
-    T: int, gpt_oss: bool, dtype: torch.dtype
+    T: int, gpt_oss: bool, dtype: torch.dtype, variant: str
 ) -> None:
     from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_decode, fused_moe_mxfp4_ref
     from specserve.ops.moe_triton import PLAIN, Epilogue
@@ -40,25 +44,91 @@ def test_mxfp4_decode_matches_dequantized_reference(
     args = _quantized(T, dtype, seed=T)
     epi = Epilogue(**make_oai_kw(8, 64, 64, dtype, seed=T)) if gpt_oss else PLAIN
     ref = fused_moe_mxfp4_ref(*args, epilogue=epi)
-    _check(fused_moe_mxfp4_decode(*args, epilogue=epi), ref)
+    _check(fused_moe_mxfp4_decode(*args, epilogue=epi, variant=variant), ref)
     if T > 1:  # K tiles of one MXFP4 block (16 bytes): the loop over K, the per-block scales
         configs = ((4, 32, 4), (2, 32, 4))
-        _check(fused_moe_mxfp4_decode(*args, epilogue=epi, configs=configs), ref)
+        _check(fused_moe_mxfp4_decode(*args, epilogue=epi, configs=configs, variant=variant), ref)
 
 
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
-def test_mxfp4_decode_odd_sizes_and_validation() -> None:
-    """H and I not powers of two (96, 160: tiles overhang), and layouts that do not pair fail
-    with one clear line."""
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_mxfp4_decode_odd_sizes_and_validation(variant: str) -> None:
+    """H and I not powers of two (96, 160: tiles overhang), v2 at a K step of 2 blocks (a
+    2-step unrolled gate_up, a 3-step down loop with a masked tail); layouts that do not pair
+    and bad variants or configs fail with one clear line."""
     from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_decode, fused_moe_mxfp4_ref
 
     args = _quantized(3, torch.float32, seed=9, H=96, inter=160)
-    _check(fused_moe_mxfp4_decode(*args), fused_moe_mxfp4_ref(*args))
+    ref = fused_moe_mxfp4_ref(*args)
+    _check(fused_moe_mxfp4_decode(*args, variant=variant), ref)
+    _check(fused_moe_mxfp4_decode(*args, variant=variant, configs=((2, 64, 2), (4, 64, 2))), ref)
     x, b13, s13, b2, s2, tw, ids = args
     with pytest.raises(ValueError, match="MXFP4 experts"):
-        fused_moe_mxfp4_decode(x, b13, s13[:, :, :1], b2, s2, tw, ids)
+        fused_moe_mxfp4_decode(x, b13, s13[:, :, :1], b2, s2, tw, ids, variant=variant)
+    with pytest.raises(ValueError, match="MXFP4 decode config"):
+        fused_moe_mxfp4_decode(*args, variant=variant, configs=((4, 48, 4), (4, 64, 4)))
+    with pytest.raises(ValueError, match="MXFP4 decode variant"):
+        fused_moe_mxfp4_decode(*args, variant="v0")
+
+
+def _run_ptx(ptx: str, word: int) -> list[float]:
+    """The few PTX instructions of moe_mxfp4._E2M1_WORD_PTX, run on one 32-bit word ($8) in
+    Python: the outputs $0..$7 as floats."""
+    import numpy as np
+
+    regs: dict[str, int] = {"$8": word}
+    out: dict[int, float] = {}
+
+    def val(tok: str) -> int:
+        return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op == "mov.b32":  # {lo, hi}, src: unpack the halves
+            lo, hi, src = (t.strip(" {}") for t in rest.replace("},", ",").split(","))
+            regs[lo], regs[hi] = regs[src] & 0xFFFF, regs[src] >> 16
+            continue
+        d, *args = (t.strip() for t in rest.split(","))
+        if op == "cvt.f32.f16":
+            out[int(d[1:])] = float(np.array([regs[args[0]]], np.uint16).view(np.float16)[0])
+            continue
+        a = [val(t) for t in args]
+        if op == "shl.b32":
+            r = a[0] << a[1]
+        elif op == "shr.b32":
+            r = a[0] >> a[1]
+        elif op == "and.b32":
+            r = a[0] & a[1]
+        elif op == "lop3.b32":  # bit i of the result: lut bit (a_i << 2 | b_i << 1 | c_i)
+            r = 0
+            for i in range(32):
+                sel = (a[0] >> i & 1) << 2 | (a[1] >> i & 1) << 1 | (a[2] >> i & 1)
+                r |= (a[3] >> sel & 1) << i
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+        regs[d] = r & 0xFFFFFFFF
+    return [out[i] for i in range(8)]
+
+
+def test_e2m1_word_ptx_decodes_every_code() -> None:
+    """The inline PTX the compiled v2 kernels decode code words with (the interpreter runs
+    the Triton formulation instead) gives each nibble's E2M1 value times 2^-14, in column
+    order: every code at every nibble position, and random words."""
+    from specserve.models.mxfp4 import FP4_VALUES
+    from specserve.ops.moe_mxfp4 import _E2M1_WORD_PTX
+
+    g = torch.Generator().manual_seed(0)
+    words = [c * 0x11111111 for c in range(16)]  # every nibble the same code
+    words += [c << (4 * p) | (15 - c) << (4 * ((p + 3) % 8)) for c in range(16) for p in range(8)]
+    words += torch.randint(0, 1 << 32, (300,), generator=g, dtype=torch.int64).tolist()
+    for w in words:
+        want = [FP4_VALUES[w >> (4 * c) & 15] * 2.0**-14 for c in range(8)]
+        assert _run_ptx(_E2M1_WORD_PTX.value, w) == want, hex(w)
 
 
 @pytest.mark.interpret
@@ -106,10 +176,14 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
     gn, gk, gw = mx.MXFP4_GATE_UP_CONFIG
     dn, dk, dw = mx.MXFP4_DOWN_CONFIG
     for bias, epi in ((False, PLAIN), (True, Epilogue(activation="swiglu_oai"))):
-        consts = dict(HAS_BIAS=bias, **epi.consts(), BLOCK_N=gn, BLOCK_K=gk)
-        _compile(mx._moe_mxfp4_gate_up_kernel, consts, gw, types=u8)
-        consts = dict(HAS_BIAS=bias, BLOCK_TOPK=4, BLOCK_N=dn, BLOCK_K=dk)
-        _compile(mx._moe_mxfp4_down_kernel, consts, dw, types=u8)
+        for pdl in (False, True):
+            consts = dict(HAS_BIAS=bias, **epi.consts(), BLOCK_N=gn, BLOCK_K=gk, PDL=pdl)
+            ptx = _compile(mx._moe_mxfp4_gate_up_kernel, consts, gw, types=u8)
+            assert ("griddepcontrol.wait" in ptx) == pdl
+            consts = dict(HAS_BIAS=bias, BLOCK_TOPK=4, BLOCK_N=dn, BLOCK_K=dk, PDL=pdl)
+            ptx = _compile(mx._moe_mxfp4_down_kernel, consts, dw, types=u8)
+            assert ("griddepcontrol.launch_dependents" in ptx) == pdl
+    _compile_v2_decode(mx, u8)
     # The grouped GEMM in bf16 at every config (gpt-oss-20b: 32 experts), gate_up with the gpt-oss epilogue and down: fits the H100's shared memory
     # and runs on tensor cores.
     oai = Epilogue(activation="swiglu_oai").consts()
@@ -129,6 +203,40 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
             assert ("wgmma" if bm >= 64 else "mma.sync") in ptx
 
 
+def _compile_v2_decode(mx, u8: dict) -> None:
+    """v2 at every candidate config at gpt-oss's H = I = 2880, top-4 (gpt-oss epilogue, PDL),
+    and the table configs plain and without PDL: no spills; codes load one 32-bit word a
+    thread, activations in 16-byte vectors, decoded by the inline PTX; only down's preload
+    (routing, first codes and scales) loads before the PDL wait."""
+    from specserve.ops.moe_triton import PLAIN, Epilogue
+
+    from .test_moe_ops import _compile
+
+    oai = Epilogue(activation="swiglu_oai").consts()
+    table_gate_up, table_down = mx.mxfp4_decode_configs(2880, 2880, 4, "v2")
+    gate_up_cases = [(c, True, True) for c in mx.MXFP4_V2_GATE_UP_CONFIGS]
+    gate_up_cases.append((table_gate_up, False, False))
+    for (bn, bk, warps), bias, pdl in gate_up_cases:
+        consts = dict(HAS_BIAS=bias, **(oai if bias else PLAIN.consts()), BLOCK_N=bn, BLOCK_K=bk)
+        steps = -(-90 // (bk // 32))
+        consts.update(STEPS=steps, PDL=pdl, ASM=True)
+        ptx = _compile(mx._moe_mxfp4_gate_up_kernel_v2, consts, warps, types=u8)
+        assert ("griddepcontrol.wait" in ptx) == pdl
+        assert "lop3.b32" in ptx and "ld.global.v4.b32" in ptx
+        # codes: a word of each of the gate and up rows a thread, every step (unrolled)
+        assert ptx.count("ld.global.b32") >= 2 * bn * steps
+    down_cases = [(c, True, True) for c in mx.MXFP4_V2_DOWN_CONFIGS]
+    down_cases += [(table_down, False, False), (table_down, True, False)]
+    for (bn, bk, warps), pdl, preload in down_cases:
+        consts = dict(HAS_BIAS=pdl, BLOCK_TOPK=4, BLOCK_N=bn, BLOCK_K=bk)
+        consts.update(PDL=pdl, PRELOAD=preload, ASM=True)
+        ptx = _compile(mx._moe_mxfp4_down_kernel_v2, consts, warps, types=u8)
+        assert ("griddepcontrol.launch_dependents" in ptx) == pdl
+        assert "lop3.b32" in ptx and "ld.global.v4.b32" in ptx
+        if pdl:
+            assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 4, 8, 9, 64, 512, 1024])
@@ -136,7 +244,7 @@ def test_mxfp4_decode_gpu_gpt_oss_20b_shape(T: int) -> None:
     """bf16 activations, 4-bit experts at gpt-oss-20b's shape (H = I = 2880, 32 experts, top-4)
     with biases and swiglu_oai, against dequantize-then-reference: the decode kernels up to 8
     tokens, the grouped GEMM above (sparse to dense: 1 to 128 pairs an expert)."""
-    from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_ref, fused_moe_mxfp4_triton
+    from specserve.ops import moe_mxfp4 as mx
     from specserve.ops.moe_triton import Epilogue
 
     x, w13, w2, tw, ids = make_moe(T, 32, 2880, 2880, 4, torch.float32, device="cuda", seed=T)
@@ -144,4 +252,13 @@ def test_mxfp4_decode_gpu_gpt_oss_20b_shape(T: int) -> None:
     epi = Epilogue(**make_oai_kw(32, 2880, 2880, torch.bfloat16, "cuda", seed=T, limit=2.0))
     args = (x.bfloat16(), b13, s13, b2, s2, tw, ids)
     with torch.inference_mode():
-        _check(fused_moe_mxfp4_triton(*args, epilogue=epi), fused_moe_mxfp4_ref(*args, epi))
+        ref = mx.fused_moe_mxfp4_ref(*args, epi)
+        _check(mx.fused_moe_mxfp4_triton(*args, epilogue=epi), ref)
+        if T <= 8:  # both decode variants, v2 at every candidate config
+            _check(mx.fused_moe_mxfp4_decode(*args, epilogue=epi, variant="v1"), ref)
+            gate_up, down = mx.mxfp4_decode_configs(2880, 2880, 4, "v2")
+            pairs = [(g, down) for g in mx.MXFP4_V2_GATE_UP_CONFIGS]
+            pairs += [(gate_up, d) for d in mx.MXFP4_V2_DOWN_CONFIGS]
+            for configs in pairs:
+                out = mx.fused_moe_mxfp4_decode(*args, epilogue=epi, configs=configs, variant="v2")
+                _check(out, ref)

@@ -282,10 +282,15 @@ def _compile(
 
     from .test_pdl import compile_sm90
 
+    # As at run time: arguments the kernel does not specialize stay unaligned.
+    unspecialized = {
+        kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize
+    }
     aligned = tuple(
         n
         for n in kernel.arg_names
-        if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")
+        if (n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K"))
+        and n not in unspecialized
     )
     out = compiled_out if compiled_out is not None else []
     types = {**MOE_TYPES, **(types or {})}

@@ -9,6 +9,10 @@ registers and multiplies them with the even and the odd activation columns.
 
   `_moe_mxfp4_gate_up_kernel`  decode: program (pair, column block) -> inter[pair] = act(g, u)
   `_moe_mxfp4_down_kernel`     decode: program (token, column block), the top_k sum fused
+  `*_kernel_v2`                the same programs over 32-bit code words (one a thread, its 8
+                               activations one 16-byte load, decoded by `_e2m1_words`), per-block
+                               scales applied in registers, one reduction after the K loop, PDL;
+                               the default (DECODE_VARIANT), "v1" kept for benchmarks/mxfp4.py.
   ops/moe_mxfp4_gemm.py        prefill / verification (> DECODE_MAX_TOKENS tokens): the grouped
                                GEMM over the same 4-bit tiles (the in-register dequantization
                                helpers below are shared).
@@ -24,11 +28,14 @@ graph holds one path; no host sync, buffers as the bf16 path allocates them);
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from specserve.models.mxfp4 import BLOCK, dequantize_mxfp4
+from specserve.ops import pdl
 from specserve.ops.moe import fused_moe_ref
 from specserve.ops.moe_triton import (
     PLAIN,
@@ -37,9 +44,54 @@ from specserve.ops.moe_triton import (
     uses_decode_path,
 )
 
+# The decode kernels: "v2" (32-bit code words, one word a thread, per-block scales applied in
+# registers, one reduction after the K loop, PDL) and "v1" (byte tiles, a per-step reduction;
+# issue 22 measured it at 37% / 30% of the copy bandwidth on gpt-oss-20b). Both stay
+# selectable so benchmarks/mxfp4.py times them side by side on the same GPU.
+DECODE_VARIANTS = ("v1", "v2")
+DECODE_VARIANT = "v2"
 # (BLOCK_N, BLOCK_K, num_warps): BLOCK_K weights a row per step = BLOCK_K / 2 bytes.
-MXFP4_GATE_UP_CONFIG = (8, 512, 4)
-MXFP4_DOWN_CONFIG = (4, 256, 4)
+DecodeConfig = tuple[int, int, int]
+MXFP4_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # v1
+MXFP4_DOWN_CONFIG: DecodeConfig = (4, 256, 4)  # v1
+# v2: a thread holds one word of a block, 8 threads span a warp's blocks, so BLOCK_K / 32
+# blocks (NB) = 8 x num_warps puts the warps along K and the activation columns arrive in the
+# tile's layout (other shapes are correct but convert activations through shared memory each
+# step). gate_up's K loop is unrolled (all of a program's loads in flight at once); at gpt-oss's
+# H = 2880 (90 blocks a row), 1024-weight steps leave 6 of 96 blocks masked. Per shape class,
+# the first row whose bounds hold: (max K, max top_k, config), K = H for gate_up, I for down.
+# Not yet timed on a GPU (benchmarks/mxfp4.py sweeps the candidates below).
+MXFP4_V2_GATE_UP_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
+    (float("inf"), float("inf"), (8, 1024, 4)),
+)
+MXFP4_V2_DOWN_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
+    (float("inf"), float("inf"), (8, 256, 4)),
+)
+MXFP4_V2_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
+    (8, 1024, 4),
+    (4, 1024, 4),
+    (16, 1024, 4),
+    (4, 512, 2),
+    (8, 2048, 8),
+)
+MXFP4_V2_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
+    (8, 256, 4),
+    (4, 256, 4),
+    (16, 256, 4),
+    (8, 512, 8),
+    (4, 512, 8),
+)
+
+
+def mxfp4_decode_configs(
+    hidden: int, inter: int, top_k: int, variant: str = DECODE_VARIANT
+) -> tuple[DecodeConfig, DecodeConfig]:
+    """(gate_up, down) launch configs of the decode kernels of `variant` for this shape."""
+    if variant == "v1":
+        return MXFP4_GATE_UP_CONFIG, MXFP4_DOWN_CONFIG
+    gate_up = next(c for k, t, c in MXFP4_V2_GATE_UP_TABLE if hidden <= k and top_k <= t)
+    down = next(c for k, t, c in MXFP4_V2_DOWN_TABLE if inter <= k and top_k <= t)
+    return gate_up, down
 
 
 @triton.jit
@@ -106,6 +158,7 @@ def _moe_mxfp4_gate_up_kernel(
     LIMIT: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # As _moe_decode_gate_up_kernel; weight row r of expert e: K / 2 bytes at
     # wb + (e * 2N + r) * K / 2, K / 32 scales at ws + (e * 2N + r) * K / 32.
@@ -113,6 +166,7 @@ def _moe_mxfp4_gate_up_kernel(
     pair = pid % P
     n = (pid // P) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    pdl.wait(PDL)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
     KB = K // 2
@@ -135,6 +189,7 @@ def _moe_mxfp4_gate_up_kernel(
         codes = tl.load(wb_ptr + up_row[:, None] * KB + j[None, :], mask=ok, other=0)
         scale = _scale(ws_ptr + up_row[:, None] * KS + g[None, :], g_ok)
         acc_up += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
+    pdl.trigger(PDL)
     if HAS_BIAS:
         b_row = b_ptr + expert * stride_be + n
         acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
@@ -163,6 +218,7 @@ def _moe_mxfp4_down_kernel(
     BLOCK_TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # As _moe_decode_down_kernel: out[t, n] = sum_j w[t, j] * (W2[e_j, n] @ inter[t, j] + b).
     pid = tl.program_id(0)
@@ -172,6 +228,7 @@ def _moe_mxfp4_down_kernel(
     jj = tl.arange(0, BLOCK_TOPK)
     jj_ok = jj < top_k
     pair = t * top_k + jj
+    pdl.wait(PDL)
     expert = tl.load(topk_ids_ptr + pair, mask=jj_ok, other=0).to(tl.int64)
     route_w = tl.load(topk_w_ptr + pair, mask=jj_ok, other=0.0).to(tl.float32)
     KB = K // 2
@@ -197,10 +254,303 @@ def _moe_mxfp4_down_kernel(
         prod = lo * h_even[:, None, :] + hi * h_odd[:, None, :]
         per_block = tl.sum(tl.reshape(prod, [BLOCK_TOPK, BLOCK_N, BLOCK_K // 32, 16]), axis=3)
         acc += tl.sum(per_block * scale, axis=2)
+    pdl.trigger(PDL)
     if HAS_BIAS:
         b = b_ptr + expert[:, None] * stride_be + n[None, :]
         acc += tl.load(b, mask=jj_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
     y = tl.sum(acc * route_w[:, None], axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + n, y.to(out_ptr.dtype.element_ty), n_ok)
+
+
+# --- v2: 32-bit code words, in-thread block sums, one reduction after the K loop ----------------
+
+
+@triton.jit
+def _half2_f32(h):
+    """(low half, high half) of 32-bit words of two fp16 bit patterns, as fp32."""
+    lo = (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+# PTX of `_e2m1_words` (one word in $8, its 8 fp32 values out in $0..$7): ptxas keeps the
+# select of two shifted copies as one lop3 (0xE4: a where c, else b) and reads the fp16 halves
+# in place (HADD2.F32 .H0/.H1); from the Triton expression, LLVM splits the selects and masks
+# per 16-bit half (~25 integer ops a word instead of 11).
+_E2M1_WORD_PTX = tl.constexpr("""{
+.reg .b32 t, q, h;
+.reg .b16 l, u;
+shl.b32 t, $8, 1;
+shl.b32 q, $8, 4;
+lop3.b32 q, t, q, 0x0E0E0E0E, 0xE4;
+and.b32 h, q, 0x8E008E00;
+mov.b32 {l, u}, h;
+cvt.f32.f16 $2, l;
+cvt.f32.f16 $6, u;
+shl.b32 h, q, 8;
+and.b32 h, h, 0x8E008E00;
+mov.b32 {l, u}, h;
+cvt.f32.f16 $0, l;
+cvt.f32.f16 $4, u;
+shr.b32 t, $8, 3;
+lop3.b32 q, t, $8, 0x0E0E0E0E, 0xE4;
+and.b32 h, q, 0x8E008E00;
+mov.b32 {l, u}, h;
+cvt.f32.f16 $3, l;
+cvt.f32.f16 $7, u;
+shl.b32 h, q, 8;
+and.b32 h, h, 0x8E008E00;
+mov.b32 {l, u}, h;
+cvt.f32.f16 $1, l;
+cvt.f32.f16 $5, u;
+}""")
+
+
+@triton.jit
+def _e2m1_words(words, ASM: tl.constexpr):
+    """The 8 E2M1 codes of 32-bit code words (4 bytes, low nibble first: nibble c is column c of
+    the word) as fp32 values times 2^-14, in column order.
+
+    NOTE: as `_e2m1` (an E2M1 code's bits at fp16 bits 9-11 and 15 are its value times 2^-14),
+    but a word at a time: `q` moves each byte's low (q_even) or high (q_odd) nibble to bits 1-3
+    (magnitude) and 7 (sign) of its byte, one select of two shifted copies (junk elsewhere,
+    masked later). Bytes 1 and 3 of `q` then already sit where fp16 halves want them (one
+    mask), bytes 0 and 2 after a shift by 8: 11 integer ops a word (2.75 a byte, against ~5 a
+    byte unpacking bytes one at a time) and one conversion a weight. ASM: the same as PTX
+    (_E2M1_WORD_PTX; compiled kernels), else in Triton (the interpreter runs no inline PTX)."""
+    if ASM:
+        f32 = tl.float32
+        return tl.inline_asm_elementwise(
+            _E2M1_WORD_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], (f32,) * 8, is_pure=True, pack=1
+        )
+    w = words.to(tl.uint32, bitcast=True)
+    q_even = ((w << 1) & 0x0E0E0E0E) | ((w << 4) & 0xF1F1F1F1)
+    q_odd = ((w >> 3) & 0x0E0E0E0E) | (w & 0xF1F1F1F1)
+    x0, x4 = _half2_f32((q_even << 8) & 0x8E008E00)
+    x2, x6 = _half2_f32(q_even & 0x8E008E00)
+    x1, x5 = _half2_f32((q_odd << 8) & 0x8E008E00)
+    x3, x7 = _half2_f32(q_odd & 0x8E008E00)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _scale_bits(scale_ptrs, ok):
+    """As `_scale` in one integer op: 2^(s - 127 + 14) built as fp32 bits (exact; s <= 240)."""
+    s = tl.load(scale_ptrs, mask=ok, other=0).to(tl.int32)
+    return ((s + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split8(x):
+    """[..., 2, 2, 2] -> 8 x [...]: x_c = x[..., c // 4, c // 2 % 2, c % 2] (in registers when
+    the last dims are held by one thread)."""
+    even, odd = tl.split(x)
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """Per code word: sum_c value(nibble c) * x_c, unscaled (x 2^-14), fp32."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _e2m1_words(words, ASM)
+    acc = v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3
+    return acc + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
+
+
+@triton.jit
+def _x_columns(x_ptrs, ok):
+    """8 x [..., 4] fp32 of activation blocks x_ptrs [..., 32] (contiguous: 16-byte loads):
+    column c of word w of a block is x[..., 8 w + c]."""
+    x = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return _split8(tl.reshape(x, x.shape[:-1] + [4, 2, 2, 2]))
+
+
+@triton.jit(do_not_specialize=["P", "K"])
+def _moe_mxfp4_gate_up_kernel_v2(
+    x_ptr,
+    wb_ptr,
+    ws_ptr,
+    b_ptr,
+    topk_ids_ptr,
+    inter_ptr,
+    N,
+    K,
+    P,
+    top_k,
+    stride_xm,
+    stride_be,
+    stride_im,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STEPS: tl.constexpr,
+    PDL: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    # As _moe_mxfp4_gate_up_kernel. A K step is NB = BLOCK_K / 32 MXFP4 blocks of the gate and
+    # up rows, [NB, BLOCK_N, 4] 32-bit code words: a thread holds ONE word (8 weights) of a
+    # block in each of the BLOCK_N rows, i.e. the same 8 columns, whose activations it loads
+    # as one 16-byte vector ([NB, 32] activations in their natural layout are [NB, 4] x 8 in
+    # exactly that layout: no conversion through shared memory) and converts once for all
+    # 2 * BLOCK_N rows. Each word's sum is scaled (its block's E8M0 scale, one integer op a
+    # block) into an accumulator shaped as the tile; the one cross-thread reduction follows
+    # the K loop. The loop is unrolled (STEPS = cdiv(K / 32, NB)): every load of the program
+    # is issued at once, addressed as its row start plus a constant.
+    # NOTE: K is not specialized (do_not_specialize): row starts then are only known 4-byte
+    # aligned, which is what keeps the code loads at one word a thread (a 16-byte aligned K
+    # lets Triton load 4 words a thread, a layout the activations would have to be converted
+    # to every step).
+    NB: tl.constexpr = BLOCK_K // 32
+    pid = tl.program_id(0)
+    pair = pid % P
+    n = (pid // P) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    KW = K // 8  # code words a row
+    KS = K // 32
+    blk = tl.arange(0, NB)
+    word = tl.arange(0, 4)
+    wb = wb_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    # The expert id is the router's output (the previous kernel): nothing to preload.
+    pdl.wait(PDL)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
+    gate_row = expert * 2 * N + n.to(tl.int64)
+    up_row = gate_row + N
+    # [1, BLOCK_N, 1] code-word row starts
+    gate_words = wb + (gate_row * KW)[None, :, None]
+    up_words = wb + (up_row * KW)[None, :, None]
+    acc = tl.zeros([NB, BLOCK_N, 4], dtype=tl.float32)
+    acc_up = tl.zeros([NB, BLOCK_N, 4], dtype=tl.float32)
+    for step in tl.static_range(STEPS):
+        g = step * NB + blk  # the step's blocks
+        g_ok = g < KS
+        ok = g_ok[:, None, None] & n_ok[None, :, None]
+        cols = (g * 4)[:, None, None] + word[None, None, :]
+        gate = tl.load(gate_words + cols, mask=ok, other=0)
+        up = tl.load(up_words + cols, mask=ok, other=0)
+        s_ok = g_ok[:, None] & n_ok[None, :]
+        s_gate = _scale_bits(ws_ptr + g[:, None] + gate_row[None, :] * KS, s_ok)[:, :, None]
+        s_up = _scale_bits(ws_ptr + g[:, None] + up_row[None, :] * KS, s_ok)[:, :, None]
+        xs = x_row + (g * 32)[:, None] + tl.arange(0, 32)[None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_columns(xs, g_ok[:, None])
+        x0, x1, x2, x3 = x0[:, None, :], x1[:, None, :], x2[:, None, :], x3[:, None, :]
+        x4, x5, x6, x7 = x4[:, None, :], x5[:, None, :], x6[:, None, :], x7[:, None, :]
+        acc += _dot_words(gate, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * s_gate
+        acc_up += _dot_words(up, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * s_up
+    # After the weight stream: the successor takes no SM slots from this kernel's later waves.
+    pdl.trigger(PDL)
+    gate_acc = tl.sum(tl.sum(acc, axis=2), axis=0)
+    up_acc = tl.sum(tl.sum(acc_up, axis=2), axis=0)
+    if HAS_BIAS:
+        b_row = b_ptr + expert * stride_be + n
+        gate_acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
+        up_acc += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)
+    y = _act(gate_acc, up_acc, ACT, ALPHA, LIMIT)
+    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + n, y.to(inter_ptr.dtype.element_ty), n_ok)
+
+
+@triton.jit
+def _down_tile(row_words, row_scales, rows_ok, step, KS, NB: tl.constexpr):
+    """(code words [NB, BLOCK_TOPK, BLOCK_N, 4], scales [NB, BLOCK_TOPK, BLOCK_N, 1]) of K
+    step `step` of the chosen experts' rows: row_words [1, BLOCK_TOPK, BLOCK_N, 1] and
+    row_scales [1, BLOCK_TOPK, BLOCK_N] row starts (words, scale bytes), rows_ok as
+    row_scales."""
+    g = step * NB + tl.arange(0, NB)
+    ok = rows_ok & (g < KS)[:, None, None]  # [NB, BLOCK_TOPK, BLOCK_N]
+    cols = (g * 4)[:, None, None, None] + tl.arange(0, 4)[None, None, None, :]
+    words = tl.load(row_words + cols, mask=ok[:, :, :, None], other=0)
+    # NOTE: loaded 3-D and then expanded: the scales, not the products, take the layout change.
+    return words, _scale_bits(row_scales + g[:, None, None], ok)[:, :, :, None]
+
+
+@triton.jit
+def _down_step(words, scales, h_rows, jj_ok, step, KS, NB: tl.constexpr, ASM: tl.constexpr):
+    """[NB, BLOCK_TOPK, BLOCK_N, 4]: a K step's scaled word sums, the activations (inter rows
+    h_rows [1, BLOCK_TOPK, 1]) loaded here."""
+    g = step * NB + tl.arange(0, NB)
+    hs = h_rows + (g * 32)[:, None, None] + tl.arange(0, 32)[None, None, :]
+    h0, h1, h2, h3, h4, h5, h6, h7 = _x_columns(hs, (g < KS)[:, None, None] & jj_ok)
+    h0, h1, h2, h3 = h0[:, :, None, :], h1[:, :, None, :], h2[:, :, None, :], h3[:, :, None, :]
+    h4, h5, h6, h7 = h4[:, :, None, :], h5[:, :, None, :], h6[:, :, None, :], h7[:, :, None, :]
+    return _dot_words(words, h0, h1, h2, h3, h4, h5, h6, h7, ASM) * scales
+
+
+@triton.jit(do_not_specialize=["T", "K"])
+def _moe_mxfp4_down_kernel_v2(
+    inter_ptr,
+    wb_ptr,
+    ws_ptr,
+    b_ptr,
+    topk_ids_ptr,
+    topk_w_ptr,
+    out_ptr,
+    N,
+    K,
+    T,
+    top_k,
+    stride_im,
+    stride_be,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PRELOAD: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    # As _moe_mxfp4_down_kernel with gate_up v2's tiling: a K step is [NB, BLOCK_TOPK,
+    # BLOCK_N, 4] code words (the token's top_k experts' rows; a thread holds one word of a
+    # block in each of BLOCK_N rows of one expert, and that word's 8 activations of the
+    # expert's inter row: one 16-byte load), scaled per word into a tile-shaped accumulator,
+    # reduced once after the loop. K (= I) not specialized: see _moe_mxfp4_gate_up_kernel_v2.
+    # PRELOAD (under PDL): the routing and the first step's codes and scales are loaded before
+    # waiting for gate_up (as _moe_decode_down_kernel: the routing was written before gate_up
+    # started, and weights never depend on the previous kernel); only inter needs the wait.
+    NB: tl.constexpr = BLOCK_K // 32
+    pid = tl.program_id(0)
+    t = pid % T
+    n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    jj = tl.arange(0, BLOCK_TOPK)
+    jj_ok = jj < top_k
+    pair = t * top_k + jj
+    KW = K // 8
+    KS = K // 32
+    wb = wb_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    if not PRELOAD:
+        pdl.wait(PDL)
+    expert = tl.load(topk_ids_ptr + pair, mask=jj_ok, other=0).to(tl.int64)
+    route_w = tl.load(topk_w_ptr + pair, mask=jj_ok, other=0.0).to(tl.float32)
+    # [1, BLOCK_TOPK, BLOCK_N] weight rows
+    row = (expert[:, None] * N + n.to(tl.int64)[None, :])[None, :, :]
+    rows_ok = jj_ok[None, :, None] & n_ok[None, None, :]
+    row_words = wb + (row * KW)[:, :, :, None]
+    row_scales = ws_ptr + row * KS
+    words, scales = _down_tile(row_words, row_scales, rows_ok, 0, KS, NB)
+    if PRELOAD:
+        pdl.wait(PDL)
+    # [1, BLOCK_TOPK, 1] inter rows
+    h_rows = inter_ptr + pair.to(tl.int64)[None, :, None] * stride_im
+    h_ok = jj_ok[None, :, None]
+    acc = _down_step(words, scales, h_rows, h_ok, 0, KS, NB, ASM)
+    for step in range(1, tl.cdiv(KS, NB)):
+        words, scales = _down_tile(row_words, row_scales, rows_ok, step, KS, NB)
+        acc += _down_step(words, scales, h_rows, h_ok, step, KS, NB, ASM)
+    pdl.trigger(PDL)
+    acc2 = tl.sum(tl.sum(acc, axis=3), axis=0)  # [BLOCK_TOPK, BLOCK_N]
+    if HAS_BIAS:
+        b = b_ptr + expert[:, None] * stride_be + n[None, :]
+        acc2 += tl.load(b, mask=jj_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(acc2 * route_w[:, None], axis=0)
     tl.store(out_ptr + t.to(tl.int64) * stride_om + n, y.to(out_ptr.dtype.element_ty), n_ok)
 
 
@@ -214,6 +564,87 @@ def _check_pair(blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int
         )
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError("MXFP4 experts: blocks and scales must be uint8")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_config(variant: str, config: DecodeConfig) -> None:
+    block_n, block_k, warps = config
+    if variant not in DECODE_VARIANTS:
+        raise ValueError(f"MXFP4 decode variant {variant!r}: expected one of {DECODE_VARIANTS}")
+    if block_k < 32 or block_k & (block_k - 1) or block_n & (block_n - 1) or warps < 1:
+        raise ValueError(
+            f"MXFP4 decode config {config}: BLOCK_N a power of two, BLOCK_K a power of two >= 32"
+        )
+
+
+def _gate_up(
+    variant: str,
+    # [T, H]
+    x: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    topk_ids: torch.Tensor,
+    # [P, I]
+    inter: torch.Tensor,
+    epilogue: Epilogue,
+    config: DecodeConfig,
+) -> None:
+    P, inter_size = inter.shape
+    H, top_k = x.shape[1], topk_ids.shape[1]
+    bn, bk, warps = config
+    b13 = epilogue.w13_bias
+    args = (
+        x, w13_blocks, w13_scales, x if b13 is None else b13, topk_ids, inter, inter_size, H, P,
+        top_k, x.stride(0), 0 if b13 is None else b13.stride(0), inter.stride(0),
+    )  # fmt: skip
+    consts = dict(HAS_BIAS=b13 is not None, **epilogue.consts(), BLOCK_N=bn, BLOCK_K=bk)
+    kw = pdl.launch_kwargs(x.device)
+    grid = (P * triton.cdiv(inter_size, bn),)
+    if variant == "v1":
+        _moe_mxfp4_gate_up_kernel[grid](*args, **consts, num_warps=warps, **kw)
+        return
+    steps = triton.cdiv(H // BLOCK, bk // BLOCK)
+    _moe_mxfp4_gate_up_kernel_v2[grid](
+        *args, **consts, STEPS=steps, ASM=not _interpreting(), num_warps=warps, **kw
+    )
+
+
+def _down(
+    variant: str,
+    # [P, I]
+    inter: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    # [T, H]
+    out: torch.Tensor,
+    epilogue: Epilogue,
+    config: DecodeConfig,
+) -> None:
+    T, top_k = topk_ids.shape
+    H, inter_size = out.shape[1], inter.shape[1]
+    bn, bk, warps = config
+    b2 = epilogue.w2_bias
+    args = (
+        inter, w2_blocks, w2_scales, out if b2 is None else b2, topk_ids, topk_weights, out, H,
+        inter_size, T, top_k, inter.stride(0), 0 if b2 is None else b2.stride(0), out.stride(0),
+    )  # fmt: skip
+    consts = dict(
+        HAS_BIAS=b2 is not None, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=bn, BLOCK_K=bk
+    )
+    kw = pdl.launch_kwargs(out.device)
+    grid = (T * triton.cdiv(H, bn),)
+    if variant == "v1":
+        _moe_mxfp4_down_kernel[grid](*args, **consts, num_warps=warps, **kw)
+        return
+    preload = kw["PDL"] and pdl.GEMV_PRELOAD
+    _moe_mxfp4_down_kernel_v2[grid](
+        *args, **consts, PRELOAD=preload, ASM=not _interpreting(), num_warps=warps, **kw
+    )
 
 
 def fused_moe_mxfp4_decode(
@@ -230,38 +661,32 @@ def fused_moe_mxfp4_decode(
     # [T, top_k]
     topk_ids: torch.Tensor,
     epilogue: Epilogue = PLAIN,
-    configs: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None,
+    configs: tuple[DecodeConfig, DecodeConfig] | None = None,
+    variant: str | None = None,
 ) -> torch.Tensor:
     """[T, H] in x's dtype: `fused_moe`'s decode path with 4-bit experts (any T; meant for
-    T <= moe_triton.DECODE_MAX_TOKENS)."""
+    T <= moe_triton.DECODE_MAX_TOKENS). `variant`: DECODE_VARIANTS (default DECODE_VARIANT);
+    `configs`: (gate_up, down) launch configs (default: the variant's shape tables)."""
     T, top_k = topk_ids.shape
     H = x.shape[1]
     two_i = w13_blocks.shape[1]
     inter_size = two_i // 2
     _check_pair(w13_blocks, w13_scales, two_i, H)
     _check_pair(w2_blocks, w2_scales, H, inter_size)
+    variant = variant or DECODE_VARIANT
+    gate_up_config, down_config = configs or mxfp4_decode_configs(H, inter_size, top_k, variant)
+    _check_config(variant, gate_up_config)
+    _check_config(variant, down_config)
     if T == 0:
         return torch.empty_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
-    (gn, gk, gw), (dn, dk, dw) = configs or (MXFP4_GATE_UP_CONFIG, MXFP4_DOWN_CONFIG)
-    b13, b2 = epilogue.w13_bias, epilogue.w2_bias
-    P = T * top_k
-    inter = torch.empty(P, inter_size, dtype=x.dtype, device=x.device)
-    _moe_mxfp4_gate_up_kernel[(P * triton.cdiv(inter_size, gn),)](
-        x, w13_blocks.contiguous(), w13_scales.contiguous(), x if b13 is None else b13,
-        topk_ids, inter, inter_size, H, P, top_k,
-        x.stride(0), 0 if b13 is None else b13.stride(0), inter.stride(0),
-        HAS_BIAS=b13 is not None, **epilogue.consts(), BLOCK_N=gn, BLOCK_K=gk, num_warps=gw,
-    )  # fmt: skip
+    w13_blocks, w13_scales = w13_blocks.contiguous(), w13_scales.contiguous()
+    w2_blocks, w2_scales = w2_blocks.contiguous(), w2_scales.contiguous()
+    inter = torch.empty(T * top_k, inter_size, dtype=x.dtype, device=x.device)
+    _gate_up(variant, x, w13_blocks, w13_scales, topk_ids, inter, epilogue, gate_up_config)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    _moe_mxfp4_down_kernel[(T * triton.cdiv(H, dn),)](
-        inter, w2_blocks.contiguous(), w2_scales.contiguous(), x if b2 is None else b2,
-        topk_ids, topk_weights, out, H, inter_size, T, top_k,
-        inter.stride(0), 0 if b2 is None else b2.stride(0), out.stride(0),
-        HAS_BIAS=b2 is not None, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        BLOCK_N=dn, BLOCK_K=dk, num_warps=dw,
-    )  # fmt: skip
+    _down(variant, inter, w2_blocks, w2_scales, topk_weights, topk_ids, out, epilogue, down_config)
     return out
 
 
