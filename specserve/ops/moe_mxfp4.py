@@ -60,9 +60,12 @@ MXFP4_DOWN_CONFIG: DecodeConfig = (4, 256, 4)  # v1
 # step). gate_up's K loop is unrolled (all of a program's loads in flight at once); at gpt-oss's
 # H = 2880 (90 blocks a row), 1024-weight steps leave 6 of 96 blocks masked. Per shape class,
 # the first row whose bounds hold: (max K, max top_k, config), K = H for gate_up, I for down.
-# Not yet timed on a GPU (benchmarks/mxfp4.py sweeps the candidates below).
+# Measured (H100, `python benchmarks/mxfp4.py`, RESULTS.md session 12; gpt-oss-20b, us a layer
+# at 1 / 4 / 8 tokens): gate_up (4, 512, 2) 23.8 / 77.3 / 145.2 against (8, 1024, 4) 25.7 /
+# 85.9 / 164.3 (v1: 32.1 / 94.8 / 178.9); down (8, 256, 4) 14.6 / 35.2 / 64.0 (v1 20.5 / 57.3 /
+# 103.8); (8, 512, 8) is 1.2 us faster at one token and 7% slower at eight.
 MXFP4_V2_GATE_UP_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
-    (float("inf"), float("inf"), (8, 1024, 4)),
+    (float("inf"), float("inf"), (4, 512, 2)),
 )
 MXFP4_V2_DOWN_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
     (float("inf"), float("inf"), (8, 256, 4)),
