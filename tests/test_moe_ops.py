@@ -229,9 +229,9 @@ def test_every_launch_config() -> None:
     assert mt.decode_configs(2048, 1536, 4) == ((2, 2048, 8), (2, 2048, 8))
     assert mt.decode_configs(2880, 2880, 4) == (mt.DECODE_GATE_UP_CONFIG, mt.DECODE_DOWN_CONFIG)
     assert mt.decode_configs(4096, 1408, 8)[1] == mt.DECODE_DOWN_CONFIG
-    # Shared experts fused (top_k + 1): GLM-4.7-Flash keeps gate_up's config and down's tile
-    # size ([8, 1, 2048]); top-8 + 1 (16 rows a tile) halves the fallback's BLOCK_N.
-    assert mt.decode_configs(2048, 1536, 5) == ((2, 2048, 8), (1, 2048, 8))
+    # Shared experts fused (top_k + 1): GLM-4.7-Flash keeps gate_up's config, down the sweep's
+    # [8, 4, 128] tiles; top-8 + 1 (16 rows a tile) halves the fallback's BLOCK_N.
+    assert mt.decode_configs(2048, 1536, 5) == ((2, 2048, 8), (4, 128, 4))
     assert mt.decode_configs(4096, 1408, 9) == (mt.DECODE_GATE_UP_CONFIG, (2, 256, 4))
     assert mt.decode_configs(7168, 2048, 9)[1] == (2, 256, 4)
     assert {c for *_, c in mt.DECODE_GATE_UP_TABLE} <= set(mt.DECODE_GATE_UP_CONFIGS)

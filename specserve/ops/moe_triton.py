@@ -72,14 +72,17 @@ DECODE_DOWN_CONFIG: DecodeConfig = (4, 256, 4)
 # benchmarks/moe.py --sweep --models glm-4.7-flash+shared,glm-4.5-air+shared.
 DECODE_GATE_UP_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
     (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: H = 2048, top-4
-    (2048, 5, (2, 2048, 8)),  # GLM-4.7-Flash + shared: top-4 + 1 (unmeasured)
+    (2048, 5, (2, 2048, 8)),  # GLM-4.7-Flash + shared: top-4 + 1 (the sweep's best too)
     (2048, float("inf"), (4, 2048, 4)),
     (float("inf"), float("inf"), DECODE_GATE_UP_CONFIG),
 )
 DECODE_DOWN_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
     (1024, 8, (2, 256, 4)),  # Qwen3-30B-A3B: I = 768, top-8
     (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: I = 1536, top-4
-    (2048, 5, (1, 2048, 8)),  # GLM-4.7-Flash + shared: [8, 1, 2048] (unmeasured)
+    # GLM-4.7-Flash + shared: [8, 4, 128] tiles. H100 sweep (benchmarks/moe.py --quick --sweep
+    # --models glm-4.7-flash+shared, RESULTS.md session 12): the op at 1 / 8 tokens 39.2 /
+    # 182.3 us against 46.7 / 259.5 with (1, 2048, 8).
+    (2048, 5, (4, 128, 4)),
     (float("inf"), 8, DECODE_DOWN_CONFIG),
     # Top-8 + shared (GLM-4.5-Air I = 1408, DeepSeek-V3 I = 2048): [16, 2, 256] (unmeasured)
     (float("inf"), float("inf"), (2, 256, 4)),
