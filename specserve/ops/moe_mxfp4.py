@@ -39,8 +39,11 @@ from specserve.ops import pdl
 from specserve.ops.moe import fused_moe_ref
 from specserve.ops.moe_triton import (
     PLAIN,
+    ConfigTable,
+    DecodeConfig,
     Epilogue,
     _act,
+    table_configs,
     uses_decode_path,
 )
 
@@ -51,7 +54,6 @@ from specserve.ops.moe_triton import (
 DECODE_VARIANTS = ("v1", "v2")
 DECODE_VARIANT = "v2"
 # (BLOCK_N, BLOCK_K, num_warps): BLOCK_K weights a row per step = BLOCK_K / 2 bytes.
-DecodeConfig = tuple[int, int, int]
 MXFP4_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # v1
 MXFP4_DOWN_CONFIG: DecodeConfig = (4, 256, 4)  # v1
 # v2: a thread holds one word of a block, 8 threads span a warp's blocks, so BLOCK_K / 32
@@ -64,12 +66,8 @@ MXFP4_DOWN_CONFIG: DecodeConfig = (4, 256, 4)  # v1
 # at 1 / 4 / 8 tokens): gate_up (4, 512, 2) 23.8 / 77.3 / 145.2 against (8, 1024, 4) 25.7 /
 # 85.9 / 164.3 (v1: 32.1 / 94.8 / 178.9); down (8, 256, 4) 14.6 / 35.2 / 64.0 (v1 20.5 / 57.3 /
 # 103.8); (8, 512, 8) is 1.2 us faster at one token and 7% slower at eight.
-MXFP4_V2_GATE_UP_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
-    (float("inf"), float("inf"), (4, 512, 2)),
-)
-MXFP4_V2_DOWN_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
-    (float("inf"), float("inf"), (8, 256, 4)),
-)
+MXFP4_V2_GATE_UP_TABLE: ConfigTable = ((float("inf"), float("inf"), (4, 512, 2)),)
+MXFP4_V2_DOWN_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 256, 4)),)
 MXFP4_V2_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
     (8, 1024, 4),
     (4, 1024, 4),
@@ -92,9 +90,7 @@ def mxfp4_decode_configs(
     """(gate_up, down) launch configs of the decode kernels of `variant` for this shape."""
     if variant == "v1":
         return MXFP4_GATE_UP_CONFIG, MXFP4_DOWN_CONFIG
-    gate_up = next(c for k, t, c in MXFP4_V2_GATE_UP_TABLE if hidden <= k and top_k <= t)
-    down = next(c for k, t, c in MXFP4_V2_DOWN_TABLE if inter <= k and top_k <= t)
-    return gate_up, down
+    return table_configs(MXFP4_V2_GATE_UP_TABLE, MXFP4_V2_DOWN_TABLE, hidden, inter, top_k)
 
 
 @triton.jit

@@ -49,6 +49,8 @@ DECODE_MAX_TOKENS = 8
 # BLOCK_N still keeps top_k * BLOCK_N * BLOCK_K weights in flight and gives H / BLOCK_N
 # programs per token. benchmarks/moe.py --sweep times the alternatives.
 DecodeConfig = tuple[int, int, int]
+# (max K, max top_k, config) rows, the first whose bounds hold wins (table_configs).
+ConfigTable = tuple[tuple[float, float, DecodeConfig], ...]
 DECODE_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # any shape (the tables' fallback)
 DECODE_DOWN_CONFIG: DecodeConfig = (4, 256, 4)
 # Per shape class, the first row whose bounds hold: (max K, max top_k, config); K is H for
@@ -70,13 +72,13 @@ DECODE_DOWN_CONFIG: DecodeConfig = (4, 256, 4)
 # BLOCK_N to keep the tile (registers) of the measured config. NOTE: the "+ shared" rows are
 # unmeasured (sm_90 compile only: no spills) until a GPU run of
 # benchmarks/moe.py --sweep --models glm-4.7-flash+shared,glm-4.5-air+shared.
-DECODE_GATE_UP_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
+DECODE_GATE_UP_TABLE: ConfigTable = (
     (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: H = 2048, top-4
     (2048, 5, (2, 2048, 8)),  # GLM-4.7-Flash + shared: top-4 + 1 (the sweep's best too)
     (2048, float("inf"), (4, 2048, 4)),
     (float("inf"), float("inf"), DECODE_GATE_UP_CONFIG),
 )
-DECODE_DOWN_TABLE: tuple[tuple[float, float, DecodeConfig], ...] = (
+DECODE_DOWN_TABLE: ConfigTable = (
     (1024, 8, (2, 256, 4)),  # Qwen3-30B-A3B: I = 768, top-8
     (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: I = 1536, top-4
     # GLM-4.7-Flash + shared: [8, 4, 128] tiles. H100 sweep (benchmarks/moe.py --quick --sweep
@@ -112,11 +114,18 @@ DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 )
 
 
+def table_configs(
+    gate_up_table: ConfigTable, down_table: ConfigTable, hidden: int, inter: int, top_k: int
+) -> tuple[DecodeConfig, DecodeConfig]:
+    """(gate_up, down): each table's first row whose bounds hold (K = H, then I)."""
+    gate_up = next(c for k, t, c in gate_up_table if hidden <= k and top_k <= t)
+    down = next(c for k, t, c in down_table if inter <= k and top_k <= t)
+    return gate_up, down
+
+
 def decode_configs(hidden: int, inter: int, top_k: int) -> tuple[DecodeConfig, DecodeConfig]:
     """(gate_up, down) launch configs of the decode kernels for this expert shape."""
-    gate_up = next(c for k, t, c in DECODE_GATE_UP_TABLE if hidden <= k and top_k <= t)
-    down = next(c for k, t, c in DECODE_DOWN_TABLE if inter <= k and top_k <= t)
-    return gate_up, down
+    return table_configs(DECODE_GATE_UP_TABLE, DECODE_DOWN_TABLE, hidden, inter, top_k)
 
 
 # Grouped GEMM configs: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), by the
