@@ -101,12 +101,14 @@ def over_layers(
 def routing(
     T: int, E: int, top_k: int, gen: torch.Generator, shared: int = 0
 ) -> tuple[torch.Tensor, ...]:
-    """Random softmax top-k over E experts, then `shared` experts E.. at weight 1.0."""
+    """Random softmax top-k over E experts, then `shared` experts E.. at weight 1.0 (the
+    router's own arithmetic, select_experts_ref)."""
+    from specserve.ops.moe_router import select_experts_ref
+
     logits = torch.randn(T, E, generator=gen, device=DEVICE)
-    w, ids = logits.softmax(-1).topk(top_k, dim=-1)
-    if shared:
-        w = torch.cat([w, w.new_ones(T, shared)], dim=1)
-        ids = torch.cat([ids, torch.arange(E, E + shared, device=DEVICE).expand(T, shared)], 1)
+    w, ids = select_experts_ref(
+        logits, None, scoring="softmax", top_k=top_k, renormalize=False, n_shared=shared
+    )
     return w, ids.to(torch.int32)
 
 
