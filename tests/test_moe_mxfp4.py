@@ -4,6 +4,8 @@ at tiny shapes."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def _quantized(
     return x.to(dtype), b13, s13, b2, s2, tw, ids
 
 
-VARIANTS = ("v1", "v2")
+VARIANTS = ("v1", "v2", "v3", "v4")
 
 
 @pytest.mark.interpret
@@ -73,16 +75,30 @@ def test_mxfp4_decode_odd_sizes_and_validation(variant: str) -> None:
         fused_moe_mxfp4_decode(*args, variant="v0")
 
 
-def _run_ptx(ptx: str, word: int) -> list[float]:
-    """The few PTX instructions of moe_mxfp4._E2M1_WORD_PTX, run on one 32-bit word ($8) in
-    Python: the outputs $0..$7 as floats."""
+def _f16(bits: int) -> float:
     import numpy as np
 
-    regs: dict[str, int] = {"$8": word}
-    out: dict[int, float] = {}
+    return float(np.array([bits], np.uint16).view(np.float16)[0])
+
+
+def _f16_bits(value: float) -> int:
+    import numpy as np
+
+    return int(np.array([value], np.float16).view(np.uint16)[0])
+
+
+def _run_ptx(ptx: str, inputs: dict[str, int]) -> dict[str, float]:
+    """The few PTX instructions of moe_mxfp4's inline asm, run in Python on 32-bit inputs
+    ({"$8": word}): the float outputs, by register name. f16x2 math rounds once (numpy's
+    float64 result to float16: products of these operands are exact)."""
+    regs: dict[str, int] = dict(inputs)
+    out: dict[str, float] = {}
 
     def val(tok: str) -> int:
         return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    def f16x2(bits: int) -> tuple[float, float]:
+        return _f16(bits & 0xFFFF), _f16(bits >> 16)
 
     for line in ptx.splitlines():
         line = line.strip().rstrip(";")
@@ -95,10 +111,17 @@ def _run_ptx(ptx: str, word: int) -> list[float]:
             continue
         d, *args = (t.strip() for t in rest.split(","))
         if op == "cvt.f32.f16":
-            out[int(d[1:])] = float(np.array([regs[args[0]]], np.uint16).view(np.float16)[0])
+            out[d] = _f16(regs[args[0]])
+            continue
+        if op == "add.f32":
+            out[d] = out[args[0]] + out[args[1]]
             continue
         a = [val(t) for t in args]
-        if op == "shl.b32":
+        if op in ("mul.rn.f16x2", "fma.rn.f16x2"):
+            pairs = zip(*(f16x2(v) for v in a))
+            lanes = [p[0] * p[1] + (p[2] if len(p) > 2 else 0.0) for p in pairs]
+            r = _f16_bits(lanes[0]) | _f16_bits(lanes[1]) << 16
+        elif op == "shl.b32":
             r = a[0] << a[1]
         elif op == "shr.b32":
             r = a[0] >> a[1]
@@ -112,7 +135,15 @@ def _run_ptx(ptx: str, word: int) -> list[float]:
         else:
             raise AssertionError(f"unexpected PTX op {op}")
         regs[d] = r & 0xFFFFFFFF
-    return [out[i] for i in range(8)]
+    return out
+
+
+def _ptx_words() -> list[int]:
+    """Every code at every nibble position, and random words."""
+    g = torch.Generator().manual_seed(0)
+    words = [c * 0x11111111 for c in range(16)]  # every nibble the same code
+    words += [c << (4 * p) | (15 - c) << (4 * ((p + 3) % 8)) for c in range(16) for p in range(8)]
+    return words + torch.randint(0, 1 << 32, (300,), generator=g, dtype=torch.int64).tolist()
 
 
 def test_e2m1_word_ptx_decodes_every_code() -> None:
@@ -122,13 +153,32 @@ def test_e2m1_word_ptx_decodes_every_code() -> None:
     from specserve.models.mxfp4 import FP4_VALUES
     from specserve.ops.moe_mxfp4 import _E2M1_WORD_PTX
 
-    g = torch.Generator().manual_seed(0)
-    words = [c * 0x11111111 for c in range(16)]  # every nibble the same code
-    words += [c << (4 * p) | (15 - c) << (4 * ((p + 3) % 8)) for c in range(16) for p in range(8)]
-    words += torch.randint(0, 1 << 32, (300,), generator=g, dtype=torch.int64).tolist()
-    for w in words:
+    for w in _ptx_words():
         want = [FP4_VALUES[w >> (4 * c) & 15] * 2.0**-14 for c in range(8)]
-        assert _run_ptx(_E2M1_WORD_PTX.value, w) == want, hex(w)
+        out = _run_ptx(_E2M1_WORD_PTX.value, {"$8": w})
+        assert [out[f"${c}"] for c in range(8)] == want, hex(w)
+
+
+def test_e2m1_dot_ptx_matches_the_dot_product() -> None:
+    """v3's inline PTX (`_E2M1_DOT_PTX`: decode + f16x2 dot product of a word with its 8
+    activations, paired (0, 4), (1, 5), (2, 6), (3, 7)) gives sum_c value_c * x_c * 2^-14
+    within fp16 rounding of its two lanes' partial sums, at activations scaled as `_x_half2`
+    scales them (largest |x| in [2^14, 2^15))."""
+    from specserve.models.mxfp4 import FP4_VALUES
+    from specserve.ops.moe_mxfp4 import _E2M1_DOT_PTX
+
+    g = torch.Generator().manual_seed(1)
+    for i, w in enumerate(_ptx_words()):
+        x = torch.randn(8, generator=g, dtype=torch.float64)
+        x = x * 2.0 ** (14.5 - x.abs().max().log2().ceil())  # max |x| in [2^13.5, 2^14.5)
+        x = x.half().double() if i % 2 else x.bfloat16().half().double()  # 16-bit values
+        pairs = {f"${2 + c}": _f16_bits(x[c].item()) | _f16_bits(x[c + 4].item()) << 16
+                 for c in range(4)}  # fmt: skip
+        got = _run_ptx(_E2M1_DOT_PTX.value, {"$1": w, **pairs})["$0"]
+        terms = [FP4_VALUES[w >> (4 * c) & 15] * 2.0**-14 * x[c].item() for c in range(8)]
+        # 3 fp16 roundings a lane: each at most half an ulp (2^-11) of its partial sum
+        bound = 3 * 2.0**-11 * sum(abs(t) for t in terms) + 1e-12
+        assert abs(got - sum(terms)) <= bound, (hex(w), got, sum(terms))
 
 
 @pytest.mark.interpret
@@ -204,35 +254,51 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
 
 
 def _compile_v2_decode(mx, u8: dict) -> None:
-    """v2 at every candidate config at gpt-oss's H = I = 2880, top-4 (gpt-oss epilogue, PDL),
-    and the table configs plain and without PDL: no spills; codes load one 32-bit word a
-    thread, activations in 16-byte vectors, decoded by the inline PTX; only down's preload
-    (routing, first codes and scales) loads before the PDL wait."""
+    """The v2-family kernels at gpt-oss's H = I = 2880, top-4: every candidate config (gpt-oss
+    epilogue, PDL) as v2 and as v3a (f16x2 math, PTX scale loads), and the table configs as
+    each of v2 / v2a / v3 / v3a, plain and without PDL: no spills; codes load one 32-bit word
+    a thread, activations in 16-byte vectors, decoded by the inline PTX; only down's preload
+    (routing, first codes and scales) loads before the PDL wait; the PTX scale loads leave
+    no layout conversion of the scales through shared memory."""
     from specserve.ops.moe_triton import PLAIN, Epilogue
 
     from .test_moe_ops import _compile
 
     oai = Epilogue(activation="swiglu_oai").consts()
     table_gate_up, table_down = mx.mxfp4_decode_configs(2880, 2880, 4, "v2")
-    gate_up_cases = [(c, True, True) for c in mx.MXFP4_V2_GATE_UP_CONFIGS]
-    gate_up_cases.append((table_gate_up, False, False))
-    for (bn, bk, warps), bias, pdl in gate_up_cases:
+    extremes, every = (
+        ((False, False), (True, True)),
+        list(itertools.product((False, True), repeat=2)),
+    )
+    gate_up_cases = [(c, True, True, f) for c in mx.MXFP4_V2_GATE_UP_CONFIGS for f in extremes]
+    # NOTE: v3 with tl.load scales (True, False) spills 8 bytes in the plain no-PDL build
+    # only: gpt-oss's experts always have biases and PDL runs on every sm_90.
+    gate_up_cases += [(table_gate_up, True, True, f) for f in every]
+    gate_up_cases += [(table_gate_up, False, False, f) for f in every if f != (True, False)]
+    for (bn, bk, warps), bias, pdl, (half2, scale_asm) in gate_up_cases:
         consts = dict(HAS_BIAS=bias, **(oai if bias else PLAIN.consts()), BLOCK_N=bn, BLOCK_K=bk)
         steps = -(-90 // (bk // 32))
-        consts.update(STEPS=steps, PDL=pdl, ASM=True)
+        consts.update(STEPS=steps, PDL=pdl, ASM=True, HALF2=half2, SCALE_ASM=scale_asm)
         ptx = _compile(mx._moe_mxfp4_gate_up_kernel_v2, consts, warps, types=u8)
         assert ("griddepcontrol.wait" in ptx) == pdl
         assert "lop3.b32" in ptx and "ld.global.v4.b32" in ptx
         # codes: a word of each of the gate and up rows a thread, every step (unrolled)
         assert ptx.count("ld.global.b32") >= 2 * bn * steps
-    down_cases = [(c, True, True) for c in mx.MXFP4_V2_DOWN_CONFIGS]
-    down_cases += [(table_down, False, False), (table_down, True, False)]
-    for (bn, bk, warps), pdl, preload in down_cases:
+        assert ("fma.rn.f16x2" in ptx) == half2
+        assert ("ld.global.nc.u8" in ptx) == scale_asm
+        if scale_asm:  # the final reduction's barriers only, none a K step
+            assert ptx.count("bar.sync") <= 8, ptx.count("bar.sync")
+    down_cases = [(c, True, True, f) for c in mx.MXFP4_V2_DOWN_CONFIGS for f in extremes]
+    down_cases += [(table_down, False, False, f) for f in every]
+    down_cases += [(table_down, True, False, f) for f in extremes]
+    for (bn, bk, warps), pdl, preload, (half2, scale_asm) in down_cases:
         consts = dict(HAS_BIAS=pdl, BLOCK_TOPK=4, BLOCK_N=bn, BLOCK_K=bk)
-        consts.update(PDL=pdl, PRELOAD=preload, ASM=True)
+        consts.update(PDL=pdl, PRELOAD=preload, ASM=True, HALF2=half2, SCALE_ASM=scale_asm)
         ptx = _compile(mx._moe_mxfp4_down_kernel_v2, consts, warps, types=u8)
         assert ("griddepcontrol.launch_dependents" in ptx) == pdl
         assert "lop3.b32" in ptx and "ld.global.v4.b32" in ptx
+        assert ("fma.rn.f16x2" in ptx) == half2
+        assert ("ld.global.nc.u8" in ptx) == scale_asm
         if pdl:
             assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
 
@@ -254,11 +320,13 @@ def test_mxfp4_decode_gpu_gpt_oss_20b_shape(T: int) -> None:
     with torch.inference_mode():
         ref = mx.fused_moe_mxfp4_ref(*args, epi)
         _check(mx.fused_moe_mxfp4_triton(*args, epilogue=epi), ref)
-        if T <= 8:  # both decode variants, v2 at every candidate config
+        if T <= 8:  # every decode variant, v2 and v3 at every candidate config
             _check(mx.fused_moe_mxfp4_decode(*args, epilogue=epi, variant="v1"), ref)
             gate_up, down = mx.mxfp4_decode_configs(2880, 2880, 4, "v2")
             pairs = [(g, down) for g in mx.MXFP4_V2_GATE_UP_CONFIGS]
             pairs += [(gate_up, d) for d in mx.MXFP4_V2_DOWN_CONFIGS]
-            for configs in pairs:
-                out = mx.fused_moe_mxfp4_decode(*args, epilogue=epi, configs=configs, variant="v2")
+            for configs, variant in itertools.product(pairs, mx.DECODE_VARIANTS[1:]):
+                out = mx.fused_moe_mxfp4_decode(
+                    *args, epilogue=epi, configs=configs, variant=variant
+                )
                 _check(out, ref)
