@@ -16,6 +16,7 @@ copy bandwidth (read + write) measured in the same run.
     python benchmarks/mxfp4.py                        # $OUT/mxfp4.json; ~2 min on an H100
     python benchmarks/mxfp4.py --variants v2 --configs table
     python benchmarks/mxfp4.py --cpu-smoke            # tiny shapes, TRITON_INTERPRET=1: checks only
+    python benchmarks/mxfp4.py --crossover 8,16,32,64 # decode kernels vs grouped GEMM per T
 """
 
 from __future__ import annotations
@@ -268,6 +269,62 @@ def time_pair(variant: str, pair: tuple, xs: list, layers: list, routes: list, b
     return {f"{k}_us": timed(call, xs, layers, routes, bufs) for k, call in calls.items()}
 
 
+def crossover(model: str, shape: tuple, tokens: list[int], args: argparse.Namespace, bw) -> list:
+    """Per T: the whole op by the decode kernels (DECODE_VARIANT, table configs) and by the
+    grouped GEMM (its table config), each checked against the reference, then timed."""
+    from specserve.ops import moe_mxfp4 as mx
+    from specserve.ops.moe_mxfp4_gemm import fused_moe_mxfp4_gemm
+
+    H, inter, E, top_k = shape
+    device = "cpu" if args.cpu_smoke else "cuda"
+    gen = torch.Generator(device).manual_seed(1)
+    layers = [
+        make_layer(H, inter, E, gen, device) for _ in range(1 if args.cpu_smoke else args.layers)
+    ]
+
+    def decode(x: torch.Tensor, layer: Layer, route: tuple, bufs: dict) -> torch.Tensor:
+        blocks = (layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales)
+        return mx.fused_moe_mxfp4_decode(x, *blocks, *route, epilogue=epilogue(layer))
+
+    def gemm(x: torch.Tensor, layer: Layer, route: tuple, bufs: dict) -> torch.Tensor:
+        blocks = (layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales)
+        return fused_moe_mxfp4_gemm(x, *blocks, *route, epilogue=epilogue(layer))
+
+    rows = []
+    for T in tokens:
+        xs = [torch.randn(T, H, generator=gen, device=device).bfloat16() for _ in layers]
+        routes = [routing(T, E, top_k, gen, device) for _ in layers]
+        with torch.inference_mode():
+            refs = [reference(x, layer, r) for x, layer, r in zip(xs, layers, routes)]
+            nbytes = sum(sum(floor_bytes(ly, r[1])) for ly, r in zip(layers, routes)) / len(layers)
+            for path, call in (("decode", decode), ("gemm", gemm)):
+                err = max(
+                    rel_err(call(x, ly, r, {}), ref)
+                    for x, ly, r, ref in zip(xs, layers, routes, refs)
+                )
+                if not err < 2e-2:
+                    raise SystemExit(f"MISMATCH {path} T={T}: relative error {err:.3e}")
+                row = {"model": model, "T": T, "path": path, "rel_err": err, "MB": nbytes / 1e6}
+                if not args.cpu_smoke:
+                    us = timed(call, xs, layers, routes, [{} for _ in xs])
+                    row.update(us=us, pct_bw=100 * nbytes / (us * 1e-6) / bw)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def crossover_summary(rows: list) -> None:
+    print("the whole op, us a layer in CUDA graphs (% of copy bandwidth on the distinct experts)")
+    print(f"{'model':>13} {'T':>3} {'decode us':>10} {'%':>4} {'gemm us':>9} {'%':>4}")
+    by = {(r["model"], r["T"], r["path"]): r for r in rows}
+    for model, T in dict.fromkeys((r["model"], r["T"]) for r in rows):
+        d, g = by[(model, T, "decode")], by[(model, T, "gemm")]
+        print(
+            f"{model:>13} {T:>3} {d['us']:10.1f} {d['pct_bw']:4.0f} {g['us']:9.1f} "
+            f"{g['pct_bw']:4.0f}"
+        )
+
+
 def summary(rows: list) -> None:
     """Per model, T and variant: the table pair and the fastest pair (whole op)."""
     print("us a layer in CUDA graphs; % of copy bandwidth on the bytes each kernel must read")
@@ -314,6 +371,11 @@ def main() -> None:
         "comma-separated strings; 'table': the shape tables' pair",
     )  # fmt: skip
     ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument(
+        "--crossover", default=None,
+        help="comma-separated token counts: time the default decode kernels against the "
+        "grouped GEMM at each (which path fused_moe_mxfp4_triton should take), then stop",
+    )  # fmt: skip
     args = ap.parse_args()
     t0 = time.time()
     models = SMOKE_MODELS if args.cpu_smoke else MODELS
@@ -328,6 +390,9 @@ def main() -> None:
         bw = copy_bandwidth(1 << 30, rounds=3)
     rows = []
     for model, shape in models.items():
+        if args.crossover:
+            rows += crossover(model, shape, [int(t) for t in args.crossover.split(",")], args, bw)
+            continue
         rows += bench_model(model, shape, args, bw)
         if not args.cpu_smoke:
             torch.cuda.empty_cache()
@@ -347,6 +412,9 @@ def main() -> None:
         print(f"cpu smoke: {len(rows)} checks OK")
         return
     print(f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
+    if args.crossover:
+        crossover_summary(rows)
+        return
     summary(rows)
 
 

@@ -197,7 +197,7 @@ def test_mxfp4_gemm_matches_dequantized_reference(
     T: int, routing: str, dtype: torch.dtype, gpt_oss: bool
 ) -> None:
     """The grouped GEMM (prefill / verification) with 4-bit experts, and "auto" choosing it
-    above DECODE_MAX_TOKENS tokens."""
+    above MXFP4_DECODE_MAX_PAIRS_PER_EXPERT pairs an expert (T = 37, top-2 of 8 experts)."""
     from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_ref, fused_moe_mxfp4_triton
     from specserve.ops.moe_mxfp4_gemm import fused_moe_mxfp4_gemm
     from specserve.ops.moe_triton import PLAIN, Epilogue
@@ -210,6 +210,20 @@ def test_mxfp4_gemm_matches_dequantized_reference(
         _check(fused_moe_mxfp4_triton(*args, epilogue=epi), ref)
         small = (16, 32, 32, 2, 4, 1)
         _check(fused_moe_mxfp4_gemm(*args, epilogue=epi, config=small), ref)
+
+
+def test_mxfp4_auto_path_by_pairs_per_expert() -> None:
+    """ "auto" keeps the decode kernels up to 3 (token, expert) pairs an expert on average (the
+    H100 crossover, benchmarks/mxfp4.py --crossover): gpt-oss-20b (32 experts, top-4) to 24
+    tokens, gpt-oss-120b (128 experts) to 96; judged on a captured graph's padded rows."""
+    from specserve.ops import graph_rows
+    from specserve.ops.moe_mxfp4 import uses_mxfp4_decode
+
+    assert uses_mxfp4_decode(24, 4, 32) and not uses_mxfp4_decode(25, 4, 32)
+    assert uses_mxfp4_decode(96, 4, 128) and not uses_mxfp4_decode(97, 4, 128)
+    with graph_rows.uniform_batch(5, 8):  # 5 requests of 4 rows padded to a graph of 8
+        assert not uses_mxfp4_decode(20, 4, 32)  # 8 x 4 rows = 32 tokens: the GEMM
+        assert uses_mxfp4_decode(20, 4, 128)
 
 
 def test_mxfp4_kernels_compile_for_sm90() -> None:

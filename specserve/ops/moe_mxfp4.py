@@ -15,7 +15,7 @@ registers and multiplies them with the even and the odd activation columns.
                                with HALF2 ("v3", the default DECODE_VARIANT) each word's dot
                                product in f16x2 (`_dot_words_h2`); "v1" and "v2" kept for
                                benchmarks/mxfp4.py.
-  ops/moe_mxfp4_gemm.py        prefill / verification (> DECODE_MAX_TOKENS tokens): the grouped
+  ops/moe_mxfp4_gemm.py        prefill / verification (`uses_mxfp4_decode` false): the grouped
                                GEMM over the same 4-bit tiles (the in-register dequantization
                                helpers below are shared).
 
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from specserve.models.mxfp4 import BLOCK, dequantize_mxfp4
-from specserve.ops import pdl
+from specserve.ops import graph_rows, pdl
 from specserve.ops.moe import fused_moe_ref
 from specserve.ops.moe_triton import (
     PLAIN,
@@ -46,7 +46,6 @@ from specserve.ops.moe_triton import (
     Epilogue,
     _act,
     table_configs,
-    uses_decode_path,
 )
 
 # The decode kernels: "v2" (32-bit code words, one word a thread, per-block scales applied in
@@ -74,6 +73,14 @@ VARIANT_FLAGS: dict[str, tuple[tuple[bool, bool], tuple[bool, bool]]] = {
 }
 DECODE_VARIANTS = ("v1", *VARIANT_FLAGS)
 DECODE_VARIANT = "v4"
+# "auto" runs the decode kernels rather than the grouped GEMM while the batch's (token, expert)
+# pairs are at most this many a expert on average: decode reads each chosen expert once a
+# pair, the GEMM once a 16-pair tile but dequantizes it at ~25% of the copy bandwidth. H100,
+# `benchmarks/mxfp4.py --crossover 8,12,16,24,32,48,64` (RESULTS.md session 13), us a layer
+# decode / GEMM: gpt-oss-20b (32 experts, top-4) T = 16 351 / 541, 24 521 / 613, 32 693 / 639;
+# gpt-oss-120b (128 experts) T = 16 357 / 929, 64 1383 / 2017: the crossover is near 3.5 pairs
+# an expert (20b T = 28).
+MXFP4_DECODE_MAX_PAIRS_PER_EXPERT = 3.0
 # (BLOCK_N, BLOCK_K, num_warps): BLOCK_K weights a row per step = BLOCK_K / 2 bytes.
 MXFP4_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # v1
 MXFP4_DOWN_CONFIG: DecodeConfig = (4, 256, 4)  # v1
@@ -134,17 +141,11 @@ def _e2m1(codes):
 
 
 @triton.jit
-def _scale(scale_ptrs, ok):
-    """fp32 2^(scale - 127) of E8M0 scales, times 2^14 to undo _e2m1's 2^-14 (exact)."""
-    return tl.exp2(tl.load(scale_ptrs, mask=ok, other=0).to(tl.float32) - 113.0)
-
-
-@triton.jit
 def _mxfp4_tile(byte_ptrs, scale_ptrs, ok):
     """(even, odd) fp32 weights of a tile of code bytes: the low nibbles are the even columns,
     the high nibbles the odd ones, both times their block's scale (GEMM operands)."""
     lo, hi = _e2m1(tl.load(byte_ptrs, mask=ok, other=0))
-    scale = _scale(scale_ptrs, ok)
+    scale = _scale_bits(scale_ptrs, ok)
     return lo * scale, hi * scale
 
 
@@ -152,7 +153,7 @@ def _mxfp4_tile(byte_ptrs, scale_ptrs, ok):
 def _dot_rows(codes, x_even, x_odd, scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
     """[ROWS]: code-byte rows [ROWS, BLOCK_K / 2] (uint8) dotted with the activations' even and
     odd columns ([1, BLOCK_K / 2] fp32). Each 32-weight block is summed unscaled and its scale
-    ([ROWS, BLOCK_K / 32] from _scale) applied once: one multiply a block, not a weight."""
+    ([ROWS, BLOCK_K / 32] from _scale_bits) applied once: one multiply a block, not a weight."""
     lo, hi = _e2m1(codes)
     prod = lo * x_even + hi * x_odd
     per_block = tl.sum(tl.reshape(prod, [ROWS, BLOCK_K // 32, 16]), axis=2)
@@ -206,10 +207,10 @@ def _moe_mxfp4_gate_up_kernel(
         x_even = tl.load(x_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         x_odd = tl.load(x_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)[None, :]
         codes = tl.load(wb_ptr + gate_row[:, None] * KB + j[None, :], mask=ok, other=0)
-        scale = _scale(ws_ptr + gate_row[:, None] * KS + g[None, :], g_ok)
+        scale = _scale_bits(ws_ptr + gate_row[:, None] * KS + g[None, :], g_ok)
         acc += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
         codes = tl.load(wb_ptr + up_row[:, None] * KB + j[None, :], mask=ok, other=0)
-        scale = _scale(ws_ptr + up_row[:, None] * KS + g[None, :], g_ok)
+        scale = _scale_bits(ws_ptr + up_row[:, None] * KS + g[None, :], g_ok)
         acc_up += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
     pdl.trigger(PDL)
     if HAS_BIAS:
@@ -270,7 +271,7 @@ def _moe_mxfp4_down_kernel(
         codes = tl.load(
             wb_ptr + row * KB + j[None, None, :], mask=rows_ok & j_ok[None, None, :], other=0
         )
-        scale = _scale(ws_ptr + row * KS + g[None, None, :], rows_ok & (g < KS)[None, None, :])
+        scale = _scale_bits(ws_ptr + row * KS + g[None, None, :], rows_ok & (g < KS)[None, None, :])
         # as _dot_rows, over [BLOCK_TOPK, BLOCK_N] rows
         lo, hi = _e2m1(codes)
         prod = lo * h_even[:, None, :] + hi * h_odd[:, None, :]
@@ -376,7 +377,9 @@ def _scale_bits_asm(scale_ptrs, ok, ASM: tl.constexpr):
 
 @triton.jit
 def _scale_bits(scale_ptrs, ok):
-    """As `_scale` in one integer op: 2^(s - 127 + 14) built as fp32 bits (exact; s <= 240)."""
+    """fp32 2^(s - 127) of E8M0 scales s, times 2^14 to undo _e2m1's 2^-14, built as fp32 bits
+    in one integer op (exact; s <= 240). NOTE: not exp2: the grouped GEMM scales every weight
+    it dequantizes, and MUFU.EX2 runs at a quarter of the integer rate."""
     s = tl.load(scale_ptrs, mask=ok, other=0).to(tl.int32)
     return ((s + 14) << 23).to(tl.float32, bitcast=True)
 
@@ -749,6 +752,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def uses_mxfp4_decode(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether "auto" takes the decode kernels: judged as moe_triton.uses_decode_path, on the
+    rows a captured graph runs, against MXFP4_DECODE_MAX_PAIRS_PER_EXPERT."""
+    pairs = graph_rows.row_bound(num_tokens) * top_k
+    return pairs <= MXFP4_DECODE_MAX_PAIRS_PER_EXPERT * num_experts
+
+
 def _flags(variant: str, kernel: str, x: torch.Tensor) -> dict[str, bool]:
     """HALF2 / SCALE_ASM of `kernel` ("gate_up" or "down") in a v2-family variant: f16x2
     dots only for 16-bit activations (exact in fp16 once scaled), PTX loads only compiled."""
@@ -854,7 +864,7 @@ def fused_moe_mxfp4_decode(
     variant: str | None = None,
 ) -> torch.Tensor:
     """[T, H] in x's dtype: `fused_moe`'s decode path with 4-bit experts (any T; meant for
-    T <= moe_triton.DECODE_MAX_TOKENS). `variant`: DECODE_VARIANTS (default DECODE_VARIANT);
+    small batches, `uses_mxfp4_decode`). `variant`: DECODE_VARIANTS (default DECODE_VARIANT);
     `configs`: (gate_up, down) launch configs (default: the variant's shape tables)."""
     T, top_k = topk_ids.shape
     H = x.shape[1]
@@ -896,7 +906,8 @@ def fused_moe_mxfp4_triton(
     epilogue: Epilogue = PLAIN,
 ) -> torch.Tensor:
     """`fused_moe`'s Triton paths with 4-bit experts: "auto" (the decode kernels up to
-    DECODE_MAX_TOKENS tokens, the grouped GEMM above), "decode" or "gemm"."""
+    MXFP4_DECODE_MAX_PAIRS_PER_EXPERT pairs an expert, the grouped GEMM above), "decode" or
+    "gemm"."""
     E, two_i = w13_blocks.shape[:2]
     H = x.shape[1]
     b13, b2 = epilogue.w13_bias, epilogue.w2_bias
@@ -906,7 +917,8 @@ def fused_moe_mxfp4_triton(
             f"{None if b2 is None else tuple(b2.shape)}, expected ({E}, {two_i}) / ({E}, {H})"
         )
     args = (x, w13_blocks, w13_scales, w2_blocks, w2_scales, topk_weights, topk_ids)
-    if path == "decode" or (path == "auto" and uses_decode_path(topk_ids.shape[0])):
+    T, top_k = topk_ids.shape
+    if path == "decode" or (path == "auto" and uses_mxfp4_decode(T, top_k, E)):
         return fused_moe_mxfp4_decode(*args, epilogue=epilogue)
     from specserve.ops.moe_mxfp4_gemm import fused_moe_mxfp4_gemm  # it imports this module
 

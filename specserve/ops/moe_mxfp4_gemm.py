@@ -1,9 +1,10 @@
-"""The grouped-GEMM path of `fused_moe` over MXFP4 experts (prefill and verification batches,
-> DECODE_MAX_TOKENS tokens): ops/moe_triton.py's aligned grouped GEMM (moe_align, the
-_moe_sum_kernel top-k sum) with the weight tile read 4-bit and dequantized in registers to the
-activations' dtype (ops/moe_mxfp4.py's helpers), fed to two tl.dot a step (even activation
-columns x low nibbles, odd x high), so nothing dense is ever written. Layouts and the decode
-path: ops/moe_mxfp4.py; `fused_moe_mxfp4_ref` there is what the tests compare with.
+"""The grouped-GEMM path of `fused_moe` over MXFP4 experts (prefill and verification batches
+of more than moe_mxfp4.MXFP4_DECODE_MAX_PAIRS_PER_EXPERT pairs an expert): ops/moe_triton.py's
+aligned grouped GEMM (moe_align, the _moe_sum_kernel top-k sum) with the weight tile read 4-bit
+and dequantized in registers to the activations' dtype (ops/moe_mxfp4.py's helpers), fed to
+two tl.dot a step (even activation columns x low nibbles, odd x high), so nothing dense is ever
+written. Layouts and the decode path: ops/moe_mxfp4.py; `fused_moe_mxfp4_ref` there is what
+the tests compare with.
 """
 
 from __future__ import annotations
