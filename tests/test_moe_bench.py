@@ -1,5 +1,6 @@
 """benchmarks/moe_decode.py: its active-weight byte count against a hand count, and the whole
-script at tiny shapes on the CPU (every configuration, the dummy-weight GLM MTP drafter included)."""
+script at tiny shapes on the CPU (every configuration, the dummy-weight GLM MTP drafter included);
+benchmarks/moe.py --sweep's plan (both down variants)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 import torch
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -141,3 +143,28 @@ def test_gpt_oss_cpu_smoke(tmp_path) -> None:
         for s in m["spec"]:
             assert s["status"] == "ok", s
             assert all(1.0 <= r["tokens_per_step"] <= s["k"] + 1 for r in s["rows"])
+
+
+def test_moe_sweep_times_both_down_variants(monkeypatch) -> None:
+    """benchmarks/moe.py --sweep: at every model shape it times the down candidates of both
+    variants (each labelled with its variant) with both variants' table pairs among them, and
+    gate_up's candidates under the active variant, whichever DOWN_VARIANT is set."""
+    pytest.importorskip("triton")
+    from specserve.ops import moe_triton as mt
+
+    path = os.path.join(ROOT, "benchmarks", "moe.py")
+    spec = importlib.util.spec_from_file_location("moe_bench", path)
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    for active in mt.DOWN_VARIANTS:
+        monkeypatch.setattr(mt, "DOWN_VARIANT", active)
+        for H, inter, _, top_k, shared in bench.MODELS.values():
+            points = bench.decode_sweep_pairs(H, inter, top_k + shared)
+            names = [bench.point_name(p) for p in points]
+            assert len(set(names)) == len(points)
+            assert all(n.startswith(f"{v} gu") for n, (v, _) in zip(names, points))
+            gate_up = mt.decode_configs(H, inter, top_k + shared)[0]
+            for v, downs in (("v1", mt.DECODE_DOWN_CONFIGS), ("v2", mt.DECODE_DOWN_CONFIGS_V2)):
+                assert {d for w, (g, d) in points if w == v and g == gate_up} == set(downs)
+                assert (v, mt.decode_configs(H, inter, top_k + shared, v)) in points
+            assert {g for w, (g, _) in points if w == active} >= set(mt.DECODE_GATE_UP_CONFIGS)

@@ -8,7 +8,10 @@ code the compiler rejects).
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -99,11 +102,44 @@ CASES_DTYPES = [
 ]
 
 
+def _decodes(T: int, path: str) -> bool:
+    return path == "decode" or (path == "auto" and T <= 8)
+
+
+def down_variants(
+    cases: list[tuple], path_at: int, also_v1: Callable[[tuple], bool] = lambda case: True
+) -> list[tuple]:
+    """`cases` (T first) + a down variant: v2 (the default) everywhere, v1 too where the case
+    takes the decode kernels and `also_v1` holds (the grouped GEMM has no down variant; v1's
+    duplicates are trimmed to keep the interpreter run short)."""
+    return [
+        (*case, v)
+        for case in cases
+        for v in ("v1", "v2")
+        if v == "v2" or (_decodes(case[0], case[path_at]) and also_v1(case))
+    ]
+
+
+@pytest.fixture
+def down_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Sets moe_triton.DOWN_VARIANT (read at each launch) to the test's `variant` param."""
+    from specserve.ops import moe_triton as mt
+
+    monkeypatch.setattr(mt, "DOWN_VARIANT", request.param)
+    return request.param
+
+
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("T, routing, path, dtype", CASES_DTYPES)
-def test_moe_triton_matches_reference(T: int, routing: str, path: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "T, routing, path, dtype, down_variant",
+    down_variants(CASES_DTYPES, 2, lambda case: case[3] == torch.float32),
+    indirect=["down_variant"],
+)
+def test_moe_triton_matches_reference(
+    T: int, routing: str, path: str, dtype: torch.dtype, down_variant: str
+) -> None:
     from specserve.ops.moe_triton import fused_moe_triton
 
     top_k = 3 if routing == "shared" else 2  # shared: top-2 + 1, padded to 4 in down's tile
@@ -149,9 +185,13 @@ OAI_CASES = [
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T, path, bias, activation", OAI_CASES)
+@pytest.mark.parametrize(
+    "T, path, bias, activation, down_variant",
+    down_variants(OAI_CASES, 1, lambda case: case[2]),  # v1 with biases
+    indirect=["down_variant"],
+)
 def test_moe_triton_gpt_oss_experts(
-    T: int, path: str, bias: bool, activation: str, dtype: torch.dtype
+    T: int, path: str, bias: bool, activation: str, dtype: torch.dtype, down_variant: str
 ) -> None:
     """Biases and the clamped SwiGLU (gpt-oss) in the decode and GEMM kernels == reference,
     with the clamps active (some gate products above the limit, some up products outside
@@ -173,8 +213,12 @@ def test_moe_triton_gpt_oss_experts(
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("path", ["decode", "gemm"])
-def test_moe_triton_strided_input_and_int64_ids(path: str) -> None:
+@pytest.mark.parametrize(
+    "path, down_variant",
+    [("decode", "v1"), ("decode", "v2"), ("gemm", "v2")],
+    indirect=["down_variant"],
+)
+def test_moe_triton_strided_input_and_int64_ids(path: str, down_variant: str) -> None:
     """x a column slice of a wider tensor (row stride != H), ids int64 as routers return them."""
     from specserve.ops.moe_triton import fused_moe_triton
 
@@ -205,6 +249,48 @@ def test_moe_align(routing: str, E: int, block_m: int) -> None:
         assert torch.equal(expert_ids[: ref_total // block_m], ref_experts)
 
 
+# (H, I, top_k) of the real models -> v2's down config: every row of DECODE_DOWN_TABLE_V2.
+V2_TABLE_SHAPES = {
+    (2048, 768, 8): (2, 256, 4),  # Qwen3-30B-A3B
+    (2048, 1536, 4): (2, 256, 4),  # GLM-4.7-Flash
+    (2880, 2880, 4): (1, 512, 4),  # gpt-oss (biases)
+    (2048, 1536, 5): (1, 256, 4),  # GLM-4.7-Flash + shared
+    (4096, 1408, 8): (1, 256, 4),  # GLM-4.5-Air
+    (7168, 2048, 8): (1, 256, 4),  # DeepSeek-V3
+    (4096, 1408, 9): (1, 256, 8),  # GLM-4.5-Air + shared
+    (7168, 2048, 9): (1, 256, 8),  # DeepSeek-V3 + shared
+}
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize(
+    "routing, top_k, bias, config",
+    [
+        ("idle", 2, False, (2, 32, 2)),  # I = 48: 2 steps, the second half masked
+        ("shared", 3, True, (1, 16, 1)),  # 3 steps, none masked; 3 rows padded to 4; biases
+        ("random", 5, True, (4, 128, 4)),  # one step wider than I; 5 rows padded to 8
+    ],
+)
+def test_moe_decode_down_v2_steps(
+    routing: str, top_k: int, bias: bool, config: tuple[int, int, int]
+) -> None:
+    """v2's unrolled K steps at I = 48 (masking past I in the last step or the only one),
+    experts that get no tokens, padded top_k rows and expert biases: equal to the reference,
+    and to v1 at the same config up to fp32 summation order."""
+    from specserve.ops import moe_triton as mt
+
+    args = make_moe(3, E=8, H=64, inter=48, top_k=top_k, dtype=torch.float32, routing=routing)
+    kw = make_oai_kw(8, 64, 48, torch.float32, activation="silu") if bias else {}
+    epilogue = mt.Epilogue(**kw)
+    configs = (mt.DECODE_GATE_UP_CONFIG, config)
+    v2 = mt.fused_moe_decode(*args, configs=configs, epilogue=epilogue, down_variant="v2")
+    _check(v2, fused_moe_ref(*args, **kw))
+    v1 = mt.fused_moe_decode(*args, configs=configs, epilogue=epilogue, down_variant="v1")
+    torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
@@ -221,21 +307,36 @@ def test_every_launch_config() -> None:
     ref = fused_moe_ref(*args)
     for gate_up in mt.DECODE_GATE_UP_CONFIGS:
         _check(mt.fused_moe_decode(*args, configs=(gate_up, mt.DECODE_DOWN_CONFIG)), ref)
-    for down in mt.DECODE_DOWN_CONFIGS:
-        _check(mt.fused_moe_decode(*args, configs=(mt.DECODE_GATE_UP_CONFIG, down)), ref)
+    for variant, downs in (("v1", mt.DECODE_DOWN_CONFIGS), ("v2", mt.DECODE_DOWN_CONFIGS_V2)):
+        for down in downs:
+            configs = (mt.DECODE_GATE_UP_CONFIG, down)
+            _check(mt.fused_moe_decode(*args, configs=configs, down_variant=variant), ref)
     # The shape tables: one K tile at Qwen3-30B-A3B / GLM-4.7-Flash, the old configs beyond
     # (gpt-oss, GLM-4.5-Air's H = 4096); every table config is one the sweep times.
-    assert mt.decode_configs(2048, 768, 8) == ((4, 2048, 4), (2, 256, 4))
-    assert mt.decode_configs(2048, 1536, 4) == ((2, 2048, 8), (2, 2048, 8))
-    assert mt.decode_configs(2880, 2880, 4) == (mt.DECODE_GATE_UP_CONFIG, mt.DECODE_DOWN_CONFIG)
-    assert mt.decode_configs(4096, 1408, 8)[1] == mt.DECODE_DOWN_CONFIG
+    v1 = functools.partial(mt.decode_configs, down_variant="v1")
+    assert v1(2048, 768, 8) == ((4, 2048, 4), (2, 256, 4))
+    assert v1(2048, 1536, 4) == ((2, 2048, 8), (2, 2048, 8))
+    assert v1(2880, 2880, 4) == (mt.DECODE_GATE_UP_CONFIG, mt.DECODE_DOWN_CONFIG)
+    assert v1(4096, 1408, 8)[1] == mt.DECODE_DOWN_CONFIG
     # Shared experts fused (top_k + 1): GLM-4.7-Flash keeps gate_up's config, down the sweep's
     # [8, 4, 128] tiles; top-8 + 1 (16 rows a tile) halves the fallback's BLOCK_N.
-    assert mt.decode_configs(2048, 1536, 5) == ((2, 2048, 8), (4, 128, 4))
-    assert mt.decode_configs(4096, 1408, 9) == (mt.DECODE_GATE_UP_CONFIG, (2, 256, 4))
-    assert mt.decode_configs(7168, 2048, 9)[1] == (2, 256, 4)
+    assert v1(2048, 1536, 5) == ((2, 2048, 8), (4, 128, 4))
+    assert v1(4096, 1408, 9) == (mt.DECODE_GATE_UP_CONFIG, (2, 256, 4))
+    assert v1(7168, 2048, 9)[1] == (2, 256, 4)
     assert {c for *_, c in mt.DECODE_GATE_UP_TABLE} <= set(mt.DECODE_GATE_UP_CONFIGS)
     assert {c for *_, c in mt.DECODE_DOWN_TABLE} <= set(mt.DECODE_DOWN_CONFIGS)
+    # v2's table (a program's whole slab in registers: BLOCK_N shrinks as top_k and I grow);
+    # gate_up's config does not depend on the down variant.
+    for shape, down in V2_TABLE_SHAPES.items():
+        assert mt.decode_configs(*shape, down_variant="v2") == (v1(*shape)[0], down), shape
+    assert {c for *_, c in mt.DECODE_DOWN_TABLE_V2} == set(V2_TABLE_SHAPES.values())
+    assert {c for *_, c in mt.DECODE_DOWN_TABLE_V2} <= set(mt.DECODE_DOWN_CONFIGS_V2)
+    # DOWN_VARIANT is read when called (benchmarks/timeline_sweep.py sets it after import).
+    assert mt.decode_configs(2048, 1536, 4) == mt.decode_configs(
+        2048, 1536, 4, down_variant=mt.DOWN_VARIANT
+    )
+    with pytest.raises(ValueError, match="DOWN_VARIANT must be one of v1, v2"):
+        mt.decode_configs(2048, 768, 8, down_variant="v3")
     # The default pick (one K tile each here: BLOCK_K >= K) on this shape.
     _check(mt.fused_moe_decode(*args, configs=((4, 64, 4), (2, 64, 4))), ref)
 
@@ -275,11 +376,6 @@ def _compile(
     """PTX for sm_90, pointers, strides, N and K specialized as multiples of 16 as at run time
     for the real shapes; asserts the cubin keeps every value in registers (no local memory:
     spills would cost the bandwidth these kernels exist for)."""
-    import subprocess
-    import tempfile
-
-    import triton
-
     from .test_pdl import compile_sm90
 
     # As at run time: arguments the kernel does not specialize stay unaligned.
@@ -295,15 +391,23 @@ def _compile(
     out = compiled_out if compiled_out is not None else []
     types = {**MOE_TYPES, **(types or {})}
     ptx = compile_sm90(kernel, consts, num_warps, num_stages, types, aligned, out)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(out[-1].asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True
-        ).stdout
+    usage = _cuobjdump(out[-1], "--dump-resource-usage")
     assert "STACK:0 " in usage and "LOCAL:0 " in usage, (kernel.__name__, consts, usage)
     return ptx
+
+
+def _cuobjdump(compiled, flag: str) -> str:
+    """cuobjdump's `flag` output ("--dump-resource-usage", "-sass") on a compiled kernel."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True).stdout
 
 
 def test_moe_kernels_compile_for_sm90() -> None:
@@ -355,7 +459,11 @@ def test_moe_kernels_compile_for_sm90() -> None:
         (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, dict(HAS_BIAS=False, **silu)),
         (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, dict(HAS_BIAS=True, **oai)),
     ] + [
-        (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, dict(BLOCK_TOPK=8, **extra))
+        (kernel, config, dict(BLOCK_TOPK=8, **steps, **extra))
+        for kernel, config, steps in (
+            (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, {}),
+            (mt._moe_decode_down_kernel_v2, (2, 256, 4), dict(STEPS=3)),
+        )
         for bias in (False, True)
         for extra in (dict(PRELOAD=False, HAS_BIAS=bias), dict(PRELOAD=True, HAS_BIAS=bias))
     ]
@@ -382,6 +490,32 @@ def test_moe_kernels_compile_for_sm90() -> None:
         ptx = _compile(mt._moe_decode_down_kernel, dict(BLOCK_TOPK=block_topk, **consts), dw)
         early = ptx[: ptx.index("griddepcontrol.wait")]
         assert early.count("ld.global.v4") * 16 * 32 * dw == block_topk * dn * dk * 2
+    # v2's table at every row's shapes (gpt-oss with its biases): no spills, registers for
+    # >= 4 programs an SM (3 at 8 warps; DeepSeek-V3 + shared's 64 KB slab allows 2), and the
+    # program's WHOLE slab, [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 in 16-byte
+    # loads, requested before the PDL wait.
+    for (hidden, inter, top_k), down in V2_TABLE_SHAPES.items():
+        dn, dk, dw = mt.decode_configs(hidden, inter, top_k, down_variant="v2")[1]
+        assert (dn, dk, dw) == down
+        block_topk, steps = 1 << (top_k - 1).bit_length(), -(-inter // dk)
+        consts = dict(BLOCK_TOPK=block_topk, BLOCK_N=dn, BLOCK_K=dk, STEPS=steps, PDL=True)
+        consts.update(PRELOAD=True, HAS_BIAS=inter == 2880)
+        out = []
+        ptx = _compile(mt._moe_decode_down_kernel_v2, consts, dw, compiled_out=out)
+        regs = int(re.search(r"REG:(\d+)", _cuobjdump(out[0], "--dump-resource-usage"))[1])
+        programs = 65536 // (regs * 32 * dw)
+        assert programs >= (2 if (inter, top_k) == (2048, 9) else 3 if dw == 8 else 4), regs
+        early = ptx[: ptx.index("griddepcontrol.wait")]
+        slab = block_topk * dn * steps * dk * 2
+        assert early.count("ld.global.v4") * 16 * 32 * dw == slab, (hidden, inter, top_k)
+        if (hidden, inter, top_k) == (2048, 768, 8):
+            # Qwen3-30B-A3B in SASS (after ptxas's scheduling): all 12 weight loads of the
+            # three steps are in flight before the wait (ACQBULK), and no FMA or reduction
+            # comes before it.
+            sass = _cuobjdump(out[0], "-sass")
+            wait = sass.index("ACQBULK")
+            assert sass[:wait].count("LDG.E.128") == slab // (16 * 32 * dw) == 12
+            assert "FFMA" not in sass[:wait] and "SHFL" not in sass[:wait]
 
 
 # ---- GPU ---------------------------------------------------------------------------------------

@@ -10,6 +10,10 @@ long contiguous tiles, the few activation rows come from L2.
                                 as one [top_k, BLOCK_N, BLOCK_K] tile a K step, weighted by the
                                 routing weights and summed in registers: the sum over top_k is
                                 fused, in a fixed order (deterministic, no atomics).
+  `_moe_decode_down_kernel_v2`  the same programs with the K loop unrolled (STEPS constexpr):
+                                every weight tile of a program is requested at once (before
+                                the PDL wait), products accumulate elementwise and the sum over
+                                K is reduced once, after the loop. DOWN_VARIANT picks v1 / v2.
   Pairs (tokens) are the fastest grid index, so the programs reading one column block of an
   expert chosen twice in a batch run side by side: the second read comes from L2, and HBM
   traffic is the distinct experts' bytes.
@@ -114,6 +118,61 @@ DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 )
 
 
+# The down kernel: "v2" (`_moe_decode_down_kernel_v2`) or "v1" (`_moe_decode_down_kernel`),
+# read at each launch, so benchmarks/timeline_sweep.py --variants
+# "specserve.ops.moe_triton.DOWN_VARIANT=v1" and benchmarks/moe.py --sweep A/B them.
+# Why v2: on the H100 v1 runs at ~58-63% of the HBM bandwidth (Qwen3-30B-A3B at (2, 256, 4):
+# 13 us for 7.5 us of bytes). Each of its K steps ends in a cross-thread reduction, and the next
+# step's loads wait for it: a program is STEPS serial round trips, and only the first tile is
+# preloaded before the PDL wait. The MXFP4 down kernel got much faster built the v2 way
+# (moe_mxfp4.py, `_moe_mxfp4_down_kernel_v2`: one reduction after an unrolled K loop).
+# NOTE: v2 is the default UNMEASURED: only its sm_90 compile (registers, no spills, every
+# weight load before the PDL wait and the math) and the interpreter tests back it until a GPU
+# run of benchmarks/moe.py --sweep (which times both variants) decides; flip back to "v1" if
+# it loses.
+DOWN_VARIANTS = ("v1", "v2")
+DOWN_VARIANT = "v2"
+# v2 holds a program's whole [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 slab in
+# registers (plus a [.., BLOCK_K] fp32 accumulator), so BLOCK_N (and warps) are chosen per shape
+# to keep the slab near 24 KB: no spills, registers for >= 4 programs an SM where the slab
+# allows (sm_90 cubin registers a thread at the real shapes, checked by tests/test_moe_ops.py;
+# BLOCK_K 256 keeps 16-byte loads and few unrolled steps). Unmeasured, like the variant.
+# Per row: (max K = I, max top_k, config).
+DECODE_DOWN_TABLE_V2: ConfigTable = (
+    (1024, 8, (2, 256, 4)),  # Qwen3-30B-A3B (I 768, top-8): [8, 2, 768], 80 regs, 6 an SM
+    (2048, 4, (2, 256, 4)),  # GLM-4.7-Flash (I 1536, top-4): [4, 2, 1536], 80 regs, 6 an SM
+    # gpt-oss (I 2880 in 6 steps of 512, biases): [4, 1, 3072], 86 regs, 5 an SM
+    (float("inf"), 4, (1, 512, 4)),
+    # GLM-4.7-Flash + shared (top-5: 8 rows), GLM-4.5-Air (I 1408, top-8) and DeepSeek-V3
+    # (I 2048, top-8): [8, 1, 1536 / 1536 / 2048], 80 / 80 / 106 regs, 6 / 6 / 4 an SM
+    (2048, 8, (1, 256, 4)),
+    # Top-8 + shared (16 rows): GLM-4.5-Air [16, 1, 1536] at 8 warps, 80 regs, 3 an SM;
+    # DeepSeek-V3's [16, 1, 2048] (64 KB a program) takes 106 regs, 2 an SM (128 KB in flight
+    # an SM): no config of this kernel fits three.
+    (float("inf"), float("inf"), (1, 256, 8)),
+)
+# What benchmarks/moe.py --sweep times for v2 (the v1 list above is timed under v1).
+DECODE_DOWN_CONFIGS_V2: tuple[DecodeConfig, ...] = (
+    (2, 256, 4),
+    (1, 256, 4),
+    (1, 512, 4),
+    (2, 512, 4),
+    (2, 128, 4),
+    (1, 256, 8),
+    (2, 256, 8),
+    (4, 256, 8),
+)
+
+
+def down_table(variant: str) -> ConfigTable:
+    """The down kernel's shape table under `variant` (DOWN_VARIANTS)."""
+    if variant not in DOWN_VARIANTS:
+        raise ValueError(
+            f"moe_triton.DOWN_VARIANT must be one of {', '.join(DOWN_VARIANTS)}, got {variant!r}"
+        )
+    return DECODE_DOWN_TABLE_V2 if variant == "v2" else DECODE_DOWN_TABLE
+
+
 def table_configs(
     gate_up_table: ConfigTable, down_table: ConfigTable, hidden: int, inter: int, top_k: int
 ) -> tuple[DecodeConfig, DecodeConfig]:
@@ -123,9 +182,13 @@ def table_configs(
     return gate_up, down
 
 
-def decode_configs(hidden: int, inter: int, top_k: int) -> tuple[DecodeConfig, DecodeConfig]:
-    """(gate_up, down) launch configs of the decode kernels for this expert shape."""
-    return table_configs(DECODE_GATE_UP_TABLE, DECODE_DOWN_TABLE, hidden, inter, top_k)
+def decode_configs(
+    hidden: int, inter: int, top_k: int, down_variant: str | None = None
+) -> tuple[DecodeConfig, DecodeConfig]:
+    """(gate_up, down) launch configs of the decode kernels for this expert shape, down's for
+    `down_variant` (default: DOWN_VARIANT as it is now)."""
+    table = down_table(down_variant or DOWN_VARIANT)
+    return table_configs(DECODE_GATE_UP_TABLE, table, hidden, inter, top_k)
 
 
 # Grouped GEMM configs: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), by the
@@ -464,6 +527,88 @@ def _moe_decode_down_kernel(
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _moe_decode_down_kernel_v2(
+    inter_ptr,
+    w_ptr,
+    b_ptr,
+    topk_ids_ptr,
+    topk_w_ptr,
+    out_ptr,
+    N,
+    K,
+    T,
+    top_k,
+    stride_im,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STEPS: tl.constexpr,
+    PDL: tl.constexpr,
+    PRELOAD: tl.constexpr,
+):
+    # _moe_decode_down_kernel's programs and result, built as the MXFP4 v2 kernels: the K loop
+    # is unrolled (STEPS = cdiv(K, BLOCK_K) on the host) and its weight tiles are loaded first,
+    # all of them, into a tuple, so a program is ONE round trip to HBM instead of STEPS; the
+    # products accumulate elementwise into a tile-shaped fp32 accumulator and the cross-thread
+    # sum over K runs once, after the loop (v1 reduces every step, and each step's loads wait
+    # for the previous step's reduction). The price is registers: a program holds its whole
+    # [BLOCK_TOPK, BLOCK_N, STEPS * BLOCK_K] slab, so the tables pick BLOCK_N (and warps) to
+    # fit it (DECODE_DOWN_TABLE_V2).
+    # PRELOAD (under PDL): the routing and EVERY weight tile are loaded before waiting for the
+    # gate_up kernel (v1 preloads the first tile only). Safe for the reasons v1's preload is:
+    # the routing was written before gate_up started (it is gate_up's input too), gate_up lets
+    # this kernel launch only after its own wait, and weights never depend on the previous
+    # kernel; only inter is read after the wait.
+    pid = tl.program_id(0)
+    t = pid % T
+    n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    j = tl.arange(0, BLOCK_TOPK)
+    j_ok = j < top_k
+    pair = t * top_k + j
+    k = tl.arange(0, BLOCK_K)
+    if not PRELOAD:
+        pdl.wait(PDL)
+    expert = tl.load(topk_ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
+    route_w = tl.load(topk_w_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
+    # [BLOCK_TOPK, BLOCK_N, 1] row starts
+    w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
+    rows_ok = j_ok[:, None, None] & n_ok[None, :, None]
+    # NOTE: a tuple, not a Python list (static_range unrolls in the frontend, and a tuple of
+    # tensors is what Triton can carry): STEPS tiles [BLOCK_TOPK, BLOCK_N, BLOCK_K].
+    tiles = ()
+    for s in tl.static_range(STEPS):
+        tiles = tiles + (_down_tile(w_rows, rows_ok, s * BLOCK_K + k, K),)
+    if PRELOAD:
+        pdl.wait(PDL)
+    # [BLOCK_TOPK, 1] inter rows, its tiles (from L2) requested after the wait. NOTE: ptxas
+    # keeps the weight loads ahead of the wait and of every FMA, but sinks some of these
+    # below the first FMAs (sm_90 SASS at Qwen3's config: 2 of 6 issued before the math).
+    h_rows = inter_ptr + pair.to(tl.int64)[:, None] * stride_im
+    h_ok = j_ok[:, None]
+    hs = ()
+    for s in tl.static_range(STEPS):
+        ks = s * BLOCK_K + k
+        hs = hs + (tl.load(h_rows + ks[None, :], mask=h_ok & (ks < K)[None, :], other=0.0),)
+    acc = tl.zeros([BLOCK_TOPK, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for s in tl.static_range(STEPS):
+        acc += tiles[s].to(tl.float32) * hs[s].to(tl.float32)[:, None, :]
+    pdl.trigger(PDL)
+    acc2 = tl.sum(acc, axis=2)  # [BLOCK_TOPK, BLOCK_N]
+    if HAS_BIAS:  # the chosen experts' biases
+        b = b_ptr + expert[:, None] * stride_be + n[None, :]
+        acc2 += tl.load(b, mask=j_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(acc2 * route_w[:, None], axis=0)
+    out = out_ptr + t.to(tl.int64) * stride_om + n
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def moe_align(
     # [num_tokens, top_k]
     topk_ids: torch.Tensor,
@@ -634,12 +779,16 @@ def fused_moe_decode(
     topk_ids: torch.Tensor,
     configs: tuple[DecodeConfig, DecodeConfig] | None = None,
     epilogue: Epilogue = PLAIN,
+    down_variant: str | None = None,
 ) -> torch.Tensor:
-    """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`."""
+    """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`.
+    `down_variant`: DOWN_VARIANTS, default DOWN_VARIANT read now (not at import: a benchmark
+    may set it); `configs` default to that variant's tables."""
     T, top_k = topk_ids.shape
     E, two_i, H = w13.shape
     inter_size, P = two_i // 2, T * top_k
-    (gn, gk, gw), (dn, dk, dw) = configs or decode_configs(H, inter_size, top_k)
+    down_variant = down_variant or DOWN_VARIANT
+    (gn, gk, gw), (dn, dk, dw) = configs or decode_configs(H, inter_size, top_k, down_variant)
     kw = pdl.launch_kwargs(x.device)
     b13, s13 = _bias_args(epilogue.w13_bias, w13)
     b2, s2 = _bias_args(epilogue.w2_bias, w2)
@@ -651,11 +800,17 @@ def fused_moe_decode(
         BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, **kw,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    _moe_decode_down_kernel[(T * triton.cdiv(H, dn),)](
+    # v2 unrolls its K loop: STEPS tiles of BLOCK_K (the last one masked past I).
+    kernel, steps = (
+        (_moe_decode_down_kernel_v2, dict(STEPS=triton.cdiv(inter_size, dk)))
+        if down_variant == "v2"
+        else (_moe_decode_down_kernel, {})
+    )
+    kernel[(T * triton.cdiv(H, dn),)](
         inter, w2, b2, topk_ids, topk_weights, out, H, inter_size, T, top_k,
         inter.stride(0), w2.stride(0), w2.stride(1), s2, out.stride(0),
         HAS_BIAS=epilogue.w2_bias is not None,
-        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk, num_warps=dw,
+        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk, **steps, num_warps=dw,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, **kw,
     )  # fmt: skip
     return out
