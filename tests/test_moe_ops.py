@@ -331,11 +331,15 @@ def test_every_launch_config() -> None:
         assert mt.decode_configs(*shape, down_variant="v2") == (v1(*shape)[0], down), shape
     assert {c for *_, c in mt.DECODE_DOWN_TABLE_V2} == set(V2_TABLE_SHAPES.values())
     assert {c for *_, c in mt.DECODE_DOWN_TABLE_V2} <= set(mt.DECODE_DOWN_CONFIGS_V2)
-    # DOWN_VARIANT is read when called (benchmarks/timeline_sweep.py sets it after import).
+    # DOWN_VARIANT is read when called (benchmarks/timeline_sweep.py sets it after import);
+    # "auto": v1 up to top-8, v2 above (top-8 + a fused shared expert).
     assert mt.decode_configs(2048, 1536, 4) == mt.decode_configs(
         2048, 1536, 4, down_variant=mt.DOWN_VARIANT
     )
-    with pytest.raises(ValueError, match="DOWN_VARIANT must be one of v1, v2"):
+    assert [mt.resolve_down_variant("auto", k) for k in (4, 5, 8, 9)] == ["v1"] * 3 + ["v2"]
+    assert mt.decode_configs(4096, 1408, 9, "auto") == mt.decode_configs(4096, 1408, 9, "v2")
+    assert mt.decode_configs(2048, 768, 8, "auto") == mt.decode_configs(2048, 768, 8, "v1")
+    with pytest.raises(ValueError, match="DOWN_VARIANT must be auto or one of v1, v2"):
         mt.decode_configs(2048, 768, 8, down_variant="v3")
     # The default pick (one K tile each here: BLOCK_K >= K) on this shape.
     _check(mt.fused_moe_decode(*args, configs=((4, 64, 4), (2, 64, 4))), ref)

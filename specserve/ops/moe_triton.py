@@ -13,7 +13,7 @@ long contiguous tiles, the few activation rows come from L2.
   `_moe_decode_down_kernel_v2`  the same programs with the K loop unrolled (STEPS constexpr):
                                 every weight tile of a program is requested at once (before
                                 the PDL wait), products accumulate elementwise and the sum over
-                                K is reduced once, after the loop. DOWN_VARIANT picks v1 / v2.
+                                K is reduced once, after the loop. DOWN_VARIANT picks v1 / v2 / auto.
   Pairs (tokens) are the fastest grid index, so the programs reading one column block of an
   expert chosen twice in a batch run side by side: the second read comes from L2, and HBM
   traffic is the distinct experts' bytes.
@@ -118,20 +118,22 @@ DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 )
 
 
-# The down kernel: "v2" (`_moe_decode_down_kernel_v2`) or "v1" (`_moe_decode_down_kernel`),
-# read at each launch, so benchmarks/timeline_sweep.py --variants
-# "specserve.ops.moe_triton.DOWN_VARIANT=v1" and benchmarks/moe.py --sweep A/B them.
+# The down kernel: "v2" (`_moe_decode_down_kernel_v2`), "v1" (`_moe_decode_down_kernel`) or
+# "auto" (per shape, `resolve_down_variant`), read at each launch, so
+# benchmarks/timeline_sweep.py --variants "specserve.ops.moe_triton.DOWN_VARIANT='v1'" and
+# benchmarks/moe.py --sweep A/B them.
 # Why v2: on the H100 v1 runs at ~58-63% of the HBM bandwidth (Qwen3-30B-A3B at (2, 256, 4):
 # 13 us for 7.5 us of bytes). Each of its K steps ends in a cross-thread reduction, and the next
 # step's loads wait for it: a program is STEPS serial round trips, and only the first tile is
 # preloaded before the PDL wait. The MXFP4 down kernel got much faster built the v2 way
 # (moe_mxfp4.py, `_moe_mxfp4_down_kernel_v2`: one reduction after an unrolled K loop).
-# NOTE: v2 is the default UNMEASURED: only its sm_90 compile (registers, no spills, every
-# weight load before the PDL wait and the math) and the interpreter tests back it until a GPU
-# run of benchmarks/moe.py --sweep (which times both variants) decides; flip back to "v1" if
-# it loses.
+# Measured (H100, `benchmarks/moe.py --quick --sweep`, RESULTS.md session 13; the whole op at
+# one token, each variant's table pair): Qwen3-30B-A3B v1 31.9 / v2 33.1 us, GLM-4.7-Flash +
+# shared (top-5) 38.7 / 38.5, GLM-4.5-Air + shared (top-9) 124.2 / 112.0 (8 tokens: 662.6 /
+# 659.9). So "auto" takes v2 only above 8 experts a token (top-8 + shared: its 16 padded rows
+# are 2 rows of v1's tile per step, where unrolling pays); DeepSeek-V3's top-9 is unmeasured.
 DOWN_VARIANTS = ("v1", "v2")
-DOWN_VARIANT = "v2"
+DOWN_VARIANT = "auto"
 # v2 holds a program's whole [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 slab in
 # registers (plus a [.., BLOCK_K] fp32 accumulator), so BLOCK_N (and warps) are chosen per shape
 # to keep the slab near 24 KB: no spills, registers for >= 4 programs an SM where the slab
@@ -164,11 +166,21 @@ DECODE_DOWN_CONFIGS_V2: tuple[DecodeConfig, ...] = (
 )
 
 
+def resolve_down_variant(variant: str, top_k: int) -> str:
+    """DOWN_VARIANTS' member that `variant` ("auto" or one of them) runs at `top_k` experts a
+    token (shared experts fused included)."""
+    if variant == "auto":
+        return "v2" if top_k > 8 else "v1"
+    down_table(variant)  # validates
+    return variant
+
+
 def down_table(variant: str) -> ConfigTable:
     """The down kernel's shape table under `variant` (DOWN_VARIANTS)."""
     if variant not in DOWN_VARIANTS:
         raise ValueError(
-            f"moe_triton.DOWN_VARIANT must be one of {', '.join(DOWN_VARIANTS)}, got {variant!r}"
+            f"moe_triton.DOWN_VARIANT must be auto or one of {', '.join(DOWN_VARIANTS)}, "
+            f"got {variant!r}"
         )
     return DECODE_DOWN_TABLE_V2 if variant == "v2" else DECODE_DOWN_TABLE
 
@@ -187,7 +199,7 @@ def decode_configs(
 ) -> tuple[DecodeConfig, DecodeConfig]:
     """(gate_up, down) launch configs of the decode kernels for this expert shape, down's for
     `down_variant` (default: DOWN_VARIANT as it is now)."""
-    table = down_table(down_variant or DOWN_VARIANT)
+    table = down_table(resolve_down_variant(down_variant or DOWN_VARIANT, top_k))
     return table_configs(DECODE_GATE_UP_TABLE, table, hidden, inter, top_k)
 
 
@@ -782,12 +794,12 @@ def fused_moe_decode(
     down_variant: str | None = None,
 ) -> torch.Tensor:
     """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`.
-    `down_variant`: DOWN_VARIANTS, default DOWN_VARIANT read now (not at import: a benchmark
+    `down_variant`: "auto" or DOWN_VARIANTS, default DOWN_VARIANT read now (not at import: a benchmark
     may set it); `configs` default to that variant's tables."""
     T, top_k = topk_ids.shape
     E, two_i, H = w13.shape
     inter_size, P = two_i // 2, T * top_k
-    down_variant = down_variant or DOWN_VARIANT
+    down_variant = resolve_down_variant(down_variant or DOWN_VARIANT, top_k)
     (gn, gk, gw), (dn, dk, dw) = configs or decode_configs(H, inter_size, top_k, down_variant)
     kw = pdl.launch_kwargs(x.device)
     b13, s13 = _bias_args(epilogue.w13_bias, w13)
