@@ -188,7 +188,7 @@ def decode_sweep_pairs(hidden: int, inter: int, top_k: int) -> list[SweepPoint]:
     variants' table pairs are among them. Sorted, no duplicates."""
     from specserve.ops import moe_triton as mt
 
-    active = mt.resolve_down_variant(mt.DOWN_VARIANT, top_k)
+    active = mt.DOWN_VARIANT
     gate_up, down = mt.decode_configs(hidden, inter, top_k, active)
     points = {(active, (g, down)) for g in mt.DECODE_GATE_UP_CONFIGS}
     for variant, downs in (("v1", mt.DECODE_DOWN_CONFIGS), ("v2", mt.DECODE_DOWN_CONFIGS_V2)):
@@ -224,7 +224,7 @@ def sweep_configs(xs: list, weights: list, routes: list, refs: list, T: int, lay
         found.update(best_decode_variant=best[0], best_decode_config=best[1])
         found.update(best_decode_us=times[best])
         table = {v: (v, mt.decode_configs(*shape, v)) for v in mt.DOWN_VARIANTS}
-        active = table[mt.resolve_down_variant(mt.DOWN_VARIANT, shape[2])]
+        active = table[mt.DOWN_VARIANT]
         found.update(table_decode_config=active[1], table_decode_us=times[active])
         found["table_decode_by_variant"] = {
             v: {"config": p[1], "us": round(times[p], 2)} for v, p in table.items()

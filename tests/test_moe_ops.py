@@ -331,15 +331,11 @@ def test_every_launch_config() -> None:
         assert mt.decode_configs(*shape, down_variant="v2") == (v1(*shape)[0], down), shape
     assert {c for *_, c in mt.DECODE_DOWN_TABLE_V2} == set(V2_TABLE_SHAPES.values())
     assert {c for *_, c in mt.DECODE_DOWN_TABLE_V2} <= set(mt.DECODE_DOWN_CONFIGS_V2)
-    # DOWN_VARIANT is read when called (benchmarks/timeline_sweep.py sets it after import);
-    # "auto": v1 up to top-8, v2 above (top-8 + a fused shared expert).
+    # DOWN_VARIANT is read when called (benchmarks/timeline_sweep.py sets it after import).
     assert mt.decode_configs(2048, 1536, 4) == mt.decode_configs(
         2048, 1536, 4, down_variant=mt.DOWN_VARIANT
     )
-    assert [mt.resolve_down_variant("auto", k) for k in (4, 5, 8, 9)] == ["v1"] * 3 + ["v2"]
-    assert mt.decode_configs(4096, 1408, 9, "auto") == mt.decode_configs(4096, 1408, 9, "v2")
-    assert mt.decode_configs(2048, 768, 8, "auto") == mt.decode_configs(2048, 768, 8, "v1")
-    with pytest.raises(ValueError, match="DOWN_VARIANT must be auto or one of v1, v2"):
+    with pytest.raises(ValueError, match="DOWN_VARIANT must be one of v1, v2"):
         mt.decode_configs(2048, 768, 8, down_variant="v3")
     # The default pick (one K tile each here: BLOCK_K >= K) on this shape.
     _check(mt.fused_moe_decode(*args, configs=((4, 64, 4), (2, 64, 4))), ref)
@@ -462,7 +458,8 @@ def test_moe_kernels_compile_for_sm90() -> None:
     decode_cases = [
         (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, dict(HAS_BIAS=False, **silu)),
         (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, dict(HAS_BIAS=True, **oai)),
-    ] + [
+    ]
+    decode_cases = [(k, c, dict(EARLY_TRIGGER=False, **e)) for k, c, e in decode_cases] + [
         (kernel, config, dict(BLOCK_TOPK=8, **steps, **extra))
         for kernel, config, steps in (
             (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, {}),
@@ -479,6 +476,15 @@ def test_moe_kernels_compile_for_sm90() -> None:
             assert ("griddepcontrol.launch_dependents" in ptx) == pdl
             if pdl:  # only down's preload (routing, first weight tile) loads before the wait
                 assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
+    # GATE_UP_EARLY_TRIGGER: down may launch once gate_up waited (not after its weights)
+    consts = dict(BLOCK_N=8, BLOCK_K=512, PDL=True, HAS_BIAS=False, **silu)
+    for early in (False, True):
+        ptx = _compile(mt._moe_decode_gate_up_kernel, dict(EARLY_TRIGGER=early, **consts), 4)
+        trigger, wait = (
+            ptx.index("griddepcontrol.launch_dependents"),
+            ptx.index("griddepcontrol.wait"),
+        )
+        assert wait < trigger and (trigger < ptx.rindex("ld.global")) == early
     # The shape tables' configs at their real shapes (Qwen3-30B-A3B: H 2048, I 768, top-8;
     # GLM-4.7-Flash: I 1536, top-4; with a fused shared expert top-4 + 1, and GLM-4.5-Air /
     # DeepSeek-V3's top-8 + 1): no spills, and down requests its first tile ([next_pow2(top_k),
@@ -488,7 +494,8 @@ def test_moe_kernels_compile_for_sm90() -> None:
     for hidden, inter, top_k in shapes:
         (gn, gk, gw), (dn, dk, dw) = mt.decode_configs(hidden, inter, top_k)
         _compile(mt._moe_decode_gate_up_kernel, dict(BLOCK_N=gn, BLOCK_K=gk, PDL=True,
-                                                     HAS_BIAS=False, **silu), gw)  # fmt: skip
+                                                     HAS_BIAS=False, EARLY_TRIGGER=False, **silu),
+                 gw)  # fmt: skip
         block_topk = 1 << (top_k - 1).bit_length()
         consts = dict(BLOCK_N=dn, BLOCK_K=dk, PDL=True, PRELOAD=True, HAS_BIAS=False)
         ptx = _compile(mt._moe_decode_down_kernel, dict(BLOCK_TOPK=block_topk, **consts), dw)

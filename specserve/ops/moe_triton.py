@@ -13,7 +13,7 @@ long contiguous tiles, the few activation rows come from L2.
   `_moe_decode_down_kernel_v2`  the same programs with the K loop unrolled (STEPS constexpr):
                                 every weight tile of a program is requested at once (before
                                 the PDL wait), products accumulate elementwise and the sum over
-                                K is reduced once, after the loop. DOWN_VARIANT picks v1 / v2 / auto.
+                                K is reduced once, after the loop. DOWN_VARIANT picks v1 / v2.
   Pairs (tokens) are the fastest grid index, so the programs reading one column block of an
   expert chosen twice in a batch run side by side: the second read comes from L2, and HBM
   traffic is the distinct experts' bytes.
@@ -118,8 +118,8 @@ DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 )
 
 
-# The down kernel: "v2" (`_moe_decode_down_kernel_v2`), "v1" (`_moe_decode_down_kernel`) or
-# "auto" (per shape, `resolve_down_variant`), read at each launch, so
+# The down kernel: "v2" (`_moe_decode_down_kernel_v2`) or "v1" (`_moe_decode_down_kernel`),
+# read at each launch, so
 # benchmarks/timeline_sweep.py --variants "specserve.ops.moe_triton.DOWN_VARIANT='v1'" and
 # benchmarks/moe.py --sweep A/B them.
 # Why v2: on the H100 v1 runs at ~58-63% of the HBM bandwidth (Qwen3-30B-A3B at (2, 256, 4):
@@ -130,10 +130,18 @@ DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 # Measured (H100, `benchmarks/moe.py --quick --sweep`, RESULTS.md session 13; the whole op at
 # one token, each variant's table pair): Qwen3-30B-A3B v1 31.9 / v2 33.1 us, GLM-4.7-Flash +
 # shared (top-5) 38.7 / 38.5, GLM-4.5-Air + shared (top-9) 124.2 / 112.0 (8 tokens: 662.6 /
-# 659.9). So "auto" takes v2 only above 8 experts a token (top-8 + shared: its 16 padded rows
-# are 2 rows of v1's tile per step, where unrolling pays); DeepSeek-V3's top-9 is unmeasured.
+# 659.9). In a whole step v2 pays when gate_up lets it launch early (GATE_UP_EARLY_TRIGGER):
+# batch-1 spans (`benchmarks/timeline_sweep.py`, RESULTS.md session 13): Qwen3-30B-A3B 3188 /
+# 3168 us with v1, 3137 / 3125 with v1 and the early trigger, 3095 with v2 and it;
+# GLM-4.7-Flash (top-4 + shared) 3918 / 3873 with v1, 3839 with v2 and it (3961 with v1 and
+# the trigger alone). So v2 with the early trigger is the default; DeepSeek-V3 is unmeasured.
 DOWN_VARIANTS = ("v1", "v2")
-DOWN_VARIANT = "auto"
+DOWN_VARIANT = "v2"
+# The gate_up decode kernel lets down launch right after its own PDL wait instead of after its
+# weight stream, so down's programs (v2 loads all its weight tiles before its wait) take SM
+# slots early and stream during gate_up's tail. None: with down v2 only (above); the dense
+# gemv measured slower that way (ops/pdl.py).
+GATE_UP_EARLY_TRIGGER: bool | None = None
 # v2 holds a program's whole [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 slab in
 # registers (plus a [.., BLOCK_K] fp32 accumulator), so BLOCK_N (and warps) are chosen per shape
 # to keep the slab near 24 KB: no spills, registers for >= 4 programs an SM where the slab
@@ -166,21 +174,11 @@ DECODE_DOWN_CONFIGS_V2: tuple[DecodeConfig, ...] = (
 )
 
 
-def resolve_down_variant(variant: str, top_k: int) -> str:
-    """DOWN_VARIANTS' member that `variant` ("auto" or one of them) runs at `top_k` experts a
-    token (shared experts fused included)."""
-    if variant == "auto":
-        return "v2" if top_k > 8 else "v1"
-    down_table(variant)  # validates
-    return variant
-
-
 def down_table(variant: str) -> ConfigTable:
     """The down kernel's shape table under `variant` (DOWN_VARIANTS)."""
     if variant not in DOWN_VARIANTS:
         raise ValueError(
-            f"moe_triton.DOWN_VARIANT must be auto or one of {', '.join(DOWN_VARIANTS)}, "
-            f"got {variant!r}"
+            f"moe_triton.DOWN_VARIANT must be one of {', '.join(DOWN_VARIANTS)}, got {variant!r}"
         )
     return DECODE_DOWN_TABLE_V2 if variant == "v2" else DECODE_DOWN_TABLE
 
@@ -199,7 +197,7 @@ def decode_configs(
 ) -> tuple[DecodeConfig, DecodeConfig]:
     """(gate_up, down) launch configs of the decode kernels for this expert shape, down's for
     `down_variant` (default: DOWN_VARIANT as it is now)."""
-    table = down_table(resolve_down_variant(down_variant or DOWN_VARIANT, top_k))
+    table = down_table(down_variant or DOWN_VARIANT)
     return table_configs(DECODE_GATE_UP_TABLE, table, hidden, inter, top_k)
 
 
@@ -432,6 +430,7 @@ def _moe_decode_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     # inter[pair, n] = act(W13[e, n] @ x[t] (+ b13[e, n]), W13[e, N + n] @ x[t] (+ b13[e, N + n])),
     # e = topk_ids[pair]; act = silu(gate) * up, or swiglu_oai.
@@ -441,6 +440,8 @@ def _moe_decode_gate_up_kernel(
     n_ok = n < N
     # The expert id is the router's output (the previous kernel): nothing to preload.
     pdl.wait(PDL)
+    if EARLY_TRIGGER:  # after the wait: down preloads the routing, which the router wrote
+        pdl.trigger(PDL)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
     gate_rows = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn
@@ -458,7 +459,8 @@ def _moe_decode_gate_up_kernel(
         acc_up += tl.sum(up * xk, axis=1)
     # After the weight stream, as the dense gemv: the successor takes no SM slots from this
     # kernel's later waves.
-    pdl.trigger(PDL)
+    if not EARLY_TRIGGER:
+        pdl.trigger(PDL)
     if HAS_BIAS:
         b_row = b_ptr + expert * stride_be + n
         acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
@@ -794,12 +796,16 @@ def fused_moe_decode(
     down_variant: str | None = None,
 ) -> torch.Tensor:
     """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`.
-    `down_variant`: "auto" or DOWN_VARIANTS, default DOWN_VARIANT read now (not at import: a benchmark
+    `down_variant`: DOWN_VARIANTS, default DOWN_VARIANT read now (not at import: a benchmark
     may set it); `configs` default to that variant's tables."""
     T, top_k = topk_ids.shape
     E, two_i, H = w13.shape
     inter_size, P = two_i // 2, T * top_k
-    down_variant = resolve_down_variant(down_variant or DOWN_VARIANT, top_k)
+    down_variant = down_variant or DOWN_VARIANT
+    down_table(down_variant)  # validates
+    early_trigger = GATE_UP_EARLY_TRIGGER
+    if early_trigger is None:
+        early_trigger = down_variant == "v2"
     (gn, gk, gw), (dn, dk, dw) = configs or decode_configs(H, inter_size, top_k, down_variant)
     kw = pdl.launch_kwargs(x.device)
     b13, s13 = _bias_args(epilogue.w13_bias, w13)
@@ -809,7 +815,7 @@ def fused_moe_decode(
         x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
-        BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, **kw,
+        BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=early_trigger, **kw,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     # v2 unrolls its K loop: STEPS tiles of BLOCK_K (the last one masked past I).
