@@ -4,8 +4,8 @@ Random 4-bit experts at gpt-oss-20b (32 experts) and gpt-oss-120b (128 experts) 
 (H = I = 2880, top-4, bf16 activations, biases + swiglu_oai): code bytes uniform in 0..255,
 E8M0 scales in 119..127 (2^-8 .. 2^0: finite), LAYERS distinct layers with their own
 random routing, so a pass over them does not sit in the 50 MB L2. For T = 1, 4, 8 tokens, each
-decode variant (moe_mxfp4.DECODE_VARIANTS) and launch config (the variant's shape table; v2
-and v3 also every MXFP4_V2_*_CONFIGS candidate, each with the other kernel at its table config) is
+decode variant (moe_mxfp4.DECODE_VARIANTS) and launch config (the variant's shape table; v2 to
+v5 also every `mxfp4_candidate_configs` candidate, each with the other kernel at its table config) is
 first checked against `fused_moe_mxfp4_ref` in float32 on the chosen experts (relative error
 under 2e-2, outputs poisoned with NaN first; a mismatch stops the run), then timed in CUDA
 graphs over the layers, median of the replays: the gate_up kernel alone, down alone, and
@@ -124,15 +124,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def config_pairs(variant: str, H: int, inter: int, top_k: int, keep: list[str]) -> list:
-    """(gate_up, down) pairs to run: the table's, and for v2 each candidate with the other
+    """(gate_up, down) pairs to run: the table's, and for v2-v5 each candidate with the other
     kernel at its table config; `keep`: substrings of pair names ("table": the table pair)."""
     from specserve.ops import moe_mxfp4 as mx
 
     table = mx.mxfp4_decode_configs(H, inter, top_k, variant)
     pairs = [table]
     if variant != "v1":
-        pairs += [(g, table[1]) for g in mx.MXFP4_V2_GATE_UP_CONFIGS]
-        pairs += [(table[0], d) for d in mx.MXFP4_V2_DOWN_CONFIGS]
+        gate_ups, downs = mx.mxfp4_candidate_configs(variant)
+        pairs += [(g, table[1]) for g in gate_ups]
+        pairs += [(table[0], d) for d in downs]
     pairs = list(dict.fromkeys(pairs))
     if not keep:
         return pairs

@@ -27,7 +27,13 @@ def _quantized(
     return x.to(dtype), b13, s13, b2, s2, tw, ids
 
 
-VARIANTS = ("v1", "v2", "v3", "v4")
+VARIANTS = ("v1", "v2", "v3", "v4", "v5")
+# K steps of one MXFP4 block (two steps at K = 64). v5 with more rows a program: the interpreter
+# spends its time per program and per op, and v5's ops are many small ones (~20 s at v2's).
+SMALL_CONFIGS = {"v5": ((32, 32, 1), (32, 32, 2))}
+# The odd-size test's K steps of 2 blocks, rows overhanging N (v5: 2 and 3 steps, the last
+# partial; 64 rows a program as above).
+ODD_CONFIGS = {"v5": ((64, 64, 2), (64, 64, 2))}
 
 
 @pytest.mark.interpret
@@ -46,9 +52,11 @@ def test_mxfp4_decode_matches_dequantized_reference(
     args = _quantized(T, dtype, seed=T)
     epi = Epilogue(**make_oai_kw(8, 64, 64, dtype, seed=T)) if gpt_oss else PLAIN
     ref = fused_moe_mxfp4_ref(*args, epilogue=epi)
-    _check(fused_moe_mxfp4_decode(*args, epilogue=epi, variant=variant), ref)
+    # NOTE: v5's table config (32 blocks a step) at T = 5 runs T = 1's paths, ~6 s interpreted
+    if T == 1 or variant not in SMALL_CONFIGS:
+        _check(fused_moe_mxfp4_decode(*args, epilogue=epi, variant=variant), ref)
     if T > 1:  # K tiles of one MXFP4 block (16 bytes): the loop over K, the per-block scales
-        configs = ((4, 32, 4), (2, 32, 4))
+        configs = SMALL_CONFIGS.get(variant, ((4, 32, 4), (2, 32, 4)))
         _check(fused_moe_mxfp4_decode(*args, epilogue=epi, configs=configs, variant=variant), ref)
 
 
@@ -61,11 +69,20 @@ def test_mxfp4_decode_odd_sizes_and_validation(variant: str) -> None:
     2-step unrolled gate_up, a 3-step down loop with a masked tail); layouts that do not pair
     and bad variants or configs fail with one clear line."""
     from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_decode, fused_moe_mxfp4_ref
+    from specserve.ops.moe_triton import Epilogue
 
     args = _quantized(3, torch.float32, seed=9, H=96, inter=160)
     ref = fused_moe_mxfp4_ref(*args)
     _check(fused_moe_mxfp4_decode(*args, variant=variant), ref)
-    _check(fused_moe_mxfp4_decode(*args, variant=variant, configs=((2, 64, 2), (4, 64, 2))), ref)
+    configs = ODD_CONFIGS.get(variant, ((2, 64, 2), (4, 64, 2)))
+    _check(fused_moe_mxfp4_decode(*args, variant=variant, configs=configs), ref)
+    if variant in ODD_CONFIGS:  # v5's f16x2 path at these sizes, with gpt-oss's epilogue
+        bf16 = _quantized(3, torch.bfloat16, seed=9, H=96, inter=160)
+        epi = Epilogue(**make_oai_kw(8, 96, 160, torch.bfloat16, seed=9))
+        bf16_ref = fused_moe_mxfp4_ref(*bf16, epilogue=epi)
+        _check(
+            fused_moe_mxfp4_decode(*bf16, epilogue=epi, variant=variant, configs=configs), bf16_ref
+        )
     x, b13, s13, b2, s2, tw, ids = args
     with pytest.raises(ValueError, match="MXFP4 experts"):
         fused_moe_mxfp4_decode(x, b13, s13[:, :, :1], b2, s2, tw, ids, variant=variant)
@@ -87,10 +104,11 @@ def _f16_bits(value: float) -> int:
     return int(np.array([value], np.float16).view(np.uint16)[0])
 
 
-def _run_ptx(ptx: str, inputs: dict[str, int]) -> dict[str, float]:
-    """The few PTX instructions of moe_mxfp4's inline asm, run in Python on 32-bit inputs
-    ({"$8": word}): the float outputs, by register name. f16x2 math rounds once (numpy's
-    float64 result to float16: products of these operands are exact)."""
+def _run_ptx(ptx: str, inputs: dict[str, int], memory: bytes = b"") -> dict[str, float | int]:
+    """The few PTX instructions of moe_mxfp4's (and moe_mxfp4_v5's) inline asm, run in Python
+    on 32-bit inputs ({"$8": word}; addresses index `memory`): the float outputs and the
+    integer registers, by name. f16x2 math rounds once (numpy's float64 result to float16:
+    products of these operands are exact)."""
     regs: dict[str, int] = dict(inputs)
     out: dict[str, float] = {}
 
@@ -105,6 +123,13 @@ def _run_ptx(ptx: str, inputs: dict[str, int]) -> dict[str, float]:
         if not line or line[0] in "{}." or line.startswith(".reg"):
             continue
         op, rest = line.split(None, 1)
+        if op.startswith("ld.global"):  # {d0, ..}, [addr] or d, [addr]: little-endian
+            dests, addr = rest.rsplit(",", 1)
+            at = regs[addr.strip(" []")]
+            size = 1 if op.endswith(".u8") else 4
+            for i, d in enumerate(t.strip(" {}") for t in dests.split(",")):
+                regs[d] = int.from_bytes(memory[at + size * i : at + size * (i + 1)], "little")
+            continue
         if op == "mov.b32":  # {lo, hi}, src: unpack the halves
             lo, hi, src = (t.strip(" {}") for t in rest.replace("},", ",").split(","))
             regs[lo], regs[hi] = regs[src] & 0xFFFF, regs[src] >> 16
@@ -115,6 +140,9 @@ def _run_ptx(ptx: str, inputs: dict[str, int]) -> dict[str, float]:
             continue
         if op == "add.f32":
             out[d] = out[args[0]] + out[args[1]]
+            continue
+        if op == "add.rn.f16":  # on 16-bit registers
+            regs[d] = _f16_bits(_f16(regs[args[0]]) + _f16(regs[args[1]]))
             continue
         a = [val(t) for t in args]
         if op in ("mul.rn.f16x2", "fma.rn.f16x2"):
@@ -135,7 +163,7 @@ def _run_ptx(ptx: str, inputs: dict[str, int]) -> dict[str, float]:
         else:
             raise AssertionError(f"unexpected PTX op {op}")
         regs[d] = r & 0xFFFFFFFF
-    return out
+    return {**regs, **out}
 
 
 def _ptx_words() -> list[int]:
@@ -179,6 +207,46 @@ def test_e2m1_dot_ptx_matches_the_dot_product() -> None:
         # 3 fp16 roundings a lane: each at most half an ulp (2^-11) of its partial sum
         bound = 3 * 2.0**-11 * sum(abs(t) for t in terms) + 1e-12
         assert abs(got - sum(terms)) <= bound, (hex(w), got, sum(terms))
+
+
+def test_e2m1_block_dot_ptx_matches_the_dot_product() -> None:
+    """v5's inline PTX (`_E2M1_BLOCK_DOT_PTX`: decode a block's 4 code words and accumulate
+    all 32 products in one f16x2 register, pairs (8w + c, 8w + c + 4)) gives sum_k value_k *
+    x_k * 2^-14 within fp16 rounding of the lanes' 16-term sums and of their sum, with the
+    block's activations scaled as `_x_block_h2` scales them."""
+    from specserve.models.mxfp4 import FP4_VALUES
+    from specserve.ops.moe_mxfp4_v5 import _E2M1_BLOCK_DOT_PTX
+
+    g = torch.Generator().manual_seed(2)
+    words = _ptx_words()
+    for i in range(0, len(words) - 3, 3):
+        block = words[i : i + 4]
+        x = torch.randn(32, generator=g, dtype=torch.float64)
+        x = x * 2.0 ** (14.5 - x.abs().max().log2().ceil())  # max |x| in [2^13.5, 2^14.5)
+        x = x.half().double() if i % 2 else x.bfloat16().half().double()
+        regs = {f"${1 + w}": block[w] for w in range(4)}
+        for w, c in itertools.product(range(4), range(4)):
+            lo, hi = x[8 * w + c].item(), x[8 * w + c + 4].item()
+            regs[f"${5 + 4 * w + c}"] = _f16_bits(lo) | _f16_bits(hi) << 16
+        got = _run_ptx(_E2M1_BLOCK_DOT_PTX.value, regs)["$0"]
+        codes = [block[k // 8] >> (4 * (k % 8)) & 15 for k in range(32)]
+        terms = [FP4_VALUES[c] * 2.0**-14 * x[k].item() for k, c in enumerate(codes)]
+        # 17 fp16 roundings on the way to each lane's and the block's sum
+        bound = 17 * 2.0**-11 * sum(abs(t) for t in terms) + 1e-12
+        assert abs(got - sum(terms)) <= bound, ([hex(w) for w in block], got, sum(terms))
+
+
+def test_v5_load_ptx_reads_little_endian_words() -> None:
+    """v5's code and activation loads (one 128-bit load: 4 words) and its scale byte load."""
+    from specserve.ops.moe_mxfp4_v5 import _LD_CODES_PTX, _LD_SCALE_PTX, _LD_X_PTX
+
+    memory = bytes(range(48))
+    for ptx in (_LD_CODES_PTX.value, _LD_X_PTX.value):
+        regs = _run_ptx(ptx, {"$4": 16}, memory)
+        assert [regs[f"${w}"] for w in range(4)] == [
+            int.from_bytes(memory[16 + 4 * w : 20 + 4 * w], "little") for w in range(4)
+        ]
+    assert _run_ptx(_LD_SCALE_PTX.value, {"$1": 37}, memory)["$0"] == 37
 
 
 @pytest.mark.interpret
@@ -248,6 +316,7 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
             ptx = _compile(mx._moe_mxfp4_down_kernel, consts, dw, types=u8)
             assert ("griddepcontrol.launch_dependents" in ptx) == pdl
     _compile_v2_decode(mx, u8)
+    _compile_v5_decode(mx, u8)
     # The grouped GEMM in bf16 at every config (gpt-oss-20b: 32 experts), gate_up with the gpt-oss epilogue and down: fits the H100's shared memory
     # and runs on tensor cores.
     oai = Epilogue(activation="swiglu_oai").consts()
@@ -317,6 +386,59 @@ def _compile_v2_decode(mx, u8: dict) -> None:
             assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
 
 
+def _compile_v5_decode(mx, u8: dict) -> None:
+    """v5 at gpt-oss's H = I = 2880, top-4, every candidate config (gpt-oss epilogue, PDL,
+    down preloading) and the table configs plain, without PDL and on fp32 activations: no
+    spills; each thread holds its rows of a block: one 128-bit code load a (row, block) it
+    owns and a step (the layout `_LD_CODES_PTX` relies on), the f16x2 block dot; nothing
+    converted through shared memory (no local_alloc, only the final reduction's barriers);
+    only down's preload loads before the PDL wait."""
+    from specserve.ops import moe_mxfp4_v5 as mx5
+    from specserve.ops.moe_triton import PLAIN, Epilogue
+
+    from .test_moe_ops import _compile
+
+    oai = Epilogue(activation="swiglu_oai").consts()
+    steps = lambda bk: -(-90 // (bk // 32))  # noqa: E731
+    table_gate_up, table_down = mx.mxfp4_decode_configs(2880, 2880, 4, "v5")
+    fp32 = {**u8, "x_ptr": "*fp32", "inter_ptr": "*fp32", "out_ptr": "*fp32"}
+    gate_up_cases = [(c, True, u8) for c in mx.MXFP4_V5_GATE_UP_CONFIGS]
+    gate_up_cases += [(table_gate_up, False, u8), (table_gate_up, True, fp32)]
+    for (bn, bk, warps), pdl, types in gate_up_cases:
+        consts = dict(K=2880, HAS_BIAS=pdl, **(oai if pdl else PLAIN.consts()))
+        consts.update(BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, ASM=True)
+        out: list = []
+        ptx = _compile(
+            mx5._moe_mxfp4_gate_up_kernel_v5, consts, warps, types=types, compiled_out=out
+        )
+        assert ("griddepcontrol.wait" in ptx) == pdl
+        if pdl:
+            assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+        # lanes along the 32 blocks of a step, warps splitting the rows
+        rows = bn // max(1, warps // (bk // 1024))
+        assert ptx.count("ld.global.nc.v4.b32") == 2 * rows * steps(bk), (bn, bk, warps)
+        assert ("fma.rn.f16x2" in ptx) == (types is u8)
+        assert "local_alloc" not in out[0].asm["ttgir"]
+        assert ptx.count("bar.sync") <= 4, ptx.count("bar.sync")
+    down_cases = [(c, True, True, u8) for c in mx.MXFP4_V5_DOWN_CONFIGS]
+    down_cases += [(table_down, False, False, u8), (table_down, True, False, u8)]
+    down_cases += [(table_down, True, True, fp32)]
+    for (bn, bk, warps), pdl, preload, types in down_cases:
+        consts = dict(K=2880, HAS_BIAS=pdl, BLOCK_TOPK=4, BLOCK_N=bn, BLOCK_K=bk)
+        consts.update(PDL=pdl, PRELOAD=preload, ASM=True)
+        out = []
+        ptx = _compile(mx5._moe_mxfp4_down_kernel_v5, consts, warps, types=types, compiled_out=out)
+        assert ("griddepcontrol.launch_dependents" in ptx) == pdl
+        if pdl:
+            assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
+        # lanes along the blocks, warps along the 4 experts, then the rows
+        experts, rows = 4 // min(warps, 4), bn // max(1, warps // 4)
+        assert ptx.count("ld.global.nc.v4.b32") == experts * rows * steps(bk), (bn, bk, warps)
+        assert ("fma.rn.f16x2" in ptx) == (types is u8)
+        assert "local_alloc" not in out[0].asm["ttgir"]
+        assert ptx.count("bar.sync") <= 4, ptx.count("bar.sync")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 4, 8, 9, 64, 512, 1024])
@@ -334,13 +456,14 @@ def test_mxfp4_decode_gpu_gpt_oss_20b_shape(T: int) -> None:
     with torch.inference_mode():
         ref = mx.fused_moe_mxfp4_ref(*args, epi)
         _check(mx.fused_moe_mxfp4_triton(*args, epilogue=epi), ref)
-        if T <= 8:  # every decode variant, v2 and v3 at every candidate config
+        if T <= 8:  # every decode variant, v2-family and v5 at every candidate config
             _check(mx.fused_moe_mxfp4_decode(*args, epilogue=epi, variant="v1"), ref)
-            gate_up, down = mx.mxfp4_decode_configs(2880, 2880, 4, "v2")
-            pairs = [(g, down) for g in mx.MXFP4_V2_GATE_UP_CONFIGS]
-            pairs += [(gate_up, d) for d in mx.MXFP4_V2_DOWN_CONFIGS]
-            for configs, variant in itertools.product(pairs, mx.DECODE_VARIANTS[1:]):
-                out = mx.fused_moe_mxfp4_decode(
-                    *args, epilogue=epi, configs=configs, variant=variant
-                )
-                _check(out, ref)
+            for variant in mx.DECODE_VARIANTS[1:]:
+                gate_up, down = mx.mxfp4_decode_configs(2880, 2880, 4, variant)
+                gate_ups, downs = mx.mxfp4_candidate_configs(variant)
+                pairs = [(g, down) for g in gate_ups] + [(gate_up, d) for d in downs]
+                for configs in pairs:
+                    out = mx.fused_moe_mxfp4_decode(
+                        *args, epilogue=epi, configs=configs, variant=variant
+                    )
+                    _check(out, ref)

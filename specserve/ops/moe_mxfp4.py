@@ -12,9 +12,12 @@ registers and multiplies them with the even and the odd activation columns.
   `*_kernel_v2`                the same programs over 32-bit code words (one a thread, its 8
                                activations one 16-byte load, decoded by `_e2m1_words`), per-block
                                scales applied in registers, one reduction after the K loop, PDL;
-                               with HALF2 ("v3", the default DECODE_VARIANT) each word's dot
-                               product in f16x2 (`_dot_words_h2`); "v1" and "v2" kept for
-                               benchmarks/mxfp4.py.
+                               with HALF2 ("v3") each word's dot product in f16x2
+                               (`_dot_words_h2`); "v4" (the default DECODE_VARIANT) mixes them
+                               per kernel (VARIANT_FLAGS); "v1" kept for benchmarks/mxfp4.py.
+  ops/moe_mxfp4_v5.py          "v5": a thread owns whole blocks (one 128-bit code load, one scale
+                               byte, one PTX decode + f16x2 dot per (row, block)), BLOCK_N rows
+                               a thread sharing each block's activation conversion.
   ops/moe_mxfp4_gemm.py        prefill / verification (`uses_mxfp4_decode` false): the grouped
                                GEMM over the same 4-bit tiles (the in-register dequantization
                                helpers below are shared).
@@ -71,7 +74,9 @@ VARIANT_FLAGS: dict[str, tuple[tuple[bool, bool], tuple[bool, bool]]] = {
     "v3a": ((True, True), (True, True)),
     "v4": ((False, False), (True, True)),
 }
-DECODE_VARIANTS = ("v1", *VARIANT_FLAGS)
+# "v5" (ops/moe_mxfp4_v5.py): a thread owns whole MXFP4 blocks (one 128-bit code load, one
+# scale byte and one decode + f16x2 dot routine per (row, block)).
+DECODE_VARIANTS = ("v1", *VARIANT_FLAGS, "v5")
 DECODE_VARIANT = "v4"
 # "auto" runs the decode kernels rather than the grouped GEMM while the batch's (token, expert)
 # pairs are at most this many a expert on average: decode reads each chosen expert once a
@@ -114,13 +119,51 @@ MXFP4_V2_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 )
 
 
+# v5 (ops/moe_mxfp4_v5.py): lanes own blocks, so NB = BLOCK_K / 32 = 32 (one block a lane a
+# step), and warps split the rows (gate_up) or the experts, then the rows (down): each thread
+# holds BLOCK_N / (warps on that dim) rows of a block, sharing one activation conversion. At
+# H = I = 2880 (90 blocks) a row is 3 steps, 6 of 96 blocks masked. Chosen from sm_90 compile
+# evidence (not yet measured; gpt-oss-20b shape, SASS instructions a code word / registers):
+# gate_up (8, 1024, 2) 4 rows a thread 24.1 / 104 (~19 warps an SM), (8, 1024, 1) 8 rows 21.3
+# / 148 (13 warps), (4, 1024, 2) 2 rows 30 / 79; v4's gate_up (4, 512, 2) 41.8 / 72. down
+# (8, 1024, 4) 8 rows 24.4 / 111 (18 warps; one token fills ~11 an SM anyway), (4, 1024, 4)
+# 29.8 / 88, (2, 1024, 4) 41 / 80; v4's down (8, 512, 8) ~36 in its K loop / 64.
+MXFP4_V5_GATE_UP_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 1024, 2)),)
+MXFP4_V5_DOWN_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 1024, 4)),)
+MXFP4_V5_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
+    (8, 1024, 2),
+    (8, 1024, 1),
+    (4, 1024, 1),
+    (16, 1024, 2),
+)
+MXFP4_V5_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
+    (8, 1024, 4),
+    (4, 1024, 4),
+    (16, 1024, 8),
+    (8, 1024, 8),
+)
+
+
 def mxfp4_decode_configs(
     hidden: int, inter: int, top_k: int, variant: str = DECODE_VARIANT
 ) -> tuple[DecodeConfig, DecodeConfig]:
     """(gate_up, down) launch configs of the decode kernels of `variant` for this shape."""
     if variant == "v1":
         return MXFP4_GATE_UP_CONFIG, MXFP4_DOWN_CONFIG
+    if variant == "v5":
+        return table_configs(MXFP4_V5_GATE_UP_TABLE, MXFP4_V5_DOWN_TABLE, hidden, inter, top_k)
     return table_configs(MXFP4_V2_GATE_UP_TABLE, MXFP4_V2_DOWN_TABLE, hidden, inter, top_k)
+
+
+def mxfp4_candidate_configs(
+    variant: str,
+) -> tuple[tuple[DecodeConfig, ...], tuple[DecodeConfig, ...]]:
+    """(gate_up, down) candidate launch configs of `variant` for benchmarks/mxfp4.py's sweep."""
+    if variant == "v1":
+        return (MXFP4_GATE_UP_CONFIG,), (MXFP4_DOWN_CONFIG,)
+    if variant == "v5":
+        return MXFP4_V5_GATE_UP_CONFIGS, MXFP4_V5_DOWN_CONFIGS
+    return MXFP4_V2_GATE_UP_CONFIGS, MXFP4_V2_DOWN_CONFIGS
 
 
 @triton.jit
@@ -777,6 +820,18 @@ def _check_config(variant: str, config: DecodeConfig) -> None:
         )
 
 
+def _aligned16(t: torch.Tensor, name: str, copy: bool) -> torch.Tensor:
+    """t with its rows 16-byte aligned, as v5's 128-bit loads need: a copy of activations
+    (`copy`: T rows, cheap), an error for weights (copying them each call would cost more than
+    the kernel)."""
+    rows_ok = all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1
+    if t.data_ptr() % 16 == 0 and rows_ok:
+        return t
+    if copy:
+        return t.clone(memory_format=torch.contiguous_format)
+    raise ValueError(f"MXFP4 decode v5: {name} must start 16-byte aligned (got a view?)")
+
+
 def _gate_up(
     variant: str,
     # [T, H]
@@ -793,6 +848,9 @@ def _gate_up(
     H, top_k = x.shape[1], topk_ids.shape[1]
     bn, bk, warps = config
     b13 = epilogue.w13_bias
+    if variant == "v5":
+        x = _aligned16(x, "x", copy=True)
+        _aligned16(w13_blocks, "w13_blocks", copy=False)
     args = (
         x, w13_blocks, w13_scales, x if b13 is None else b13, topk_ids, inter, inter_size, H, P,
         top_k, x.stride(0), 0 if b13 is None else b13.stride(0), inter.stride(0),
@@ -804,6 +862,14 @@ def _gate_up(
         _moe_mxfp4_gate_up_kernel[grid](*args, **consts, num_warps=warps, **kw)
         return
     steps = triton.cdiv(H // BLOCK, bk // BLOCK)
+    if variant == "v5":
+        from specserve.ops.moe_mxfp4_v5 import _moe_mxfp4_gate_up_kernel_v5  # imports this
+
+        # K a constexpr (one compile a model shape): the unrolled steps' masks fold away.
+        _moe_mxfp4_gate_up_kernel_v5[grid](
+            *args[:7], *args[8:], K=H, **consts, ASM=not _interpreting(), num_warps=warps, **kw
+        )
+        return
     _moe_mxfp4_gate_up_kernel_v2[grid](
         *args, **consts, STEPS=steps, ASM=not _interpreting(), **_flags(variant, "gate_up", x),
         num_warps=warps, **kw,
@@ -840,6 +906,16 @@ def _down(
         _moe_mxfp4_down_kernel[grid](*args, **consts, num_warps=warps, **kw)
         return
     preload = kw["PDL"] and pdl.GEMV_PRELOAD
+    if variant == "v5":
+        from specserve.ops.moe_mxfp4_v5 import _moe_mxfp4_down_kernel_v5  # imports this
+
+        _aligned16(inter, "inter", copy=False)  # allocated by fused_moe_mxfp4_decode
+        _aligned16(w2_blocks, "w2_blocks", copy=False)
+        _moe_mxfp4_down_kernel_v5[grid](
+            *args[:8], *args[9:], K=inter_size, **consts, PRELOAD=preload,
+            ASM=not _interpreting(), num_warps=warps, **kw,
+        )  # fmt: skip
+        return
     _moe_mxfp4_down_kernel_v2[grid](
         *args, **consts, PRELOAD=preload, ASM=not _interpreting(),
         **_flags(variant, "down", inter), num_warps=warps, **kw,
