@@ -13,9 +13,9 @@ registers and multiplies them with the even and the odd activation columns.
                                activations one 16-byte load, decoded by `_e2m1_words`), per-block
                                scales applied in registers, one reduction after the K loop, PDL;
                                with HALF2 ("v3") each word's dot product in f16x2
-                               (`_dot_words_h2`); "v4" (the default DECODE_VARIANT) mixes them
-                               per kernel (VARIANT_FLAGS); "v1" kept for benchmarks/mxfp4.py.
-  ops/moe_mxfp4_v5.py          "v5": a thread owns whole blocks (one 128-bit code load, one scale
+                               (`_dot_words_h2`); "v4" mixes them per kernel (VARIANT_FLAGS);
+                               they and "v1" are kept for benchmarks/mxfp4.py.
+  ops/moe_mxfp4_v5.py          "v5", the default: a thread owns whole blocks (one 128-bit code load, one scale
                                byte, one PTX decode + f16x2 dot per (row, block)), BLOCK_N rows
                                a thread sharing each block's activation conversion.
   ops/moe_mxfp4_gemm.py        prefill / verification (`uses_mxfp4_decode` false): the grouped
@@ -74,10 +74,12 @@ VARIANT_FLAGS: dict[str, tuple[tuple[bool, bool], tuple[bool, bool]]] = {
     "v3a": ((True, True), (True, True)),
     "v4": ((False, False), (True, True)),
 }
-# "v5" (ops/moe_mxfp4_v5.py): a thread owns whole MXFP4 blocks (one 128-bit code load, one
-# scale byte and one decode + f16x2 dot routine per (row, block)).
+# "v5" (ops/moe_mxfp4_v5.py), the default: a thread owns whole MXFP4 blocks (one 128-bit code
+# load, one scale byte and one decode + f16x2 dot routine per (row, block)): ~24 instead of ~42
+# SASS instructions a code word; H100 gpt-oss-20b experts at 1 / 4 / 8 tokens 28.0 / 78.5 /
+# 130.2 us a layer against v4's 31.1 / 97.0 / 182.3 (RESULTS.md session 13).
 DECODE_VARIANTS = ("v1", *VARIANT_FLAGS, "v5")
-DECODE_VARIANT = "v4"
+DECODE_VARIANT = "v5"
 # "auto" runs the decode kernels rather than the grouped GEMM while the batch's (token, expert)
 # pairs are at most this many a expert on average: decode reads each chosen expert once a
 # pair, the GEMM once a 16-pair tile but dequantizes it at ~25% of the copy bandwidth. H100,
@@ -128,8 +130,13 @@ MXFP4_V2_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 # / 148 (13 warps), (4, 1024, 2) 2 rows 30 / 79; v4's gate_up (4, 512, 2) 41.8 / 72. down
 # (8, 1024, 4) 8 rows 24.4 / 111 (18 warps; one token fills ~11 an SM anyway), (4, 1024, 4)
 # 29.8 / 88, (2, 1024, 4) 41 / 80; v4's down (8, 512, 8) ~36 in its K loop / 64.
+# Measured (H100, `benchmarks/mxfp4.py --variants v4,v5`, RESULTS.md session 13; gpt-oss-20b,
+# the whole op, us a layer at 1 / 4 / 8 tokens): the table pair 28.0 / 78.5 / 130.2 against
+# v4's 31.1 / 97.0 / 182.3; gate_up (16, 1024, 2) is 1.5 us faster at one token and 3 / 8 us
+# slower at 4 / 8 (MXFP4_V5_GATE_UP_ONE_TOKEN, for batches of one token).
 MXFP4_V5_GATE_UP_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 1024, 2)),)
 MXFP4_V5_DOWN_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 1024, 4)),)
+MXFP4_V5_GATE_UP_ONE_TOKEN: DecodeConfig = (16, 1024, 2)
 MXFP4_V5_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
     (8, 1024, 2),
     (8, 1024, 1),
@@ -145,13 +152,15 @@ MXFP4_V5_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 
 
 def mxfp4_decode_configs(
-    hidden: int, inter: int, top_k: int, variant: str = DECODE_VARIANT
+    hidden: int, inter: int, top_k: int, variant: str = DECODE_VARIANT, tokens: int = 0
 ) -> tuple[DecodeConfig, DecodeConfig]:
-    """(gate_up, down) launch configs of the decode kernels of `variant` for this shape."""
+    """(gate_up, down) launch configs of the decode kernels of `variant` for this shape;
+    `tokens`: the batch's rows as a captured graph runs them (graph_rows.row_bound; 0: any)."""
     if variant == "v1":
         return MXFP4_GATE_UP_CONFIG, MXFP4_DOWN_CONFIG
     if variant == "v5":
-        return table_configs(MXFP4_V5_GATE_UP_TABLE, MXFP4_V5_DOWN_TABLE, hidden, inter, top_k)
+        configs = table_configs(MXFP4_V5_GATE_UP_TABLE, MXFP4_V5_DOWN_TABLE, hidden, inter, top_k)
+        return (MXFP4_V5_GATE_UP_ONE_TOKEN, configs[1]) if tokens == 1 else configs
     return table_configs(MXFP4_V2_GATE_UP_TABLE, MXFP4_V2_DOWN_TABLE, hidden, inter, top_k)
 
 
@@ -949,7 +958,10 @@ def fused_moe_mxfp4_decode(
     _check_pair(w13_blocks, w13_scales, two_i, H)
     _check_pair(w2_blocks, w2_scales, H, inter_size)
     variant = variant or DECODE_VARIANT
-    gate_up_config, down_config = configs or mxfp4_decode_configs(H, inter_size, top_k, variant)
+    rows = graph_rows.row_bound(T)
+    gate_up_config, down_config = configs or mxfp4_decode_configs(
+        H, inter_size, top_k, variant, rows
+    )
     _check_config(variant, gate_up_config)
     _check_config(variant, down_config)
     if T == 0:
