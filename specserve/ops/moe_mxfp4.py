@@ -497,6 +497,20 @@ def _f16_halves(h):
 
 
 @triton.jit
+def _fp16_codes(w):
+    """A code word's 8 codes as fp16 (value x 2^-14), paired as the PTX pairs them:
+    (c2, c6), (c0, c4), (c3, c7), (c1, c5)."""
+    w = w.to(tl.uint32, bitcast=True)
+    q_even = ((w << 1) & 0x0E0E0E0E) | ((w << 4) & 0xF1F1F1F1)
+    q_odd = ((w >> 3) & 0x0E0E0E0E) | (w & 0xF1F1F1F1)
+    c2, c6 = _f16_halves(q_even & 0x8E008E00)
+    c0, c4 = _f16_halves((q_even << 8) & 0x8E008E00)
+    c3, c7 = _f16_halves(q_odd & 0x8E008E00)
+    c1, c5 = _f16_halves((q_odd << 8) & 0x8E008E00)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _dot_words_h2(words, x04, x15, x26, x37, ASM: tl.constexpr):
     """Per code word: sum_c value(nibble c) * x_c (x 2^-14) in f16x2 arithmetic, as fp32;
     x_ab: int32 words of the fp16 pair (x_a low, x_b high), from `_x_half2`.
@@ -511,13 +525,7 @@ def _dot_words_h2(words, x04, x15, x26, x37, ASM: tl.constexpr):
             _E2M1_DOT_PTX, "=r,r,r,r,r,r", [words, x04, x15, x26, x37], tl.float32,
             is_pure=True, pack=1,
         )  # fmt: skip
-    w = words.to(tl.uint32, bitcast=True)
-    q_even = ((w << 1) & 0x0E0E0E0E) | ((w << 4) & 0xF1F1F1F1)
-    q_odd = ((w >> 3) & 0x0E0E0E0E) | (w & 0xF1F1F1F1)
-    c2, c6 = _f16_halves(q_even & 0x8E008E00)
-    c0, c4 = _f16_halves((q_even << 8) & 0x8E008E00)
-    c3, c7 = _f16_halves(q_odd & 0x8E008E00)
-    c1, c5 = _f16_halves((q_odd << 8) & 0x8E008E00)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _fp16_codes(words)
     x0, x4 = _f16_halves(x04.to(tl.uint32, bitcast=True))
     x1, x5 = _f16_halves(x15.to(tl.uint32, bitcast=True))
     x2, x6 = _f16_halves(x26.to(tl.uint32, bitcast=True))

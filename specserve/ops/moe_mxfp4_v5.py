@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from specserve.ops import pdl
-from specserve.ops.moe_mxfp4 import _dot_words, _f16_halves, _half2_f32, _pack_half2
+from specserve.ops.moe_mxfp4 import _dot_words, _fp16_codes, _half2_f32, _pack_half2
 from specserve.ops.moe_triton import _act
 
 
@@ -218,20 +218,6 @@ def _x_block_f32(ptrs, ok, ASM: tl.constexpr):
 @triton.jit
 def _scaled8(x, f):
     return x[0] * f, x[1] * f, x[2] * f, x[3] * f, x[4] * f, x[5] * f, x[6] * f, x[7] * f
-
-
-@triton.jit
-def _fp16_codes(w):
-    """A code word's 8 codes as fp16 (value x 2^-14), paired as the PTX pairs them:
-    (c2, c6), (c0, c4), (c3, c7), (c1, c5)."""
-    w = w.to(tl.uint32, bitcast=True)
-    q_even = ((w << 1) & 0x0E0E0E0E) | ((w << 4) & 0xF1F1F1F1)
-    q_odd = ((w >> 3) & 0x0E0E0E0E) | (w & 0xF1F1F1F1)
-    c2, c6 = _f16_halves(q_even & 0x8E008E00)
-    c0, c4 = _f16_halves((q_even << 8) & 0x8E008E00)
-    c3, c7 = _f16_halves(q_odd & 0x8E008E00)
-    c1, c5 = _f16_halves((q_odd << 8) & 0x8E008E00)
-    return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @triton.jit
