@@ -47,7 +47,7 @@ from specserve.ops.moe_triton import (
     ConfigTable,
     DecodeConfig,
     Epilogue,
-    _act,
+    _gate_up_store,
     table_configs,
 )
 
@@ -265,12 +265,10 @@ def _moe_mxfp4_gate_up_kernel(
         scale = _scale_bits(ws_ptr + up_row[:, None] * KS + g[None, :], g_ok)
         acc_up += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
     pdl.trigger(PDL)
-    if HAS_BIAS:
-        b_row = b_ptr + expert * stride_be + n
-        acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
-        acc_up += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)
-    y = _act(acc, acc_up, ACT, ALPHA, LIMIT)
-    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + n, y.to(inter_ptr.dtype.element_ty), n_ok)
+    _gate_up_store(
+        acc, acc_up, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
+        HAS_BIAS, ACT, ALPHA, LIMIT,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -675,12 +673,10 @@ def _moe_mxfp4_gate_up_kernel_v2(
     pdl.trigger(PDL)
     gate_acc = tl.sum(tl.sum(acc, axis=2), axis=0)
     up_acc = tl.sum(tl.sum(acc_up, axis=2), axis=0)
-    if HAS_BIAS:
-        b_row = b_ptr + expert * stride_be + n
-        gate_acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
-        up_acc += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)
-    y = _act(gate_acc, up_acc, ACT, ALPHA, LIMIT)
-    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + n, y.to(inter_ptr.dtype.element_ty), n_ok)
+    _gate_up_store(
+        gate_acc, up_acc, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
+        HAS_BIAS, ACT, ALPHA, LIMIT,
+    )  # fmt: skip
 
 
 @triton.jit

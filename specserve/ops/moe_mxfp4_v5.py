@@ -32,7 +32,7 @@ import triton.language as tl
 
 from specserve.ops import pdl
 from specserve.ops.moe_mxfp4 import _dot_words, _fp16_codes, _half2_f32, _pack_half2
-from specserve.ops.moe_triton import _act
+from specserve.ops.moe_triton import _gate_up_store
 
 
 def _block_dot_ptx() -> str:
@@ -387,12 +387,10 @@ def _moe_mxfp4_gate_up_kernel_v5(
     pdl.trigger(PDL)
     gate_acc = tl.sum(acc, axis=1)
     up_acc = tl.sum(acc_up, axis=1)
-    if HAS_BIAS:
-        b_row = b_ptr + expert * stride_be + n
-        gate_acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
-        up_acc += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)
-    y = _act(gate_acc, up_acc, ACT, ALPHA, LIMIT)
-    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + n, y.to(inter_ptr.dtype.element_ty), n_ok)
+    _gate_up_store(
+        gate_acc, up_acc, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
+        HAS_BIAS, ACT, ALPHA, LIMIT,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T"])

@@ -292,6 +292,21 @@ def _act(gate, up, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_store(
+    gate, up, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+):  # fmt: skip
+    """inter[pair, n] = act(gate (+ b13[e, n]), up (+ b13[e, N + n])): the decode gate_up
+    kernels' epilogue (bf16 and MXFP4), gate / up [BLOCK_N] fp32 sums of column block n."""
+    if HAS_BIAS:
+        b_row = b_ptr + expert * stride_be + n
+        gate += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
+        up += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)
+    y = _act(gate, up, ACT, ALPHA, LIMIT)
+    tl.store(inter_ptr + pair.to(tl.int64) * stride_im + n, y.to(inter_ptr.dtype.element_ty), n_ok)
+
+
+@triton.jit
 def _gemm_block(pid, N, num_pid_m, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row block, column block) of program pid in grouped order: GROUP_M consecutive row
     blocks share a column block, so the blocks of one expert read its weight tile from L2
@@ -461,13 +476,10 @@ def _moe_decode_gate_up_kernel(
     # kernel's later waves.
     if not EARLY_TRIGGER:
         pdl.trigger(PDL)
-    if HAS_BIAS:
-        b_row = b_ptr + expert * stride_be + n
-        acc += tl.load(b_row, mask=n_ok, other=0.0).to(tl.float32)
-        acc_up += tl.load(b_row + N, mask=n_ok, other=0.0).to(tl.float32)
-    y = _act(acc, acc_up, ACT, ALPHA, LIMIT)
-    out = inter_ptr + pair.to(tl.int64) * stride_im + n
-    tl.store(out, y.to(inter_ptr.dtype.element_ty), mask=n_ok)
+    _gate_up_store(
+        acc, acc_up, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
+        HAS_BIAS, ACT, ALPHA, LIMIT,
+    )  # fmt: skip
 
 
 @triton.jit
