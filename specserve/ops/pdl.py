@@ -22,6 +22,10 @@ Session 12 (H100, benchmarks/timeline_sweep.py): the K loops of the decode gemv 
 decode down kernel requesting their next weight tile before each tile's math (software
 pipelining by hand; their sm_90 PTX has no cp.async): Llama-3-8B batch-1 span 5731 vs 5498 us
 with the gemv's, Qwen3-30B-A3B 3229 / 3202 vs 3162 us with the down kernel's; both dropped.
+Session 13 (H100, timeline_sweep): the MoE gate_up decode kernel triggering right after its
+own wait, so the down kernel's programs (v2: the whole weight slab before their wait) launch
+early: Qwen3-30B-A3B span 3095 vs ~3178 us, GLM-4.7-Flash 3839 vs ~3896; kept
+(moe_triton.GATE_UP_EARLY_TRIGGER). With down v1 it was worse on GLM-4.7-Flash (3961 us).
 
 The rule every kernel launched with `launch_kwargs` keeps: `start` comes before any memory
 access other than weight loads, in every program, including programs that then exit early.
