@@ -47,6 +47,7 @@ from specserve.ops.moe_triton import (
     ConfigTable,
     DecodeConfig,
     Epilogue,
+    _down_store,
     _gate_up_store,
     table_configs,
 )
@@ -328,11 +329,9 @@ def _moe_mxfp4_down_kernel(
         per_block = tl.sum(tl.reshape(prod, [BLOCK_TOPK, BLOCK_N, BLOCK_K // 32, 16]), axis=3)
         acc += tl.sum(per_block * scale, axis=2)
     pdl.trigger(PDL)
-    if HAS_BIAS:
-        b = b_ptr + expert[:, None] * stride_be + n[None, :]
-        acc += tl.load(b, mask=jj_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-    y = tl.sum(acc * route_w[:, None], axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + n, y.to(out_ptr.dtype.element_ty), n_ok)
+    _down_store(
+        acc, b_ptr, expert, stride_be, n, n_ok, jj_ok, route_w, out_ptr, t, stride_om, HAS_BIAS
+    )
 
 
 # --- v2: 32-bit code words, in-thread block sums, one reduction after the K loop ----------------
@@ -785,11 +784,9 @@ def _moe_mxfp4_down_kernel_v2(
         acc += _down_step(words, scales, h_rows, h_ok, step, KS, NB, ASM, HALF2)
     pdl.trigger(PDL)
     acc2 = tl.sum(tl.sum(acc, axis=3), axis=0)  # [BLOCK_TOPK, BLOCK_N]
-    if HAS_BIAS:
-        b = b_ptr + expert[:, None] * stride_be + n[None, :]
-        acc2 += tl.load(b, mask=jj_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-    y = tl.sum(acc2 * route_w[:, None], axis=0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_om + n, y.to(out_ptr.dtype.element_ty), n_ok)
+    _down_store(
+        acc2, b_ptr, expert, stride_be, n, n_ok, jj_ok, route_w, out_ptr, t, stride_om, HAS_BIAS
+    )
 
 
 def _check_pair(blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> None:

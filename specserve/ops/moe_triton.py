@@ -307,6 +307,21 @@ def _gate_up_store(
 
 
 @triton.jit
+def _down_store(
+    acc, b_ptr, expert, stride_be, n, n_ok, j_ok, route_w, out_ptr, t, stride_om,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """out[t, n] = sum_j route_w[j] * (acc[j, n] (+ b2[expert_j, n])): the decode down
+    kernels' epilogue (bf16 and MXFP4 v1 / v2), acc [BLOCK_TOPK, BLOCK_N] fp32, the top_k sum
+    in a fixed order."""
+    if HAS_BIAS:  # the chosen experts' biases
+        b = b_ptr + expert[:, None] * stride_be + n[None, :]
+        acc += tl.load(b, mask=j_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+    y = tl.sum(acc * route_w[:, None], axis=0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_om + n, y.to(out_ptr.dtype.element_ty), n_ok)
+
+
+@triton.jit
 def _gemm_block(pid, N, num_pid_m, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row block, column block) of program pid in grouped order: GROUP_M consecutive row
     blocks share a column block, so the blocks of one expert read its weight tile from L2
@@ -545,12 +560,9 @@ def _moe_decode_down_kernel(
         h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
     pdl.trigger(PDL)
-    if HAS_BIAS:  # [BLOCK_TOPK, BLOCK_N]: the chosen experts' biases
-        b = b_ptr + expert[:, None] * stride_be + n[None, :]
-        acc += tl.load(b, mask=j_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-    y = tl.sum(acc * route_w[:, None], axis=0)
-    out = out_ptr + t.to(tl.int64) * stride_om + n
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    _down_store(
+        acc, b_ptr, expert, stride_be, n, n_ok, j_ok, route_w, out_ptr, t, stride_om, HAS_BIAS
+    )
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -627,12 +639,9 @@ def _moe_decode_down_kernel_v2(
         acc += tiles[s].to(tl.float32) * hs[s].to(tl.float32)[:, None, :]
     pdl.trigger(PDL)
     acc2 = tl.sum(acc, axis=2)  # [BLOCK_TOPK, BLOCK_N]
-    if HAS_BIAS:  # the chosen experts' biases
-        b = b_ptr + expert[:, None] * stride_be + n[None, :]
-        acc2 += tl.load(b, mask=j_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-    y = tl.sum(acc2 * route_w[:, None], axis=0)
-    out = out_ptr + t.to(tl.int64) * stride_om + n
-    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    _down_store(
+        acc2, b_ptr, expert, stride_be, n, n_ok, j_ok, route_w, out_ptr, t, stride_om, HAS_BIAS
+    )
 
 
 def moe_align(
