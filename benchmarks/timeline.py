@@ -3,6 +3,7 @@ step's time over the captured graph goes, kernel by kernel (decode.py's `timelin
 
     python benchmarks/timeline.py --shape qwen3-30b-a3b   # $OUT/timeline-<shape>.json
     python benchmarks/timeline.py --shape glm47-flash,gpt-oss-20b,llama3-8b
+    python benchmarks/timeline.py --shape gpt-oss-20b --profile   # + the host side (cProfile)
 
 Each shape: `load_format="dummy"`, bf16, async scheduling, decode_matmul=auto, CUDA graphs. Shapes
 that do not fit one GPU keep as many layers as fit (moe_decode.fit_layers), as their decode
@@ -21,7 +22,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode import LLAMA3_8B, timeline, write_config  # noqa: E402
+from decode import LLAMA3_8B, profile_steps, timeline, write_config  # noqa: E402
 from gpt_oss_decode import GPT_OSS_20B  # noqa: E402
 from mla_decode import GLM47_FLASH, MTP_LAYERS  # noqa: E402
 from moe_decode import QWEN3_30B_A3B, fit_layers  # noqa: E402
@@ -40,6 +41,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--rows", type=int, default=24, help="graph kernels printed")
     ap.add_argument("--batch", type=int, default=1, help="requests decoding at once")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also the host side of batch-1 steps: cProfile and every synchronizing operation",
+    )
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp")
     for name in args.shape.split(","):
@@ -60,6 +66,9 @@ def main() -> None:
         )
         with open(os.path.join(out, f"timeline-{name}-b{args.batch}.json"), "w") as f:
             json.dump({"shape": name, "config": cfg, **res}, f, indent=1)
+        if args.profile:
+            kw = dict(async_scheduling=True, decode_matmul="auto", gpu_memory_utilization=0.9)
+            profile_steps(model_dir, args.prompt_len, **kw)
         gc.collect()
         torch.cuda.empty_cache()
 

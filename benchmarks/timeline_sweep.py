@@ -3,8 +3,8 @@
     python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
         --variants "base;specserve.attention.triton_paged.MAX_SPLITS=4"
 
-A variant is `;`-separated from the next and sets `module.NAME=value` pairs (`,`-separated; int,
-float or True / False) before timeline.py runs in a fresh process, so compiled kernels and plans
+A variant is `;`-separated from the next and sets `module.NAME=value` pairs (`,`-separated; a
+value is a Python expression, commas inside it allowed: `M.TABLE=((1, 2),)`) before timeline.py runs in a fresh process, so compiled kernels and plans
 do not leak between variants. The last lines print each variant's span.
 """
 
@@ -17,8 +17,8 @@ import subprocess
 import sys
 
 RUNNER = """
-import importlib, runpy, sys
-for pair in filter(None, sys.argv[1].split(",")):
+import importlib, re, runpy, sys
+for pair in filter(None, re.split(r",(?=[A-Za-z_][\w.]*=)", sys.argv[1])):
     name, value = pair.split("=")
     mod, attr = name.rsplit(".", 1)
     setattr(importlib.import_module(mod), attr, eval(value))

@@ -184,7 +184,9 @@ def test_gemv_every_config(request, device: str) -> None:
     if device == "cpu":
         request.getfixturevalue("interpreter")
     from specserve.ops.gemv import CONFIGS, gemv, gemv_ref
+    from specserve.ops.gemv_plan import CANDIDATES
 
+    assert set(CANDIDATES) <= set(CONFIGS)
     g = torch.Generator().manual_seed(3)
     dtype = _dtypes(device)[-1]
     for cfg in CONFIGS:

@@ -145,7 +145,7 @@ def test_plan_picks_the_fastest_candidate() -> None:
         64,
         64,
     ]
-    assert all(len(candidates(b)) <= 5 and candidates(b)[0] is None for b in BUCKETS)
+    assert all(len(candidates(b)) <= 6 and candidates(b)[0] is None for b in BUCKETS)
     assert not any(isinstance(c, SkinnyConfig) for c in candidates(1))
     assert all(isinstance(c, SkinnyConfig) for c in candidates(32)[1:])
 

@@ -237,6 +237,8 @@ CONFIGS = [
     (16, 512, 8, 4),
     (32, 256, 8, 3),
     (32, 128, 4, 4),
+    (4, 2048, 4, 2),  # one K tile of a 2048-deep row, loaded before the PDL wait (gemv_plan)
+    (8, 2048, 4, 2),
 ]
 DEFAULT_CONFIG = (16, 512, 4, 3)
 Config = tuple[int, int, int, int]

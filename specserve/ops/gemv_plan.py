@@ -27,8 +27,19 @@ logger = logging.getLogger("specserve")
 # gemv launch configs tried (each is one Triton compile per row bucket, paid at start-up): the two
 # that won some Llama-3-8B shape at M = 1 in benchmarks/gemv.py, and (8, 1024, 4, 3), twice the
 # weight bytes in flight per K step: with it batch-1 decode went from 5.616 to 5.470 ms a step
-# on the H100 (graph 5.225 -> 5.087; benchmarks/RESULTS.md, session 6 call 4).
-CANDIDATES: tuple[Config, ...] = ((8, 512, 4, 4), (8, 1024, 4, 3), (16, 512, 4, 3))
+# on the H100 (graph 5.225 -> 5.087; benchmarks/RESULTS.md, session 6 call 4). Then two with a
+# 2048-wide K tile, whose first tile (all of a 2048-deep row: K = 2048 in Qwen3-30B-A3B's qkv,
+# half of it at K = 4096) streams before the PDL wait, during the previous kernel: the plan took
+# them for Qwen3-30B-A3B's qkv and o (o 7.12 -> 5.28 us a layer in the step) and Llama-3-8B's
+# qkv (19.15 -> 18.23 us); batch-1 busy time 3031 -> 2992 us and 5454 -> 5430 us (H100,
+# benchmarks/timeline_sweep.py, RESULTS.md session 14). Of seven tried, the other two never won.
+CANDIDATES: tuple[Config, ...] = (
+    (8, 512, 4, 4),
+    (8, 1024, 4, 3),
+    (16, 512, 4, 3),
+    (4, 2048, 4, 2),
+    (8, 2048, 4, 2),
+)
 # Skinny-matmul configs tried, the first few of them per bucket (SKINNY_PER_BUCKET). From a
 # 48-config sweep on the H100 (benchmarks/skinny.py --sweep, Llama-3-8B shapes, 4 and 16 rows;
 # RESULTS.md session 10): 3 stages beat 4-6, and a fixed split of 3 wins on the o and down
@@ -43,7 +54,7 @@ SKINNY_CANDIDATES: tuple[SkinnyConfig, ...] = (
 # Per bucket: (gemv candidates, skinny candidates) tried besides cuBLAS. The gemv is the 1-row
 # design (it re-reads nothing but does M dot products per weight tile), the skinny matmul the
 # many-row one; both are timed where either may win. Bounded: start-up compiles and times each.
-GEMV_PER_BUCKET = {1: 3, 2: 3, 4: 1, 8: 1}
+GEMV_PER_BUCKET = {1: 5, 2: 3, 4: 1, 8: 1}
 SKINNY_PER_BUCKET = {2: 1, 4: 2, 8: 2, 16: 3, 32: 4, 64: 4}
 TUNED_BUCKETS = BUCKETS
 # A timer: (layers, rows, silu_mul, candidate) -> microseconds for the whole group.
