@@ -26,6 +26,10 @@ Session 13 (H100, timeline_sweep): the MoE gate_up decode kernel triggering righ
 own wait, so the down kernel's programs (v2: the whole weight slab before their wait) launch
 early: Qwen3-30B-A3B span 3095 vs ~3178 us, GLM-4.7-Flash 3839 vs ~3896; kept
 (moe_triton.GATE_UP_EARLY_TRIGGER). With down v1 it was worse on GLM-4.7-Flash (3961 us).
+Session 14 (H100, gpt-oss-20b, timeline_sweep, RESULTS.md): the same for the MXFP4 v5 kernels
+(gate_up triggering early, down loading all its K steps before waiting) did nothing (busy 1812
+vs 1795 us): gate_up's programs hold the SM's registers until they finish; capping both
+kernels' registers (ptxas maxnreg) to make room was far slower (2195-2553 us).
 
 The rule every kernel launched with `launch_kwargs` keeps: `start` comes before any memory
 access other than weight loads, in every program, including programs that then exit early.
