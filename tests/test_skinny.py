@@ -145,7 +145,9 @@ def test_plan_picks_the_fastest_candidate() -> None:
         64,
         64,
     ]
-    assert all(len(candidates(b)) <= 6 and candidates(b)[0] is None for b in BUCKETS)
+    # At most 7 (cuBLAS + 6 gemv configs at one row): Llama-3-8B's plan took 8.0 s with 5
+    # gemv configs on the H100 (issue 23: start-up planning under ~20 s).
+    assert all(len(candidates(b)) <= 7 and candidates(b)[0] is None for b in BUCKETS)
     assert not any(isinstance(c, SkinnyConfig) for c in candidates(1))
     assert all(isinstance(c, SkinnyConfig) for c in candidates(32)[1:])
 

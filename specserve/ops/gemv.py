@@ -239,6 +239,7 @@ CONFIGS = [
     (32, 128, 4, 4),
     (4, 2048, 4, 2),  # one K tile of a 2048-deep row, loaded before the PDL wait (gemv_plan)
     (8, 2048, 4, 2),
+    (2, 4096, 4, 1),  # a whole 4096-deep row
 ]
 DEFAULT_CONFIG = (16, 512, 4, 3)
 Config = tuple[int, int, int, int]

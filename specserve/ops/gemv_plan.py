@@ -33,12 +33,15 @@ logger = logging.getLogger("specserve")
 # them for Qwen3-30B-A3B's qkv and o (o 7.12 -> 5.28 us a layer in the step) and Llama-3-8B's
 # qkv (19.15 -> 18.23 us); batch-1 busy time 3031 -> 2992 us and 5454 -> 5430 us (H100,
 # benchmarks/timeline_sweep.py, RESULTS.md session 14). Of seven tried, the other two never won.
+# Then (2, 4096, 4, 1), a whole 4096-deep row a program: Qwen3-30B-A3B's o 5.40 -> 3.27 us a
+# layer, busy 3003 -> 2951 us (of four 4096-wide configs tried, the best).
 CANDIDATES: tuple[Config, ...] = (
     (8, 512, 4, 4),
     (8, 1024, 4, 3),
     (16, 512, 4, 3),
     (4, 2048, 4, 2),
     (8, 2048, 4, 2),
+    (2, 4096, 4, 1),
 )
 # Skinny-matmul configs tried, the first few of them per bucket (SKINNY_PER_BUCKET). From a
 # 48-config sweep on the H100 (benchmarks/skinny.py --sweep, Llama-3-8B shapes, 4 and 16 rows;
@@ -54,7 +57,7 @@ SKINNY_CANDIDATES: tuple[SkinnyConfig, ...] = (
 # Per bucket: (gemv candidates, skinny candidates) tried besides cuBLAS. The gemv is the 1-row
 # design (it re-reads nothing but does M dot products per weight tile), the skinny matmul the
 # many-row one; both are timed where either may win. Bounded: start-up compiles and times each.
-GEMV_PER_BUCKET = {1: 5, 2: 3, 4: 1, 8: 1}
+GEMV_PER_BUCKET = {1: 6, 2: 3, 4: 1, 8: 1}
 SKINNY_PER_BUCKET = {2: 1, 4: 2, 8: 2, 16: 3, 32: 4, 64: 4}
 TUNED_BUCKETS = BUCKETS
 # A timer: (layers, rows, silu_mul, candidate) -> microseconds for the whole group.
