@@ -103,9 +103,14 @@ def measure(
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()  # type: ignore[attr-defined]
+    # Async scheduling: each call launches a step and then reads the one before, so `steps`
+    # calls leave the last launched step still running, and the first call only read a step
+    # finished before t0. The clock stops once the device is done: `steps` whole device steps
+    # (plus the first launch's host latency), not steps - 1 (which read 1/steps fast: 8% at 12
+    # steps, sessions 11-14).
+    sync()
     dt = time.perf_counter() - t0
     gen = sum(len(r.output_token_ids) for r in engine.requests.values()) - gen_before  # type: ignore[attr-defined]
-    sync()  # async scheduling: a step is still in flight
     draft_ms = sum(s.elapsed_time(e) for s, e in (runner.draft_events or [])[:steps]) / steps
     runner.draft_events = None
     for rid in list(engine.requests):  # type: ignore[attr-defined]

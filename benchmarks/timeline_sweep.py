@@ -16,10 +16,10 @@ import re
 import subprocess
 import sys
 
-RUNNER = """
+RUNNER = r"""
 import importlib, re, runpy, sys
 for pair in filter(None, re.split(r",(?=[A-Za-z_][\w.]*=)", sys.argv[1])):
-    name, value = pair.split("=")
+    name, value = pair.split("=", 1)
     mod, attr = name.rsplit(".", 1)
     setattr(importlib.import_module(mod), attr, eval(value))
 sys.argv = ["timeline.py"] + sys.argv[2:]
