@@ -21,7 +21,7 @@ layers. Built on benchmarks/moe_decode.py (one process, each configuration caugh
           for parallel drafting (K drafts from one forward) at K = 3 and K = 8.
 
     python benchmarks/gpt_oss_decode.py             # < 8 min on one H100; $OUT/gpt_oss_decode.json
-    python benchmarks/gpt_oss_decode.py --quick     # batch 1 only, fewer steps
+    python benchmarks/gpt_oss_decode.py --quick     # batch 1 only, fewer configurations
     python benchmarks/gpt_oss_decode.py --cpu-smoke # tiny shapes on the CPU: the code paths only
                                                     # (4-bit experts, dequantized per call)
 """
