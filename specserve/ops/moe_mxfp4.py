@@ -47,8 +47,10 @@ from specserve.ops.moe_triton import (
     ConfigTable,
     DecodeConfig,
     Epilogue,
+    _down_program,
     _down_store,
     _gate_up_store,
+    _routing,
     table_configs,
 )
 
@@ -295,16 +297,9 @@ def _moe_mxfp4_down_kernel(
     PDL: tl.constexpr,
 ):
     # As _moe_decode_down_kernel: out[t, n] = sum_j w[t, j] * (W2[e_j, n] @ inter[t, j] + b).
-    pid = tl.program_id(0)
-    t = pid % T
-    n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    jj = tl.arange(0, BLOCK_TOPK)
-    jj_ok = jj < top_k
-    pair = t * top_k + jj
+    t, n, n_ok, pair, jj_ok = _down_program(N, T, top_k, BLOCK_N, BLOCK_TOPK)
     pdl.wait(PDL)
-    expert = tl.load(topk_ids_ptr + pair, mask=jj_ok, other=0).to(tl.int64)
-    route_w = tl.load(topk_w_ptr + pair, mask=jj_ok, other=0.0).to(tl.float32)
+    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, jj_ok)
     KB = K // 2
     KS = K // 32
     # [BLOCK_TOPK, BLOCK_N, 1] weight rows
@@ -753,20 +748,13 @@ def _moe_mxfp4_down_kernel_v2(
     # waiting for gate_up (as _moe_decode_down_kernel: the routing was written before gate_up
     # started, and weights never depend on the previous kernel); only inter needs the wait.
     NB: tl.constexpr = BLOCK_K // 32
-    pid = tl.program_id(0)
-    t = pid % T
-    n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    jj = tl.arange(0, BLOCK_TOPK)
-    jj_ok = jj < top_k
-    pair = t * top_k + jj
+    t, n, n_ok, pair, jj_ok = _down_program(N, T, top_k, BLOCK_N, BLOCK_TOPK)
     KW = K // 8
     KS = K // 32
     wb = wb_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     if not PRELOAD:
         pdl.wait(PDL)
-    expert = tl.load(topk_ids_ptr + pair, mask=jj_ok, other=0).to(tl.int64)
-    route_w = tl.load(topk_w_ptr + pair, mask=jj_ok, other=0.0).to(tl.float32)
+    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, jj_ok)
     # [1, BLOCK_TOPK, BLOCK_N] weight rows
     row = (expert[:, None] * N + n.to(tl.int64)[None, :])[None, :, :]
     rows_ok = jj_ok[None, :, None] & n_ok[None, None, :]

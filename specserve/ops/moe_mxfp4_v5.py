@@ -32,7 +32,7 @@ import triton.language as tl
 
 from specserve.ops import pdl
 from specserve.ops.moe_mxfp4 import _dot_words, _fp16_codes, _half2_f32, _pack_half2
-from specserve.ops.moe_triton import _gate_up_store
+from specserve.ops.moe_triton import _down_program, _gate_up_store, _routing
 
 
 def _block_dot_ptx() -> str:
@@ -429,18 +429,12 @@ def _moe_mxfp4_down_kernel_v5(
     STEPS: tl.constexpr = (KS + NB - 1) // NB
     X_DTYPE: tl.constexpr = inter_ptr.dtype.element_ty
     X_WORDS: tl.constexpr = X_DTYPE.primitive_bitwidth
-    pid = tl.program_id(0)
-    t = pid % T
-    n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    jj = tl.arange(0, BLOCK_TOPK)
-    jj_ok = jj < top_k
+    t, n, n_ok, pair, jj_ok = _down_program(N, T, top_k, BLOCK_N, BLOCK_TOPK)
     blk = tl.arange(0, NB)[None, None, :]  # [1, 1, NB]
     wb = wb_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     if not PRELOAD:
         pdl.wait(PDL)
-    expert = tl.load(topk_ids_ptr + t * top_k + jj, mask=jj_ok, other=0).to(tl.int64)
-    route_w = tl.load(topk_w_ptr + t * top_k + jj, mask=jj_ok, other=0.0).to(tl.float32)
+    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, jj_ok)
     # [BLOCK_N, BLOCK_TOPK, NB] blocks (rows past N read row N - 1, never stored)
     row = expert[None, :, None] * N + tl.minimum(n, N - 1).to(tl.int64)[:, None, None]
     row_words = wb + row * (4 * KS) + 4 * blk
@@ -452,7 +446,7 @@ def _moe_mxfp4_down_kernel_v5(
         pdl.wait(PDL)
     # [1, BLOCK_TOPK, NB] int32 pointers to the inter rows' blocks (experts past top_k read
     # the last one's, zeroed)
-    pair = t * top_k + tl.minimum(jj, top_k - 1)
+    pair = tl.minimum(pair, t * top_k + top_k - 1)
     h_rows = inter_ptr + pair.to(tl.int64) * stride_im
     h_blocks = h_rows.to(tl.pointer_type(tl.int32), bitcast=True)[None, :, None] + X_WORDS * blk
     h_ok = jj_ok[None, :, None]

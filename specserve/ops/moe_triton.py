@@ -498,6 +498,26 @@ def _moe_decode_gate_up_kernel(
 
 
 @triton.jit
+def _down_program(N, T, top_k, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+    """A down kernel program's share of the grid (T tokens x N / BLOCK_N column tiles): its
+    token t, output columns n [BLOCK_N] and n_ok, and the token's (token, expert) pair indices
+    [BLOCK_TOPK] with j_ok (j < top_k). Index arithmetic only: no memory access."""
+    pid = tl.program_id(0)
+    t = pid % T
+    n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tl.arange(0, BLOCK_TOPK)
+    return t, n, n < N, t * top_k + j, j < top_k
+
+
+@triton.jit
+def _routing(topk_ids_ptr, topk_w_ptr, pair, ok):
+    """(expert int64, routing weight fp32) of each pair (0 / 0.0 where not ok)."""
+    expert = tl.load(topk_ids_ptr + pair, mask=ok, other=0).to(tl.int64)
+    route_w = tl.load(topk_w_ptr + pair, mask=ok, other=0.0).to(tl.float32)
+    return expert, route_w
+
+
+@triton.jit
 def _down_tile(w_rows, rows_ok, k, K):
     """[BLOCK_TOPK, BLOCK_N, BLOCK_K]: the chosen experts' weight rows at columns k."""
     return tl.load(w_rows + k[None, None, :], mask=rows_ok & (k < K)[None, None, :], other=0.0)
@@ -532,18 +552,11 @@ def _moe_decode_down_kernel(
     # the gate_up kernel, so this kernel's weight stream starts during gate_up's tail. Safe
     # because the routing was written before gate_up started (it is gate_up's input too) and
     # gate_up lets this kernel launch only after its own wait; only inter needs the wait.
-    pid = tl.program_id(0)
-    t = pid % T
-    n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    j = tl.arange(0, BLOCK_TOPK)
-    j_ok = j < top_k
-    pair = t * top_k + j
+    t, n, n_ok, pair, j_ok = _down_program(N, T, top_k, BLOCK_N, BLOCK_TOPK)
     k = tl.arange(0, BLOCK_K)
     if not PRELOAD:
         pdl.wait(PDL)
-    expert = tl.load(topk_ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
-    route_w = tl.load(topk_w_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
+    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, j_ok)
     # [BLOCK_TOPK, BLOCK_N, 1] row starts
     w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     rows_ok = j_ok[:, None, None] & n_ok[None, :, None]
@@ -603,18 +616,11 @@ def _moe_decode_down_kernel_v2(
     # the routing was written before gate_up started (it is gate_up's input too), gate_up lets
     # this kernel launch only after its own wait, and weights never depend on the previous
     # kernel; only inter is read after the wait.
-    pid = tl.program_id(0)
-    t = pid % T
-    n = (pid // T) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    j = tl.arange(0, BLOCK_TOPK)
-    j_ok = j < top_k
-    pair = t * top_k + j
+    t, n, n_ok, pair, j_ok = _down_program(N, T, top_k, BLOCK_N, BLOCK_TOPK)
     k = tl.arange(0, BLOCK_K)
     if not PRELOAD:
         pdl.wait(PDL)
-    expert = tl.load(topk_ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
-    route_w = tl.load(topk_w_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)
+    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, j_ok)
     # [BLOCK_TOPK, BLOCK_N, 1] row starts
     w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     rows_ok = j_ok[:, None, None] & n_ok[None, :, None]
