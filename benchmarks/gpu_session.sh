@@ -42,8 +42,6 @@
 #   bash benchmarks/gpu_session.sh remeasure      # batch 1 of issues 18 / 21 / 22 with session
 #                                                 # 14's corrected step timing (two calls:
 #                                                 # PART=moe, then PART=mla)
-#   bash benchmarks/gpu_session.sh prefetch       # router GPU tests, then the batch-1 timeline
-#                                                 # per ROUTE_L2_PREFETCH_BYTES (Qwen3, gpt-oss)
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -281,18 +279,8 @@ early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep
         | tee "$OUT/mla_decode.log" | tail -30
     fi
     ;;
-  prefetch)
-    timeout 120 python -m pytest -q -m gpu tests/test_moe_router.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/router_tests.log" | tail -3
-    R=specserve.ops.moe_router.ROUTE_L2_PREFETCH_BYTES
-    for shape in qwen3-30b-a3b gpt-oss-20b; do
-      timeout $(((580 - SECONDS) / 2)) python benchmarks/timeline_sweep.py --shape $shape \
-        --variants "base;$R=1<<19;$R=1<<20;$R=1<<21;base" 2>&1 \
-        | tee "$OUT/prefetch-$shape.log" | tail -7
-    done
-    ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure|prefetch" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure" >&2
     exit 2
     ;;
 esac

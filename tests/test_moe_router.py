@@ -273,27 +273,15 @@ def test_router_kernels_compile_for_sm90() -> None:
             block_topk = 1 << (top_k + n_shared - 1).bit_length()  # next power of two
             consts.update(BLOCK_T=block_t, BLOCK_TOPK=block_topk)
             consts.update(BLOCK_E=block_e, BLOCK_K=block_k, K_TILES=-(-H // block_k))
-            consts.update(BLOCK_ALL_E=E, PDL=pdl, PF_BYTES=0)
+            consts.update(BLOCK_ALL_E=E, PDL=pdl)
             warps = mr.route_warps(block_t, config)
             ptx = _compile(
                 mr._norm_route_kernel, consts, warps, 3, {**types, "w_ptr": f"*{w_dtype}"}
             )
             assert ("griddepcontrol.wait" in ptx) == pdl
             assert "atom.global.gpu.acq_rel.add" in ptx
-            assert "prefetch" not in ptx
             if pdl:  # the router rows are requested before the wait
                 assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
-            if (E, H) == (128, 2048) and pdl and config == mr.ROUTE_CONFIG:
-                # ROUTE_L2_PREFETCH_BYTES: the choosing program's bulk L2 prefetches of the
-                # chosen experts' gate and up rows come after the choice's counter and before
-                # it stores the choice.
-                consts["PF_BYTES"] = 1 << 20
-                ptx = _compile(
-                    mr._norm_route_kernel, consts, warps, 3, {**types, "w_ptr": f"*{w_dtype}"}
-                )
-                pf = ptx.index("cp.async.bulk.prefetch.L2.global")
-                assert ptx.count("cp.async.bulk.prefetch.L2.global") >= 2  # gate, up
-                assert ptx.index("atom.global.gpu.acq_rel.add") < pf < ptx.rindex("st.global")
     for pdl in (True, False):
         consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_HQ=32, BLOCK_HK=4, PDL=pdl)
         types = {"q_eps": "fp32", "k_eps": "fp32", "stride_qh": "i32", "stride_kh": "i32"}
@@ -329,32 +317,6 @@ def test_norm_route_gpu_real_shapes(name: str, T: int) -> None:
         out = norm_route(x, res, norm_w, 1e-6, w, bias, counter, rb, **routing)
         ref = norm_route_ref(x, res, norm_w, 1e-6, w, bias, rb, **routing)
         _check_route(out, ref, x.dtype)
-    assert int(counter) == 0
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("stored", ["bf16", "mxfp4"])
-def test_norm_route_l2_prefetch_gpu(monkeypatch: pytest.MonkeyPatch, stored: str) -> None:
-    """ROUTE_L2_PREFETCH_BYTES on (Qwen3-30B-A3B's router, gate_up weights as bf16 or as MXFP4
-    code bytes): a hint only, so the choice is bit for bit the one without it."""
-    from specserve.ops import moe_router as mr
-
-    E, H, inter = 128, 2048, 768
-    routing = dict(scoring="softmax", top_k=8, renormalize=True)
-    x, res, norm_w, w, bias = make_route(8, E, H, "softmax", torch.bfloat16, "cuda", seed=4)
-    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    if stored == "bf16":
-        gate_up = torch.randn(E, 2 * inter, H, dtype=torch.bfloat16, device="cuda")
-    else:
-        gate_up = torch.randint(0, 256, (E, 2 * inter, H // 32, 16), dtype=torch.uint8).cuda()
-    with torch.inference_mode():
-        plain = norm_route(x, res, norm_w, 1e-6, w, bias, counter, **routing)
-        monkeypatch.setattr(mr, "ROUTE_L2_PREFETCH_BYTES", 1 << 20)
-        assert mr._prefetch_args(gate_up, x.device)["PF_BYTES"] == 1 << 20
-        hinted = norm_route(x, res, norm_w, 1e-6, w, bias, counter, **routing, prefetch=gate_up)
-        torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(plain, hinted))
     assert int(counter) == 0
 
 

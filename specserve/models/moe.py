@@ -136,8 +136,6 @@ class Router(nn.Module):
         x: torch.Tensor,
         # [num_tokens, hidden]
         residual: torch.Tensor | None,
-        # [E, 2I, ...]: the experts' gate_up weights as stored, for the kernel's L2 prefetch
-        prefetch: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(topk_weights, topk_ids, norm(x + residual), x + residual). Decode batches on CUDA:
         norm, router matmul and expert choice in one launch (ops/moe_router.py)."""
@@ -145,7 +143,7 @@ class Router(nn.Module):
         w, b, counter = self.weight, self.e_score_correction_bias, self.route_counter
         if fusable(x, w, m.scoring, m.n_group, m.topk_group):
             args = (x, residual, norm.weight, norm.eps, w, b, counter, self.bias)
-            return norm_route(*args, **self.routing(), prefetch=prefetch)
+            return norm_route(*args, **self.routing())
         normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
         weights, ids = self(normed)
         return weights, ids, normed, residual
@@ -171,11 +169,6 @@ class StackedExperts(nn.Module):
         if bias:
             self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
-
-    @property
-    def gate_up_weights(self) -> torch.Tensor:
-        """[E, 2I, H]: what an expert's gate_up pass reads first (the router's L2 prefetch)."""
-        return self.w13
 
     def forward(
         self,
@@ -223,11 +216,6 @@ class Mxfp4Experts(nn.Module):
         if bias:
             self.w13_bias = nn.Parameter(torch.empty(E, I2))
             self.w2_bias = nn.Parameter(torch.empty(E, H))
-
-    @property
-    def gate_up_weights(self) -> torch.Tensor:
-        """[E, 2I, H / 32, 16]: the gate_up codes (the router's L2 prefetch; scales not)."""
-        return self.w13_blocks
 
     def forward(
         self,
@@ -291,8 +279,7 @@ class SparseMoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual)), x + residual), the norm fused into the router where
         the router runs its decode kernel."""
-        gate_up = self.experts.gate_up_weights
-        weights, ids, x, residual = self.gate.norm_forward(norm, x, residual, gate_up)
+        weights, ids, x, residual = self.gate.norm_forward(norm, x, residual)
         return self.experts_forward(x, weights, ids), residual
 
     def experts_forward(

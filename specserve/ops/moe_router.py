@@ -33,6 +33,10 @@ the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
   lowest id at the max, the weight's gather): a round is a cross-warp reduction through shared
   memory and a barrier, and the rounds are serial. (A one-shot rank from an [E, E] comparison
   was tried: it spills at E = 128 with 4 warps.)
+- Tried and dropped (H100, session 15, benchmarks/timeline_sweep.py): the choosing program
+  bulk-prefetching the first 0.5-2 MB of each chosen expert's gate and up rows into L2 before
+  writing the choice. Busy time a step: Qwen3-30B-A3B 2966-2971 us (1 MB / 2 MB) vs 2945 us,
+  gpt-oss-20b 1781-1782 vs 1778-1780 us: the expert kernel's ramp is not idle HBM it can fill.
 
 Ties among experts: the kernel takes the lowest expert index first (torch.topk does not promise
 an order among equal values); the choice is otherwise the reference's, the weights equal up to
@@ -67,12 +71,6 @@ ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
     (8, 1024, 8),
 )
 SCORINGS = ("softmax", "sigmoid", "softmax_topk")
-# Experiment (off until measured): the program that makes the choice asks L2 for the first
-# ROUTE_L2_PREFETCH_BYTES of each chosen expert's gate rows and of its up rows (`prefetch`: the
-# experts' stacked gate_up weights as stored, bf16 or MXFP4 codes), one bulk prefetch each,
-# before it writes the choice. The HBM idles through this kernel's chain of round trips and the
-# expert kernel's wait and id load; the first rows its programs read can arrive meanwhile.
-ROUTE_L2_PREFETCH_BYTES = 0
 
 
 def select_experts_ref(
@@ -216,8 +214,6 @@ def norm_route(
     topk_group: int = 1,
     n_shared: int = 0,
     config: tuple[int, int, int] = ROUTE_CONFIG,
-    # [E, 2I, ...]: the experts' gate_up weights as stored (ROUTE_L2_PREFETCH_BYTES), or None
-    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`norm_route_ref`, in one Triton launch where `fusable`."""
     routing = dict(scoring=scoring, top_k=top_k, renormalize=renormalize, scale=scale)
@@ -225,9 +221,7 @@ def norm_route(
     args = (x, residual, norm_weight, eps, router_weight, correction_bias)
     if not fusable(x, router_weight, scoring, n_group, topk_group):
         return norm_route_ref(*args, router_bias, **routing)
-    return norm_route_triton(
-        *args, counter, config, router_bias=router_bias, prefetch=prefetch, **routing
-    )
+    return norm_route_triton(*args, counter, config, router_bias=router_bias, **routing)
 
 
 if triton is not None:
@@ -282,21 +276,6 @@ if triton is not None:
         return val, choice
 
     @triton.jit
-    def _prefetch_l2(ptrs, ok, BYTES: tl.constexpr):
-        """One bulk L2 prefetch of BYTES (a multiple of 16) at each of `ptrs` (16-byte aligned)
-        where `ok`: a hint, no data comes back. Not pure: it must not be dropped as unused."""
-        tl.inline_asm_elementwise(
-            # $1: BYTES where ok, else 0 (no prefetch)
-            "{ .reg .pred p; setp.ne.b32 p, $1, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$2], $1; mov.b32 $0, 0; }",
-            "=r,r,l",
-            [ok.to(tl.int32) * BYTES, ptrs],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @triton.jit
     def _choose(
         logits_ptr,
         bias_ptr,
@@ -316,15 +295,9 @@ if triton is not None:
         BLOCK_T: tl.constexpr,
         BLOCK_TOPK: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
-        pf_ptr,
-        pf_stride_e,
-        pf_half,
-        PF_BYTES: tl.constexpr,
     ):
         """The expert choice of every token from the float32 logits (select_experts_ref), then
-        N_SHARED appended experts E.. at weight 1.0 (BLOCK_TOPK >= TOP_K + N_SHARED). PF_BYTES
-        > 0: the first PF_BYTES of each chosen expert's gate and up rows (at pf_ptr + id *
-        pf_stride_e and + pf_half, in bytes) are prefetched to L2 first."""
+        N_SHARED appended experts E.. at weight 1.0 (BLOCK_TOPK >= TOP_K + N_SHARED)."""
         t = tl.arange(0, BLOCK_T)
         e = tl.arange(0, BLOCK_ALL_E)
         ok = (t < T)[:, None] & (e < E)[None, :]
@@ -370,12 +343,6 @@ if triton is not None:
             weights = tl.where(kk[None, :] == j, w_j[:, None], weights)
             ids = tl.where(kk[None, :] == j, pick[:, None], ids)
             key = tl.where(key == best[:, None], -(2**63), key)
-        if PF_BYTES > 0:
-            routed = (t < T)[:, None] & (kk < TOP_K)[None, :]
-            base = pf_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
-            gate = base + ids.to(tl.int64) * pf_stride_e
-            _prefetch_l2(gate, routed, PF_BYTES)
-            _prefetch_l2(gate + pf_half, routed, PF_BYTES)
         if TOPK_SOFTMAX:  # the chosen logits softmaxed among themselves; the first is the max
             weights = tl.where((t < T)[:, None], weights, 0.0)  # padded rows: no 0 / 0
             first = tl.sum(tl.where(kk[None, :] == 0, weights, 0.0), axis=1)
@@ -443,10 +410,6 @@ if triton is not None:
         K_TILES: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
         PDL: tl.constexpr,
-        pf_ptr,
-        pf_stride_e,
-        pf_half,
-        PF_BYTES: tl.constexpr,
     ):
         # logits[t, e] = W[e] @ rms_norm(x[t] + res[t]) for this program's BLOCK_E experts.
         # normed / res_out rows are [T, H] contiguous (fresh outputs). H <= K_TILES * BLOCK_K.
@@ -503,7 +466,7 @@ if triton is not None:
             _choose(
                 logits_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, T, E, scale, SIGMOID, HAS_BIAS,
                 TOPK_SOFTMAX, RENORM, TOP_K, N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK,
-                BLOCK_ALL_E, pf_ptr, pf_stride_e, pf_half, PF_BYTES,
+                BLOCK_ALL_E,
             )  # fmt: skip
 
 
@@ -539,8 +502,6 @@ def norm_route_triton(
     n_group: int = 1,
     topk_group: int = 1,
     n_shared: int = 0,
-    # [E, 2I, ...] as stored, or None (see ROUTE_L2_PREFETCH_BYTES)
-    prefetch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
     T, H = x.shape
@@ -569,7 +530,6 @@ def norm_route_triton(
     block_t = triton.next_power_of_2(bound if bound <= ROUTE_MAX_TOKENS else T)
     block_all_e = triton.next_power_of_2(E)
     sigmoid = scoring == "sigmoid"
-    pf_args = _prefetch_args(prefetch, dev)
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x,
         residual if residual is not None else x,
@@ -609,22 +569,6 @@ def norm_route_triton(
         K_TILES=triton.cdiv(H, block_k),
         BLOCK_ALL_E=block_all_e,
         num_warps=route_warps(block_t, config),
-        **pf_args,
         **pdl.launch_kwargs(dev),
     )
     return topk_w, topk_ids, normed, res_out
-
-
-def _prefetch_args(prefetch: torch.Tensor | None, device: torch.device) -> dict:
-    """The kernel's L2-prefetch arguments: `prefetch`'s expert stride and gate/up half in
-    bytes, and the bytes a half (ROUTE_L2_PREFETCH_BYTES, rounded down to 16, at most the
-    half); PF_BYTES 0 (off) without a tensor, on the interpreter, or before sm_90."""
-    nbytes = ROUTE_L2_PREFETCH_BYTES // 16 * 16
-    on = prefetch is not None and nbytes > 0 and device.type == "cuda"
-    on = on and torch.cuda.get_device_capability(device)[0] >= 9
-    stride_e = prefetch.stride(0) * prefetch.element_size() if on else 0
-    half = stride_e // 2  # gate rows, then up rows: [E, 2I, ...]
-    # The bulk prefetch wants 16-byte aligned addresses.
-    if not on or not prefetch.is_contiguous() or half % 16:
-        return dict(pf_ptr=None, pf_stride_e=0, pf_half=0, PF_BYTES=0)
-    return dict(pf_ptr=prefetch, pf_stride_e=stride_e, pf_half=half, PF_BYTES=min(nbytes, half))
