@@ -162,7 +162,7 @@ def print_table(result: dict) -> None:
             f"({kv['ratio']:.1f}x smaller)"
         )
     print(
-        f"\n{'B':>3} {'floor ms':>9} {'step ms':>8} {'of floor':>9} {'graph ms':>9} "
+        f"\n{'B':>3} {'floor ms':>9} {'step ms':>8} {'wall ms':>8} {'of floor':>9} {'graph ms':>9} "
         f"{'of floor':>9} {'tok/s':>8} {'GB/step':>8}"
     )
     p = m["plain"]
@@ -171,7 +171,7 @@ def print_table(result: dict) -> None:
     for r in p.get("rows", []):
         print(
             f"{r['batch']:>3} {_ms(r['floor_ms']):>9} {r['ms_per_step']:>8.2f} "
-            f"{_pct(r['pct_of_floor']):>9} {_ms(r['graph_ms']):>9} "
+            f"{r.get('wall_ms_per_step', 0):>8.2f} {_pct(r['pct_of_floor']):>9} {_ms(r['graph_ms']):>9} "
             f"{_pct(r['graph_pct_of_floor']):>9} {r['tok_s']:>8.0f} "
             f"{r['bytes']['total'] / 1e9:>8.2f}"
         )

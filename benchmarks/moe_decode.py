@@ -310,7 +310,9 @@ def plain_case(name: str, model_dir: str, cfg: dict, args: argparse.Namespace) -
         r["bytes"] = step_bytes(engine.model, b, context)
         r["graph_ms"] = time_graph(engine, b) if engine.runner.cudagraphs else None
         rows.append({"batch": b, **r})
-        log(f"  {name} B={b}: {r['ms_per_step']:.2f} ms/step, graph {r['graph_ms']} ms")
+        log(
+            f"  {name} B={b}: {r['ms_per_step']:.2f} ms/step (wall {r['wall_ms_per_step']:.2f}), graph {r['graph_ms']} ms"
+        )
     del llm, engine
     return {"greedy": tokens, "rows": rows}
 
@@ -413,11 +415,15 @@ def print_plain_table(result: dict, mxfp4: bool = False) -> None:
     bw = result["copy_bandwidth_GBs"]
     print(f"\n{result['device']}; copy bandwidth {_ms(bw)} GB/s (read + write, best of before")
     print("and after the engines); engine defaults (async scheduling, CUDA graphs)")
+    print(
+        "step ms: device time a step in a running loop (CUDA events; spec_step.measure); "
+        "wall ms: the wall clock over the same loop, its start included"
+    )
     for note in result["notes"]:
         print(note)
     extra = f" {'mxfp4 fl':>9} {'of it':>7}" if mxfp4 else ""
     print(
-        f"\n{'model':>14} {'B':>3} {'floor ms':>9} {'step ms':>8} {'of floor':>9} "
+        f"\n{'model':>14} {'B':>3} {'floor ms':>9} {'step ms':>8} {'wall ms':>8} {'of floor':>9} "
         f"{'graph ms':>9} {'of floor':>9} {'tok/s':>8} {'GB/step':>8} {'experts':>8}" + extra
     )
     for m in result["models"]:
@@ -430,7 +436,8 @@ def print_plain_table(result: dict, mxfp4: bool = False) -> None:
             of_it = _pct(fl / r["ms_per_step"]) if fl else "-"
             print(
                 f"{m['name']:>14} {r['batch']:>3} {_ms(r['floor_ms']):>9} "
-                f"{r['ms_per_step']:>8.2f} {_pct(r['pct_of_floor']):>9} "
+                f"{r['ms_per_step']:>8.2f} {r.get('wall_ms_per_step', 0):>8.2f} "
+                f"{_pct(r['pct_of_floor']):>9} "
                 f"{_ms(r['graph_ms']):>9} {_pct(r['graph_pct_of_floor']):>9} "
                 f"{r['tok_s']:>8.0f} {r['bytes']['total'] / 1e9:>8.2f} "
                 f"{r['experts_per_layer']:>8.1f}" + (f" {_ms(fl):>9} {of_it:>7}" if mxfp4 else "")

@@ -78,8 +78,8 @@ def make_engine(
 def measure(
     engine: object, batch: int, steps: int = 24, prompt_len: int = 128, vocab_size: int = 128000
 ) -> dict:
-    """Per-step wall time and drafting time once `batch` requests are all decoding (on CPU,
-    where there are no CUDA events, the drafting time is not measured: 0)."""
+    """Per-step device time (and wall time) and drafting time once `batch` requests are all
+    decoding (on CPU, where there are no CUDA events: the wall time, and drafting time 0)."""
     from specserve import SamplingParams
 
     cuda = engine.config.torch_device.type == "cuda"  # type: ignore[attr-defined]
@@ -99,28 +99,37 @@ def measure(
     runner = engine.runner  # type: ignore[attr-defined]
     runner.draft_events = [] if cuda else None
     gen_before = sum(len(r.output_token_ids) for r in engine.requests.values())  # type: ignore[attr-defined]
+    # The step time is the device's, between two events on the stream: the first queued behind
+    # a step in flight (async scheduling: each call launches a step, then reads the one
+    # before), the second behind the last timed step. So it covers `steps` whole device steps
+    # in a running loop, idle gaps included (a host that falls behind shows), and not the
+    # pipeline's start: the wall clock below (its first launch's host latency counted, 1/steps
+    # of it a step) is kept beside it. Sessions 11-14 stopped the clock before the last step
+    # ran: (steps - 1) device steps over steps.
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
     sync()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for i in range(steps + 1):
+        if ev is not None and i == 1:
+            ev[0].record()
         engine.step()  # type: ignore[attr-defined]
-    # Async scheduling: each call launches a step and then reads the one before, so `steps`
-    # calls leave the last launched step still running, and the first call only read a step
-    # finished before t0. The clock stops once the device is done: `steps` whole device steps
-    # (plus the first launch's host latency), not steps - 1 (which read 1/steps fast: 8% at 12
-    # steps, sessions 11-14).
+    if ev is not None:
+        ev[1].record()
     sync()
     dt = time.perf_counter() - t0
     gen = sum(len(r.output_token_ids) for r in engine.requests.values()) - gen_before  # type: ignore[attr-defined]
-    draft_ms = sum(s.elapsed_time(e) for s, e in (runner.draft_events or [])[:steps]) / steps
+    draft_ms = sum(s.elapsed_time(e) for s, e in (runner.draft_events or [])[1 : steps + 1]) / steps
     runner.draft_events = None
     for rid in list(engine.requests):  # type: ignore[attr-defined]
         engine.abort_request(rid)  # type: ignore[attr-defined]
-    ms = 1e3 * dt / steps
+    wall_ms = 1e3 * dt / (steps + 1)
+    ms = ev[0].elapsed_time(ev[1]) / steps if ev is not None else wall_ms
     return {
         "ms_per_step": ms,
+        "wall_ms_per_step": wall_ms,
         "draft_ms": draft_ms,
         "tok_s": gen / dt,
-        "tokens_per_step": gen / steps / batch,
+        "tokens_per_step": gen / (steps + 1) / batch,
     }
 
 
