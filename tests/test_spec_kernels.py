@@ -90,6 +90,7 @@ def _step(g: torch.Generator, max_model_len: int, device: str, shift: int = 1) -
         num_draft=num_draft,
         num_acc=num_acc,
         out_pos0=ends - num_draft,
+        seq_lens=ends,
         samples=(torch.arange(B) % 4 != 0).long(),  # rows 0 and 4: mid-prompt chunks
     )
     return {name: t.to(device) for name, t in step.items()}
@@ -125,6 +126,11 @@ def test_prepare_target_inputs(device: str, block_size: int) -> None:
     for a, b, v in zip(got, sk.prepare_target_inputs_ref(*args), views):
         _assert_equal(v, b, "out=")
         assert a.data_ptr() == v.data_ptr()
+    # ... and positions / seq_lens into a graph's metadata buffers (seq_lens to int32).
+    meta = (torch.zeros(T + 5, **i64)[:T], torch.zeros(B + 2, dtype=torch.int32, device=device)[:B])
+    ops.prepare_target_inputs(*args, views, s["seq_lens"], meta)
+    _assert_equal(meta[0], s["positions"], "meta_out positions")
+    _assert_equal(meta[1], s["seq_lens"].to(torch.int32), "meta_out seq_lens")
 
 
 @pytest.mark.parametrize("device", DEVICES)

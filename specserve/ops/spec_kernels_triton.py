@@ -98,6 +98,9 @@ def _prepare_target_inputs_kernel(
     out_ids_ptr,
     out_slot_ptr,
     out_bt_ptr,
+    seq_lens_ptr,
+    out_pos_ptr,
+    out_seq_ptr,
     num_tokens,
     max_blocks,
     token_stride,
@@ -107,9 +110,11 @@ def _prepare_target_inputs_kernel(
     BLOCK: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     NUM_COL_BLOCKS: tl.constexpr,
+    META: tl.constexpr,
 ):
     # grid = (cdiv(T, BLOCK) + B,): the first programs fill BLOCK tokens each, the last B copy
-    # one block-table row each.
+    # one block-table row each. META: the token programs also copy positions to out_pos, the
+    # row programs seq_lens to out_seq (in its dtype): a graph's metadata inputs.
     pid = tl.program_id(0)
     num_token_programs = tl.cdiv(num_tokens, BLOCK)
     if pid < num_token_programs:
@@ -123,9 +128,14 @@ def _prepare_target_inputs_kernel(
         slot = blk.to(tl.int64) * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE
         tl.store(out_ids_ptr + t, ids, mask=m)
         tl.store(out_slot_ptr + t, slot, mask=m)
+        if META:
+            tl.store(out_pos_ptr + t, pos, mask=m)
     else:
         b = pid - num_token_programs
         b_row = tl.load(idx_mapping_ptr + b).to(tl.int64)
+        if META:
+            seq = tl.load(seq_lens_ptr + b)
+            tl.store(out_seq_ptr + b, seq.to(out_seq_ptr.dtype.element_ty))
         _copy_row(
             block_table_ptr + b_row * bt_stride,
             out_bt_ptr + b.to(tl.int64) * out_bt_stride,
@@ -143,6 +153,8 @@ def prepare_target_inputs_triton(
     positions: Tensor,
     block_size: int,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
+    seq_lens: Tensor | None = None,
+    meta_out: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     T, B = positions.shape[0], idx_mapping.shape[0]
     max_blocks = block_table.shape[1]
@@ -165,6 +177,8 @@ def prepare_target_inputs_triton(
         input_ids,
         slot,
         bt,
+        seq_lens if meta_out is not None else positions,
+        *(meta_out if meta_out is not None else (positions, positions)),
         T,
         max_blocks,
         token_ids.stride(0),
@@ -174,6 +188,7 @@ def prepare_target_inputs_triton(
         BLOCK=_BLOCK,
         BLOCK_COLS=cols,
         NUM_COL_BLOCKS=n_cols,
+        META=meta_out is not None,
     )
     return input_ids, slot, bt
 

@@ -188,9 +188,14 @@ class CudaGraphRunner:
         B, T = inp.num_reqs, inp.num_tokens
         return self.input_ids[:T], self.slot_mapping[:T], self.block_table[:B]
 
+    def meta_buffers(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where `prepare_target_inputs` copies a replayed step's positions [T] int64 and
+        seq_lens [B] int32 (its `meta_out`): in its launch, not as two copies of their own."""
+        return self.positions[: inp.num_tokens], self.seq_lens[: inp.num_reqs]
+
     def replay(self, inp: StepInputs, bg: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Replay the graph of `padded_batch(inp)` == bg, its `input_buffers` already written;
-        -> (hidden [T, H], aux hidden states)."""
+        """Replay the graph of `padded_batch(inp)` == bg, its `input_buffers` and `meta_buffers`
+        already written; -> (hidden [T, H], aux hidden states)."""
         B, T = inp.num_reqs, inp.num_tokens
         q = inp.max_query_len
         # NOTE: a uniform batch's query_start_loc and token_req are constants of q (set only
@@ -203,8 +208,6 @@ class CudaGraphRunner:
             self.slot_mapping[T:tg] = -1
             self.seq_lens[B:bg] = q
             self.block_table[B:bg] = self.runner.null_block
-        self.positions[:T] = inp.positions
-        self.seq_lens[:B] = inp.seq_lens  # int64 -> int32 within the copy
         self.graphs[(q, bg)].replay()
         self.last_replayed = (q, bg)
         hidden, aux = self.outputs[(q, bg)]

@@ -43,6 +43,11 @@ from specserve.worker.cudagraph import eager_rows
 from specserve.worker.input_batch import StepInputs, prepare_inputs
 from specserve.worker.request_states import RequestStates
 
+# Step inputs uploaded and results downloaded on a second stream: a pinned copy between two
+# kernels of the compute stream costs it the copy plus the copy engine's start (3-9 us idle
+# before each in a gpt-oss-20b batch-1 step, H100, benchmarks/RESULTS.md session 15).
+COPY_STREAM = True
+
 
 @dataclass
 class PendingStep:
@@ -118,6 +123,10 @@ class ModelRunner:
         if speculator is not None:
             self.windows |= speculator.sliding_windows()
         self.aux_layers = speculator.aux_layers() if speculator is not None else ()
+        # The step's input upload and result download run here, off the compute stream (CUDA).
+        self.copy_stream = (
+            torch.cuda.Stream(self.device) if self.device.type == "cuda" and COPY_STREAM else None
+        )
         self.cudagraphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from specserve.worker.cudagraph import CudaGraphRunner
@@ -222,7 +231,7 @@ class ModelRunner:
             self.states.sync_blocks(s.req)
         self.states.upload_block_table()
         k = self.num_spec_tokens
-        inp = prepare_inputs(sched, k, self.device)
+        inp = prepare_inputs(sched, k, self.device, self.copy_stream)
         if inp.start_on_device is not None:
             self._place_on_device(inp)
         st_rows = inp.idx_mapping
@@ -234,10 +243,11 @@ class ModelRunner:
         if graphs is not None:
             graphs.last_replayed = None
         # One launch on CUDA: input ids, slot mapping and block-table rows (into the graph's
-        # input buffers when it replays).
+        # input buffers when it replays, with its positions and seq_lens).
         input_ids, slot_mapping, block_table = prepare_target_inputs(
             tok, self.states.block_table, st_rows, inp.token_req, inp.positions, self.block_size,
             graphs.input_buffers(inp) if bg is not None else None,
+            inp.seq_lens, graphs.meta_buffers(inp) if bg is not None else None,
         )  # fmt: skip
         common = ctx = None  # attention metadata: built when something runs eagerly
         if bg is not None:
@@ -452,9 +462,18 @@ class ModelRunner:
         # NOTE: the single device-to-host copy of the step; everything above stayed on device.
         # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile.
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        if self.copy_stream is None:
+            host.copy_(flat, non_blocking=True)
+            event.record()
+        else:
+            # On the copy stream, behind this step's kernels; the compute stream goes on to the
+            # next step. `flat`'s memory is not handed out again before the copy has run.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                host.copy_(flat, non_blocking=True)
+                event.record()
+            flat.record_stream(self.copy_stream)
         return PendingStep(host, event, B, k1, n_top, has_acc, spans, p_top, n_drafts)
 
     def finish(self, pending: PendingStep) -> StepOutput:
