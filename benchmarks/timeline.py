@@ -46,6 +46,12 @@ def main() -> None:
         action="store_true",
         help="also the host side of batch-1 steps: cProfile and every synchronizing operation",
     )
+    ap.add_argument(
+        "--step-ms",
+        action="store_true",
+        help="then the steady-state step time without the profiler (spec_step.measure, 48 "
+        "steps, a fresh engine)",
+    )
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp")
     for name in args.shape.split(","):
@@ -66,11 +72,39 @@ def main() -> None:
         )
         with open(os.path.join(out, f"timeline-{name}-b{args.batch}.json"), "w") as f:
             json.dump({"shape": name, "config": cfg, **res}, f, indent=1)
+        if args.step_ms:
+            step_time(model_dir, args.prompt_len, args.batch, cfg["vocab_size"])
         if args.profile:
             kw = dict(async_scheduling=True, decode_matmul="auto", gpu_memory_utilization=0.9)
             profile_steps(model_dir, args.prompt_len, **kw)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def step_time(model_dir: str, prompt_len: int, batch: int, vocab_size: int) -> None:
+    """Print the step time of a running decode loop (CUDA events, no profiler)."""
+    from spec_step import measure
+
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=model_dir,
+        dtype="bfloat16",
+        load_format="dummy",
+        max_model_len=1024,
+        max_num_seqs=batch,
+        gpu_memory_utilization=0.9,
+        async_scheduling=True,
+        decode_matmul="auto",
+        warmup=False,
+    )
+    engine = LLMEngine(cfg)
+    r = measure(engine, batch, 48, prompt_len, vocab_size)
+    print(f"step {1e3 * r['ms_per_step']:.0f} us (wall {1e3 * r['wall_ms_per_step']:.0f})")
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

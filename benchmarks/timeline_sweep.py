@@ -32,18 +32,25 @@ def main() -> None:
     ap.add_argument("--shape", required=True)
     ap.add_argument("--batch", default="1")
     ap.add_argument("--variants", required=True)
+    ap.add_argument(
+        "--step-ms", action="store_true", help="also each variant's step time without profiler"
+    )
     args = ap.parse_args()
     spans = []
     for variant in args.variants.split(";"):
         sets = "" if variant == "base" else variant
         cmd = [sys.executable, "-c", RUNNER, sets, "--shape", args.shape, "--batch", args.batch]
+        cmd += ["--step-ms"] if args.step_ms else []
         out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ).stdout
         print(f"### {variant}\n{out}", flush=True)
         m = re.search(r"span (\d+)\s+busy (\d+)", out)
-        spans.append((variant, m.group(1) if m else "?", m.group(2) if m else "?"))
-    print("variant | span us | busy us")
-    for v, span, busy in spans:
-        print(f"{v} | {span} | {busy}")
+        step = re.search(r"step (\d+) us \(wall (\d+)\)", out)
+        spans.append(
+            (variant, *(m.groups() if m else ("?", "?")), *(step.groups() if step else ("-", "-")))
+        )
+    print("variant | span us | busy us | step us | wall us")
+    for row in spans:
+        print(" | ".join(row))
 
 
 if __name__ == "__main__":
