@@ -44,11 +44,9 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ).stdout
         print(f"### {variant}\n{out}", flush=True)
         m = re.search(r"span (\d+)\s+busy (\d+)", out)
-        step = re.search(r"step (\d+) us \(wall (\d+)\)", out)
-        spans.append(
-            (variant, *(m.groups() if m else ("?", "?")), *(step.groups() if step else ("-", "-")))
-        )
-    print("variant | span us | busy us | step us | wall us")
+        step = re.search(r"step (\d+) us \(wall (\d+)\); host waits (\d+)", out)
+        spans.append((variant, *(m.groups() if m else "??"), *(step.groups() if step else "---")))
+    print("variant | span us | busy us | step us | wall us | host waits us")
     for row in spans:
         print(" | ".join(row))
 

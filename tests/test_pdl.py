@@ -139,7 +139,6 @@ def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool, fuse_
         FUSE_KV=fuse_kv,
         MERGE=False,
         QK_NORM=fuse_kv,  # Qwen3's per-head q / k RMSNorm inside the fused RoPE tiles
-        SKIP_EMPTY=splits > 1,
     )
     eps = {"q_eps": "fp32", "k_eps": "fp32"}
     for kernel, consts in ((tp._rope_and_cache_kernel, rope), (tp._paged_attention_kernel, attn)):

@@ -343,7 +343,6 @@ def _paged_attention_kernel(
     q_eps,
     k_eps,
     QK_NORM: tl.constexpr,
-    SKIP_EMPTY: tl.constexpr,
 ):
     # QK_NORM (with FUSE_KV): q and k arrive un-normed too; the per-head RMSNorm runs in the
     # RoPE tiles (no qk-norm launch), q_norm_w / k_norm_w [HEAD_DIM].
@@ -383,19 +382,6 @@ def _paged_attention_kernel(
     pdl.wait(PDL and EARLY_META)
     if q_off >= q_len:  # a q-block past its request's queries (all rows invalid above)
         return
-    if SPLITS > 1:
-        # Split-KV (flash-decoding): this program takes its share of the key tiles; partial
-        # softmax states are merged by _combine_splits_kernel.
-        per = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), SPLITS) * BLOCK_N
-        kv_begin = kv_begin + split * per
-        kv_end = tl.minimum(kv_end, kv_begin + per)
-        ws = (tok * num_heads + head) * SPLITS + split
-        if SKIP_EMPTY and split > 0 and kv_begin >= kv_end:
-            # No keys here (a context shorter than the splits cover): only m = -inf, which
-            # tells the combine to read nothing else of this split (split 0 always runs: the
-            # sinks join there).
-            tl.store(ws_m_ptr + ws, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
-            return
 
     q_row = q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh
     if FUSE_KV:  # q arrives unrotated: RoPE here, rounded as the RoPE kernel rounds
@@ -413,6 +399,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    if SPLITS > 1:
+        # Split-KV (flash-decoding): this program takes its share of the key tiles; partial
+        # softmax states are merged by _combine_splits_kernel.
+        per = tl.cdiv(tl.cdiv(kv_end - kv_begin, BLOCK_N), SPLITS) * BLOCK_N
+        kv_begin = kv_begin + split * per
+        kv_end = tl.minimum(kv_end, kv_begin + per)
     if FUSE_KV:
         # This step's keys and values (rotated k) go to the cache here, each by the program
         # whose key range holds its position: all of a request's new tokens sit in one q-block
@@ -476,6 +468,7 @@ def _paged_attention_kernel(
             m_i = m_new
 
     if SPLITS > 1:
+        ws = (tok * num_heads + head) * SPLITS + split
         tl.store(ws_m_ptr + ws, m_i, mask=row_valid)
         tl.store(ws_l_ptr + ws, l_i, mask=row_valid)
         tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
@@ -596,8 +589,7 @@ def _combine_splits_kernel(
     PDL: tl.constexpr,
 ):
     """out[t, h] from the SPLITS partial (m, l, acc) of row (t, h): rescale each to the global
-    max (log2 domain, as the main kernel) and normalize once. Splits with m = -inf (no key
-    seen; skipped splits wrote nothing else) add exactly zero: their l and acc are not read."""
+    max (log2 domain, as the main kernel) and normalize once. Empty splits have m = -inf."""
     pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -605,16 +597,13 @@ def _combine_splits_kernel(
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, HEAD_DIM)
     m = tl.load(ws_m_ptr + row + sp)
-    live = m > float("-inf")
-    lse = tl.load(ws_l_ptr + row + sp, mask=live, other=0.0)
+    lse = tl.load(ws_l_ptr + row + sp)
     m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_safe)
     denom = tl.sum(lse * w, axis=0)
     denom = tl.where(denom == 0.0, 1.0, denom)
-    acc = tl.load(
-        ws_acc_ptr + (row + sp)[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0
-    )
+    acc = tl.load(ws_acc_ptr + (row + sp)[:, None] * HEAD_DIM + d[None, :])
     out = tl.sum(acc * w[:, None], axis=0) / denom
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
@@ -705,7 +694,9 @@ def paged_attention(
         )
     grid = (q_blocks, num_kv_heads, num_splits)
     if num_splits > 1:
-        ws_acc, ws_m, ws_l = _split_workspace(num_tokens, num_heads, num_splits, head_dim, q.device)
+        ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
+        ws_m = torch.empty(num_tokens, num_heads, num_splits, device=q.device)
+        ws_l = torch.empty_like(ws_m)
         if counters is None or counters.numel() < q_blocks * num_kv_heads:
             counters = torch.zeros(q_blocks * num_kv_heads, dtype=torch.int32, device=q.device)
     else:
@@ -775,7 +766,6 @@ def paged_attention(
         EARLY_META=kw["PDL"] and pdl.EARLY_METADATA,
         FUSE_KV=new_kv is not None,
         MERGE=merge,
-        SKIP_EMPTY=SKIP_EMPTY_SPLITS and not merge,
         **_qk_norm_args(qk_norm, q),
         **kw,
     )
@@ -793,16 +783,6 @@ def paged_attention(
             **kw,
         )
     return out
-
-
-def _split_workspace(
-    num_tokens: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised split partials: acc [T, H, S, D], m and l [T, H, S] float32 (a skipped
-    split writes only m; tests fill these with NaN to show nothing else is read)."""
-    acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=device)
-    m = torch.empty(num_tokens, num_heads, num_splits, device=device)
-    return acc, m, torch.empty_like(m)
 
 
 def _qk_norm_args(
@@ -837,10 +817,6 @@ def fuses_kv_write(
 # instead of _combine_splits_kernel; slower in both measurements (5.913 vs 5.817 ms there).
 FUSE_ROPE_KV = True
 MERGE_SPLITS_IN_KERNEL = False
-# Split programs past the context's key tiles store m = -inf and stop (no q load, no l / acc
-# stores), and the combine reads l and acc of the live splits only: at 150 keys 3 of 16
-# splits have keys. Results are bitwise the same either way.
-SKIP_EMPTY_SPLITS = True
 # Split launches leave SMs idle: far fewer (q-block, KV head) groups than this.
 MAX_SPLIT_GROUPS = 1024
 
