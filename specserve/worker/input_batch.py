@@ -45,14 +45,8 @@ class StepInputs:
 
 
 def prepare_inputs(
-    sched: SchedulerOutput,
-    num_spec_tokens: int,
-    device: torch.device,
-    copy_stream: torch.cuda.Stream | None = None,
+    sched: SchedulerOutput, num_spec_tokens: int, device: torch.device
 ) -> StepInputs:
-    """The step's device inputs, uploaded in one copy: on `copy_stream` when given (it runs
-    while the compute stream still works on the step before; the compute stream waits for it
-    before anything that follows)."""
     s = sched.scheduled
     B = len(s)
     k1 = num_spec_tokens + 1
@@ -91,15 +85,7 @@ def prepare_inputs(
         host_drafts.ravel(),
     ]
     packed = torch.from_numpy(np.concatenate(parts))
-    if device.type == "cuda" and copy_stream is not None:
-        pinned = packed.pin_memory()
-        compute = torch.cuda.current_stream(device)
-        with torch.cuda.stream(copy_stream):
-            packed = pinned.to(device, non_blocking=True)
-        compute.wait_stream(copy_stream)
-        # Allocated on the copy stream, used on the compute stream: kept until that use ran.
-        packed.record_stream(compute)
-    elif device.type == "cuda":
+    if device.type == "cuda":
         packed = packed.pin_memory().to(device, non_blocking=True)
     sizes = [B, B + 1, T, T, B * k1, B, B, B, B, B, host_drafts.size]
     v = torch.split(packed, sizes)

@@ -43,11 +43,6 @@ from specserve.worker.cudagraph import eager_rows
 from specserve.worker.input_batch import StepInputs, prepare_inputs
 from specserve.worker.request_states import RequestStates
 
-# Step inputs uploaded and results downloaded on a second stream: a pinned copy between two
-# kernels of the compute stream costs it the copy plus the copy engine's start (3-9 us idle
-# before each in a gpt-oss-20b batch-1 step, H100, benchmarks/RESULTS.md session 15).
-COPY_STREAM = True
-
 
 @dataclass
 class PendingStep:
@@ -123,10 +118,6 @@ class ModelRunner:
         if speculator is not None:
             self.windows |= speculator.sliding_windows()
         self.aux_layers = speculator.aux_layers() if speculator is not None else ()
-        # The step's input upload and result download run here, off the compute stream (CUDA).
-        self.copy_stream = (
-            torch.cuda.Stream(self.device) if self.device.type == "cuda" and COPY_STREAM else None
-        )
         self.cudagraphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from specserve.worker.cudagraph import CudaGraphRunner
@@ -231,7 +222,7 @@ class ModelRunner:
             self.states.sync_blocks(s.req)
         self.states.upload_block_table()
         k = self.num_spec_tokens
-        inp = prepare_inputs(sched, k, self.device, self.copy_stream)
+        inp = prepare_inputs(sched, k, self.device)
         if inp.start_on_device is not None:
             self._place_on_device(inp)
         st_rows = inp.idx_mapping
@@ -462,18 +453,9 @@ class ModelRunner:
         # NOTE: the single device-to-host copy of the step; everything above stayed on device.
         # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile.
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
         event = torch.cuda.Event()
-        if self.copy_stream is None:
-            host.copy_(flat, non_blocking=True)
-            event.record()
-        else:
-            # On the copy stream, behind this step's kernels; the compute stream goes on to the
-            # next step. `flat`'s memory is not handed out again before the copy has run.
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                host.copy_(flat, non_blocking=True)
-                event.record()
-            flat.record_stream(self.copy_stream)
+        event.record()
         return PendingStep(host, event, B, k1, n_top, has_acc, spans, p_top, n_drafts)
 
     def finish(self, pending: PendingStep) -> StepOutput:
