@@ -139,6 +139,7 @@ def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool, fuse_
         FUSE_KV=fuse_kv,
         MERGE=False,
         QK_NORM=fuse_kv,  # Qwen3's per-head q / k RMSNorm inside the fused RoPE tiles
+        PAGE_EARLY=early_meta,  # pdl.EARLY_METADATA with PRELOAD_FIRST_PAGE
     )
     eps = {"q_eps": "fp32", "k_eps": "fp32"}
     for kernel, consts in ((tp._rope_and_cache_kernel, rope), (tp._paged_attention_kernel, attn)):
