@@ -37,6 +37,9 @@ the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
   bulk-prefetching the first 0.5-2 MB of each chosen expert's gate and up rows into L2 before
   writing the choice. Busy time a step: Qwen3-30B-A3B 2966-2971 us (1 MB / 2 MB) vs 2945 us,
   gpt-oss-20b 1781-1782 vs 1778-1780 us: the expert kernel's ramp is not idle HBM it can fill.
+  Fewer warps a program (reductions within a warp, no shared-memory rounds): (2, 2048, 2) and
+  (2, 1024, 2) at Qwen3-30B-A3B 5.42 / 5.41 us a layer vs 5.39, (2, 1024, 2) and (2, 1024, 1)
+  at gpt-oss-20b 4.17 us all three (session 15): the reductions are not where its time goes.
 
 Ties among experts: the kernel takes the lowest expert index first (torch.topk does not promise
 an order among equal values); the choice is otherwise the reference's, the weights equal up to
