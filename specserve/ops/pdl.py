@@ -30,6 +30,11 @@ Session 14 (H100, gpt-oss-20b, timeline_sweep, RESULTS.md): the same for the MXF
 (gate_up triggering early, down loading all its K steps before waiting) did nothing (busy 1812
 vs 1795 us): gate_up's programs hold the SM's registers until they finish; capping both
 kernels' registers (ptxas maxnreg) to make room was far slower (2195-2553 us).
+Session 15 (H100, timeline_sweep): the attention kernel requesting its first key tile's page
+ids before the wait with the other metadata (triton_paged.PRELOAD_FIRST_PAGE, kept): Qwen3-30B-A3B
+busy 2930 vs 2945 us, gpt-oss-20b 1788 vs 1781. gpt-oss-20b's o projection with whole 4096-deep
+rows (all its weights loaded before its wait): o 6.71 -> 4.70 us a layer, but the attention it
+overlaps 8.35 -> 10.50 us (its dependent loads queue behind o's weights): busy 1811 vs 1797 us.
 
 The rule every kernel launched with `launch_kwargs` keeps: `start` comes before any memory
 access other than weight loads, in every program, including programs that then exit early.
