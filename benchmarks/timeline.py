@@ -84,23 +84,9 @@ def main() -> None:
 
 def step_time(model_dir: str, prompt_len: int, batch: int, vocab_size: int) -> None:
     """Print the step time of a running decode loop (CUDA events, no profiler)."""
-    from spec_step import measure
+    from spec_step import make_engine, measure
 
-    from specserve.config import EngineConfig
-    from specserve.engine.engine import LLMEngine
-
-    cfg = EngineConfig(
-        model=model_dir,
-        dtype="bfloat16",
-        load_format="dummy",
-        max_model_len=1024,
-        max_num_seqs=batch,
-        gpu_memory_utilization=0.9,
-        async_scheduling=True,
-        decode_matmul="auto",
-        warmup=False,
-    )
-    engine = LLMEngine(cfg)
+    engine = make_engine(model_dir, None, "fused", batch, async_scheduling=True)
     # The host's waits for the device (each step's results): ~0 when the host is the bottleneck.
     runner, waits = engine.runner, []
     finish = runner.finish
