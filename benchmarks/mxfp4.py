@@ -4,8 +4,8 @@ Random 4-bit experts at gpt-oss-20b (32 experts) and gpt-oss-120b (128 experts) 
 (H = I = 2880, top-4, bf16 activations, biases + swiglu_oai): code bytes uniform in 0..255,
 E8M0 scales in 119..127 (2^-8 .. 2^0: finite), LAYERS distinct layers with their own
 random routing, so a pass over them does not sit in the 50 MB L2. For T = 1, 4, 8 tokens, each
-decode variant (moe_mxfp4.DECODE_VARIANTS) and launch config (the variant's shape table; v2 to
-v5 also every `mxfp4_candidate_configs` candidate, each with the other kernel at its table config) is
+decode variant (moe_mxfp4.DECODE_VARIANTS) and launch config (the variant's shape table; v5
+also every `mxfp4_candidate_configs` candidate, each with the other kernel at its table config) is
 first checked against `fused_moe_mxfp4_ref` in float32 on the chosen experts (relative error
 under 2e-2, outputs poisoned with NaN first; a mismatch stops the run), then timed in CUDA
 graphs over the layers, median of the replays: the gate_up kernel alone, down alone, and
@@ -14,7 +14,7 @@ experts' code blocks, scales and biases) per microsecond, as a share of the devi
 copy bandwidth (read + write) measured in the same run.
 
     python benchmarks/mxfp4.py                        # $OUT/mxfp4.json; ~2 min on an H100
-    python benchmarks/mxfp4.py --variants v2 --configs table
+    python benchmarks/mxfp4.py --variants v5 --configs table
     python benchmarks/mxfp4.py --cpu-smoke            # tiny shapes, TRITON_INTERPRET=1: checks only
     python benchmarks/mxfp4.py --crossover 8,16,32,64 # decode kernels vs grouped GEMM per T
 """
@@ -124,7 +124,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def config_pairs(variant: str, H: int, inter: int, top_k: int, keep: list[str]) -> list:
-    """(gate_up, down) pairs to run: the table's, and for v2-v5 each candidate with the other
+    """(gate_up, down) pairs to run: the table's, and for v5 each candidate with the other
     kernel at its table config; `keep`: substrings of pair names ("table": the table pair)."""
     from specserve.ops import moe_mxfp4 as mx
 
@@ -365,7 +365,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no timing")
     ap.add_argument("--models", default=None, help=f"comma-separated of {list(MODELS)}")
-    ap.add_argument("--variants", default=None, help="comma-separated, e.g. v1,v2 (default all)")
+    ap.add_argument("--variants", default=None, help="comma-separated, e.g. v1,v5 (default all)")
     ap.add_argument(
         "--configs", default=None,
         help="keep config pairs whose name (gu8x1024x4_dn8x256x4) contains one of these "

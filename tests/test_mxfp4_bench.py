@@ -1,5 +1,5 @@
 """benchmarks/mxfp4.py --cpu-smoke: the whole flow (random MXFP4 layers, routing, every decode
-variant's table configs (v1 and the default v4) and a sweep candidate checked against the reference, the JSON) at tiny
+variant's table configs (v1 and the default v5) and a sweep candidate checked against the reference, the JSON) at tiny
 shapes under the Triton interpreter."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ def test_mxfp4_bench_cpu_smoke(tmp_path) -> None:
         script,
         "--cpu-smoke",
         "--variants",
-        "v1,v4",
+        "v1,v5",
         "--configs",
-        "table,gu8x1024x4",
+        "table,gu16x1024x2",
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -32,7 +32,7 @@ def test_mxfp4_bench_cpu_smoke(tmp_path) -> None:
     assert cases == [
         (T, variant, config)
         for T in (1, 3)
-        for variant, config in (("v1", (8, 512, 4)), ("v4", (4, 512, 2)), ("v4", (8, 1024, 4)))
+        for variant, config in (("v1", (8, 512, 4)), ("v5", (8, 1024, 2)), ("v5", (16, 1024, 2)))
     ]
     for r in rows:
         assert r["rel_err"] < 2e-2

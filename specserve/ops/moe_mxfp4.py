@@ -9,12 +9,7 @@ registers and multiplies them with the even and the odd activation columns.
 
   `_moe_mxfp4_gate_up_kernel`  decode: program (pair, column block) -> inter[pair] = act(g, u)
   `_moe_mxfp4_down_kernel`     decode: program (token, column block), the top_k sum fused
-  `*_kernel_v2`                the same programs over 32-bit code words (one a thread, its 8
-                               activations one 16-byte load, decoded by `_e2m1_words`), per-block
-                               scales applied in registers, one reduction after the K loop, PDL;
-                               with HALF2 ("v3") each word's dot product in f16x2
-                               (`_dot_words_h2`); "v4" mixes them per kernel (VARIANT_FLAGS);
-                               they and "v1" are kept for benchmarks/mxfp4.py.
+                               ("v1": the simplest formulation, kept for benchmarks/mxfp4.py)
   ops/moe_mxfp4_v5.py          "v5", the default: a thread owns whole blocks (one 128-bit code load, one scale
                                byte, one PTX decode + f16x2 dot per (row, block)), BLOCK_N rows
                                a thread sharing each block's activation conversion.
@@ -54,34 +49,15 @@ from specserve.ops.moe_triton import (
     table_configs,
 )
 
-# The decode kernels: "v2" (32-bit code words, one word a thread, per-block scales applied in
-# registers, one reduction after the K loop, PDL) and "v1" (byte tiles, a per-step reduction;
-# issue 22 measured it at 37% / 30% of the copy bandwidth on gpt-oss-20b). Both stay
-# selectable so benchmarks/mxfp4.py times them side by side on the same GPU.
-# "v3": v2's programs with each code word's dot product in f16x2 arithmetic (`_dot_words_h2`)
-# where the activations are 16-bit (fp32 activations keep v2's fp32 math): 19 instead of 27
-# instructions a word. "a" variants ("v2a", "v3a"): the scales loaded by inline PTX in the
-# code words' layout (`_scale_bits_asm`: no conversion through shared memory). "v4": gate_up as
-# v2, down as v3a, each kernel's best. Measured (H100, benchmarks/mxfp4.py --variants
-# v2,v2a,v3,v3a --configs table, twice, RESULTS.md session 13; gpt-oss-20b, us a layer at 1 / 4
-# / 8 tokens): gate_up v2 20.1 / 63.5 / 118.2, v3a 21.5 / 68.6 / 124.2, v2a 22.0 / 71.0 / 132.0,
-# v3 21.4 / 71.7 / 135.3; down v3a 12.9 / 34.7 / 64.1, v2 12.5 / 38.7 / 70.5, v2a 12.3 / 38.3 /
-# 70.1, v3 14.2 / 40.2 / 73.6. (Session 12's v2 gate_up took 24.2 us at one token: its scales
-# were loaded as [NB, BLOCK_N] and expanded, 31 barriers a program; loaded as [NB, BLOCK_N, 1]
-# they take 25.)
-# (HALF2, SCALE_ASM) of (gate_up, down) per v2-family variant:
-VARIANT_FLAGS: dict[str, tuple[tuple[bool, bool], tuple[bool, bool]]] = {
-    "v2": ((False, False), (False, False)),
-    "v2a": ((False, True), (False, True)),
-    "v3": ((True, False), (True, False)),
-    "v3a": ((True, True), (True, True)),
-    "v4": ((False, False), (True, True)),
-}
-# "v5" (ops/moe_mxfp4_v5.py), the default: a thread owns whole MXFP4 blocks (one 128-bit code
-# load, one scale byte and one decode + f16x2 dot routine per (row, block)): ~24 instead of ~42
-# SASS instructions a code word; H100 gpt-oss-20b experts at 1 / 4 / 8 tokens 28.0 / 78.5 /
-# 130.2 us a layer against v4's 31.1 / 97.0 / 182.3 (RESULTS.md session 13).
-DECODE_VARIANTS = ("v1", *VARIANT_FLAGS, "v5")
+# The decode kernels: "v5" (ops/moe_mxfp4_v5.py), the default, and "v1" (byte tiles, a
+# per-step reduction: the simplest formulation, kept beside it for benchmarks/mxfp4.py).
+# Between them (sessions 12-13), "v2"-"v4" (a 32-bit code word a thread, f16x2 dots, scale bytes
+# by PTX) were measured and superseded (RESULTS.md); git history holds them (before session 15).
+# v5 gives a thread whole MXFP4 blocks (one 128-bit code load, one scale byte and one decode +
+# f16x2 dot routine per (row, block)): ~24 instead of v4's ~42 SASS instructions a code word;
+# H100 gpt-oss-20b experts at 1 / 4 / 8 tokens 28.0 / 78.5 / 130.2 us a layer against v4's
+# 31.1 / 97.0 / 182.3 (RESULTS.md session 13).
+DECODE_VARIANTS = ("v1", "v5")
 DECODE_VARIANT = "v5"
 # "auto" runs the decode kernels rather than the grouped GEMM while the batch's (token, expert)
 # pairs are at most this many a expert on average: decode reads each chosen expert once a
@@ -94,36 +70,6 @@ MXFP4_DECODE_MAX_PAIRS_PER_EXPERT = 3.0
 # (BLOCK_N, BLOCK_K, num_warps): BLOCK_K weights a row per step = BLOCK_K / 2 bytes.
 MXFP4_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # v1
 MXFP4_DOWN_CONFIG: DecodeConfig = (4, 256, 4)  # v1
-# v2: a thread holds one word of a block, 8 threads span a warp's blocks, so BLOCK_K / 32
-# blocks (NB) = 8 x num_warps puts the warps along K and the activation columns arrive in the
-# tile's layout (other shapes are correct but convert activations through shared memory each
-# step). gate_up's K loop is unrolled (all of a program's loads in flight at once); at gpt-oss's
-# H = 2880 (90 blocks a row), 1024-weight steps leave 6 of 96 blocks masked. Per shape class,
-# the first row whose bounds hold: (max K, max top_k, config), K = H for gate_up, I for down.
-# Measured (H100, `python benchmarks/mxfp4.py`, RESULTS.md session 12; gpt-oss-20b, us a layer
-# at 1 / 4 / 8 tokens): gate_up (4, 512, 2) 23.8 / 77.3 / 145.2 against (8, 1024, 4) 25.7 /
-# 85.9 / 164.3 (v1: 32.1 / 94.8 / 178.9); down (8, 256, 4) 14.6 / 35.2 / 64.0 (v1 20.5 / 57.3 /
-# 103.8); (8, 512, 8) is 1.2 us faster at one token and 7% slower at eight. Session 13 (same
-# command, --variants v2,v3): v3 gate_up (4, 512, 2) 22.6 / 69.5 / 125.9 us (v2 24.2 / 78.1 /
-# 144.6); v3 down (8, 512, 8) 12.8 / 34.7 / ~61 against (8, 256, 4) 14.5 / 37.8 / 60.5: batch-1
-# decode is what the table is for, so down takes (8, 512, 8).
-MXFP4_V2_GATE_UP_TABLE: ConfigTable = ((float("inf"), float("inf"), (4, 512, 2)),)
-MXFP4_V2_DOWN_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 512, 8)),)
-MXFP4_V2_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
-    (8, 1024, 4),
-    (4, 1024, 4),
-    (16, 1024, 4),
-    (4, 512, 2),
-)
-MXFP4_V2_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
-    (8, 256, 4),
-    (4, 256, 4),
-    (16, 256, 4),
-    (8, 512, 8),
-    (4, 512, 8),
-)
-
-
 # v5 (ops/moe_mxfp4_v5.py): lanes own blocks, so NB = BLOCK_K / 32 = 32 (one block a lane a
 # step), and warps split the rows (gate_up) or the experts, then the rows (down): each thread
 # holds BLOCK_N / (warps on that dim) rows of a block, sharing one activation conversion. At
@@ -164,7 +110,7 @@ def mxfp4_decode_configs(
     if variant == "v5":
         configs = table_configs(MXFP4_V5_GATE_UP_TABLE, MXFP4_V5_DOWN_TABLE, hidden, inter, top_k)
         return (MXFP4_V5_GATE_UP_ONE_TOKEN, configs[1]) if tokens == 1 else configs
-    return table_configs(MXFP4_V2_GATE_UP_TABLE, MXFP4_V2_DOWN_TABLE, hidden, inter, top_k)
+    raise ValueError(f"MXFP4 decode variant {variant!r}: expected one of {DECODE_VARIANTS}")
 
 
 def mxfp4_candidate_configs(
@@ -175,7 +121,7 @@ def mxfp4_candidate_configs(
         return (MXFP4_GATE_UP_CONFIG,), (MXFP4_DOWN_CONFIG,)
     if variant == "v5":
         return MXFP4_V5_GATE_UP_CONFIGS, MXFP4_V5_DOWN_CONFIGS
-    return MXFP4_V2_GATE_UP_CONFIGS, MXFP4_V2_DOWN_CONFIGS
+    raise ValueError(f"MXFP4 decode variant {variant!r}: expected one of {DECODE_VARIANTS}")
 
 
 @triton.jit
@@ -329,7 +275,7 @@ def _moe_mxfp4_down_kernel(
     )
 
 
-# --- v2: 32-bit code words, in-thread block sums, one reduction after the K loop ----------------
+# --- 32-bit code words: the E2M1 word decode and fp16 helpers moe_mxfp4_v5.py builds on ---------
 
 
 @triton.jit
@@ -401,25 +347,6 @@ def _e2m1_words(words, ASM: tl.constexpr):
 
 
 @triton.jit
-def _scale_bits_asm(scale_ptrs, ok, ASM: tl.constexpr):
-    """As `_scale_bits`, each byte loaded by inline PTX where ASM (v3).
-
-    NOTE: why: scale_ptrs are shaped as the code words' tile ([..., 1] against its [..., 4]
-    words), but a tl.load gets the layout the load coalescer picks from the addresses (along
-    the blocks, 1 byte apart), and the conversion to the words' layout then went through
-    shared memory with 2 barriers per scale tile per K step (gate_up at (4, 512, 2): 31
-    barriers a program, 7 with this). An elementwise asm has no layout of its own: it is
-    computed in its use's layout, one predicated byte load a (block, row) per thread."""
-    if ASM:
-        s = tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.u8 $0, [$1]; }",
-            "=r,l,r", [scale_ptrs, ok.to(tl.int32)], tl.int32, is_pure=True, pack=1,
-        )  # fmt: skip
-        return ((s + 14) << 23).to(tl.float32, bitcast=True)
-    return _scale_bits(scale_ptrs, ok)
-
-
-@triton.jit
 def _scale_bits(scale_ptrs, ok):
     """fp32 2^(s - 127) of E8M0 scales s, times 2^14 to undo _e2m1's 2^-14, built as fp32 bits
     in one integer op (exact; s <= 240). NOTE: not exp2: the grouped GEMM scales every weight
@@ -429,55 +356,11 @@ def _scale_bits(scale_ptrs, ok):
 
 
 @triton.jit
-def _split8(x):
-    """[..., 2, 2, 2] -> 8 x [...]: x_c = x[..., c // 4, c // 2 % 2, c % 2] (in registers when
-    the last dims are held by one thread)."""
-    even, odd = tl.split(x)
-    e0, e1 = tl.split(even)
-    o0, o1 = tl.split(odd)
-    x0, x4 = tl.split(e0)
-    x2, x6 = tl.split(e1)
-    x1, x5 = tl.split(o0)
-    x3, x7 = tl.split(o1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@triton.jit
 def _dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
     """Per code word: sum_c value(nibble c) * x_c, unscaled (x 2^-14), fp32."""
     v0, v1, v2, v3, v4, v5, v6, v7 = _e2m1_words(words, ASM)
     acc = v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3
     return acc + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
-
-
-# PTX of `_dot_words_h2` ($1 a code word, $2..$5 the fp16 pairs x(0, 4), x(1, 5), x(2, 6),
-# x(3, 7); $0 the fp32 sum): `_E2M1_WORD_PTX`'s 11 integer ops leave each pair of codes as one
-# f16x2 word, multiplied into a f16x2 accumulator straight away (4 HFMA2) instead of 8
-# conversions and 8 fp32 FMAs: 19 instructions a word instead of 27.
-_E2M1_DOT_PTX = tl.constexpr("""{
-.reg .b32 t, q, h, a;
-.reg .b16 l, u;
-.reg .f32 f;
-shl.b32 t, $1, 1;
-shl.b32 q, $1, 4;
-lop3.b32 q, t, q, 0x0E0E0E0E, 0xE4;
-and.b32 h, q, 0x8E008E00;
-mul.rn.f16x2 a, h, $4;
-shl.b32 h, q, 8;
-and.b32 h, h, 0x8E008E00;
-fma.rn.f16x2 a, h, $2, a;
-shr.b32 t, $1, 3;
-lop3.b32 q, t, $1, 0x0E0E0E0E, 0xE4;
-and.b32 h, q, 0x8E008E00;
-fma.rn.f16x2 a, h, $5, a;
-shl.b32 h, q, 8;
-and.b32 h, h, 0x8E008E00;
-fma.rn.f16x2 a, h, $3, a;
-mov.b32 {l, u}, a;
-cvt.f32.f16 f, l;
-cvt.f32.f16 $0, u;
-add.f32 $0, $0, f;
-}""")
 
 
 @triton.jit
@@ -503,37 +386,6 @@ def _fp16_codes(w):
 
 
 @triton.jit
-def _dot_words_h2(words, x04, x15, x26, x37, ASM: tl.constexpr):
-    """Per code word: sum_c value(nibble c) * x_c (x 2^-14) in f16x2 arithmetic, as fp32;
-    x_ab: int32 words of the fp16 pair (x_a low, x_b high), from `_x_half2`.
-
-    NOTE: exact products (a code has 2 significant bits, a 16-bit activation at most 8
-    after bf16 -> fp16), sums of 4 rounded to fp16's 11 bits, then fp32: the result differs
-    from the fp32 path by ~2^-12 of each word's partial sums, far below the bf16 rounding of
-    the kernel's output. `_x_half2` scales the activations so nothing overflows. ASM as
-    `_e2m1_words` (the Triton formulation rounds each product and sum: same values)."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            _E2M1_DOT_PTX, "=r,r,r,r,r,r", [words, x04, x15, x26, x37], tl.float32,
-            is_pure=True, pack=1,
-        )  # fmt: skip
-    c0, c1, c2, c3, c4, c5, c6, c7 = _fp16_codes(words)
-    x0, x4 = _f16_halves(x04.to(tl.uint32, bitcast=True))
-    x1, x5 = _f16_halves(x15.to(tl.uint32, bitcast=True))
-    x2, x6 = _f16_halves(x26.to(tl.uint32, bitcast=True))
-    x3, x7 = _f16_halves(x37.to(tl.uint32, bitcast=True))
-    lo = c2 * x2
-    lo = c0 * x0 + lo
-    lo = c3 * x3 + lo
-    lo = c1 * x1 + lo
-    hi = c6 * x6
-    hi = c4 * x4 + hi
-    hi = c7 * x7 + hi
-    hi = c5 * x5 + hi
-    return lo.to(tl.float32) + hi.to(tl.float32)
-
-
-@triton.jit
 def _pack_half2(lo, hi, ASM: tl.constexpr):
     """int32 words of fp32 (lo, hi) rounded to fp16 (lo in the low half): one cvt a pair."""
     if ASM:
@@ -543,238 +395,6 @@ def _pack_half2(lo, hi, ASM: tl.constexpr):
     lo16 = lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
     hi16 = hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
     return (lo16 | (hi16 << 16)).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _x_half2(x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
-    """(x04, x15, x26, x37, undo): a word's 8 activations (fp32 columns, as `_x_columns`)
-    times 2^s in fp16 pairs for `_dot_words_h2`, and 2^-s (fp32) to multiply its sum by.
-
-    s puts the largest |x| of the 8 in [2^14, 2^15): products with codes (|value| <= 6, times
-    2^-14) stay below 12 and sums of 4 below 48, far from fp16's 65504, while activations
-    down to ~2^-24 of that largest stay fp16 normals. Per word, not per row: no cross-thread
-    reduction, and an outlier only coarsens its own 8 columns. Powers of two: exact."""
-    m = tl.maximum(tl.maximum(tl.abs(x0), tl.abs(x1)), tl.maximum(tl.abs(x2), tl.abs(x3)))
-    m4 = tl.maximum(tl.maximum(tl.abs(x4), tl.abs(x5)), tl.maximum(tl.abs(x6), tl.abs(x7)))
-    e = (tl.maximum(m, m4).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent
-    s = tl.minimum(tl.maximum(141 - e, -100), 100)  # 2^14 <= max|x| * 2^s < 2^15
-    up = ((127 + s) << 23).to(tl.float32, bitcast=True)
-    undo = ((127 - s) << 23).to(tl.float32, bitcast=True)
-    x04 = _pack_half2(x0 * up, x4 * up, ASM)
-    x15 = _pack_half2(x1 * up, x5 * up, ASM)
-    x26 = _pack_half2(x2 * up, x6 * up, ASM)
-    x37 = _pack_half2(x3 * up, x7 * up, ASM)
-    return x04, x15, x26, x37, undo
-
-
-@triton.jit
-def _x_columns(x_ptrs, ok):
-    """8 x [..., 4] fp32 of activation blocks x_ptrs [..., 32] (contiguous: 16-byte loads):
-    column c of word w of a block is x[..., 8 w + c]."""
-    x = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)
-    return _split8(tl.reshape(x, x.shape[:-1] + [4, 2, 2, 2]))
-
-
-@triton.jit(do_not_specialize=["P", "K"])
-def _moe_mxfp4_gate_up_kernel_v2(
-    x_ptr,
-    wb_ptr,
-    ws_ptr,
-    b_ptr,
-    topk_ids_ptr,
-    inter_ptr,
-    N,
-    K,
-    P,
-    top_k,
-    stride_xm,
-    stride_be,
-    stride_im,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    ALPHA: tl.constexpr,
-    LIMIT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    STEPS: tl.constexpr,
-    PDL: tl.constexpr,
-    ASM: tl.constexpr,
-    HALF2: tl.constexpr,
-    SCALE_ASM: tl.constexpr,
-):
-    # As _moe_mxfp4_gate_up_kernel. A K step is NB = BLOCK_K / 32 MXFP4 blocks of the gate and
-    # up rows, [NB, BLOCK_N, 4] 32-bit code words: a thread holds ONE word (8 weights) of a
-    # block in each of the BLOCK_N rows, i.e. the same 8 columns, whose activations it loads
-    # as one 16-byte vector ([NB, 32] activations in their natural layout are [NB, 4] x 8 in
-    # exactly that layout: no conversion through shared memory) and converts once for all
-    # 2 * BLOCK_N rows. Each word's sum is scaled (its block's E8M0 scale, one integer op a
-    # block) into an accumulator shaped as the tile; the one cross-thread reduction follows
-    # the K loop. The loop is unrolled (STEPS = cdiv(K / 32, NB)): every load of the program
-    # is issued at once, addressed as its row start plus a constant.
-    # NOTE: K is not specialized (do_not_specialize): row starts then are only known 4-byte
-    # aligned, which is what keeps the code loads at one word a thread (a 16-byte aligned K
-    # lets Triton load 4 words a thread, a layout the activations would have to be converted
-    # to every step).
-    NB: tl.constexpr = BLOCK_K // 32
-    pid = tl.program_id(0)
-    pair = pid % P
-    n = (pid // P) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    KW = K // 8  # code words a row
-    KS = K // 32
-    blk = tl.arange(0, NB)
-    word = tl.arange(0, 4)
-    wb = wb_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    # The expert id is the router's output (the previous kernel): nothing to preload.
-    pdl.wait(PDL)
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
-    gate_row = expert * 2 * N + n.to(tl.int64)
-    up_row = gate_row + N
-    # [1, BLOCK_N, 1] code-word row starts
-    gate_words = wb + (gate_row * KW)[None, :, None]
-    up_words = wb + (up_row * KW)[None, :, None]
-    acc = tl.zeros([NB, BLOCK_N, 4], dtype=tl.float32)
-    acc_up = tl.zeros([NB, BLOCK_N, 4], dtype=tl.float32)
-    for step in tl.static_range(STEPS):
-        g = step * NB + blk  # the step's blocks
-        g_ok = g < KS
-        ok = g_ok[:, None, None] & n_ok[None, :, None]
-        cols = (g * 4)[:, None, None] + word[None, None, :]
-        gate = tl.load(gate_words + cols, mask=ok, other=0)
-        up = tl.load(up_words + cols, mask=ok, other=0)
-        s_ok = g_ok[:, None] & n_ok[None, :]
-        s_ok3 = s_ok[:, :, None]
-        s_gate = ws_ptr + (g[:, None] + gate_row[None, :] * KS)[:, :, None]
-        s_gate = _scale_bits_asm(s_gate, s_ok3, SCALE_ASM)
-        s_up = _scale_bits_asm(
-            ws_ptr + (g[:, None] + up_row[None, :] * KS)[:, :, None], s_ok3, SCALE_ASM
-        )
-        xs = x_row + (g * 32)[:, None] + tl.arange(0, 32)[None, :]
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_columns(xs, g_ok[:, None])
-        if HALF2:
-            x04, x15, x26, x37, undo = _x_half2(x0, x1, x2, x3, x4, x5, x6, x7, ASM)
-            x04, x15, x26, x37 = x04[:, None, :], x15[:, None, :], x26[:, None, :], x37[:, None, :]
-            undo = undo[:, None, :]
-            acc += _dot_words_h2(gate, x04, x15, x26, x37, ASM) * (s_gate * undo)
-            acc_up += _dot_words_h2(up, x04, x15, x26, x37, ASM) * (s_up * undo)
-        else:
-            x0, x1, x2, x3 = x0[:, None, :], x1[:, None, :], x2[:, None, :], x3[:, None, :]
-            x4, x5, x6, x7 = x4[:, None, :], x5[:, None, :], x6[:, None, :], x7[:, None, :]
-            acc += _dot_words(gate, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * s_gate
-            acc_up += _dot_words(up, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * s_up
-    # After the weight stream: the successor takes no SM slots from this kernel's later waves.
-    pdl.trigger(PDL)
-    gate_acc = tl.sum(tl.sum(acc, axis=2), axis=0)
-    up_acc = tl.sum(tl.sum(acc_up, axis=2), axis=0)
-    _gate_up_store(
-        gate_acc, up_acc, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
-        HAS_BIAS, ACT, ALPHA, LIMIT,
-    )  # fmt: skip
-
-
-@triton.jit
-def _down_tile(row_words, row_scales, rows_ok, step, KS, NB: tl.constexpr, SCALE_ASM: tl.constexpr):
-    """(code words [NB, BLOCK_TOPK, BLOCK_N, 4], scales [NB, BLOCK_TOPK, BLOCK_N, 1]) of K
-    step `step` of the chosen experts' rows: row_words [1, BLOCK_TOPK, BLOCK_N, 1] and
-    row_scales [1, BLOCK_TOPK, BLOCK_N] row starts (words, scale bytes), rows_ok as
-    row_scales."""
-    g = step * NB + tl.arange(0, NB)
-    ok = rows_ok & (g < KS)[:, None, None]  # [NB, BLOCK_TOPK, BLOCK_N]
-    cols = (g * 4)[:, None, None, None] + tl.arange(0, 4)[None, None, None, :]
-    words = tl.load(row_words + cols, mask=ok[:, :, :, None], other=0)
-    # NOTE: loaded 3-D and then expanded: the scales, not the products, take the layout change.
-    return words, _scale_bits_asm(
-        (row_scales + g[:, None, None])[:, :, :, None], ok[:, :, :, None], SCALE_ASM
-    )
-
-
-@triton.jit
-def _down_step(
-    words, scales, h_rows, jj_ok, step, KS, NB: tl.constexpr, ASM: tl.constexpr,
-    HALF2: tl.constexpr,
-):  # fmt: skip
-    """[NB, BLOCK_TOPK, BLOCK_N, 4]: a K step's scaled word sums, the activations (inter rows
-    h_rows [1, BLOCK_TOPK, 1]) loaded here."""
-    g = step * NB + tl.arange(0, NB)
-    hs = h_rows + (g * 32)[:, None, None] + tl.arange(0, 32)[None, None, :]
-    h0, h1, h2, h3, h4, h5, h6, h7 = _x_columns(hs, (g < KS)[:, None, None] & jj_ok)
-    if HALF2:
-        x04, x15, x26, x37, undo = _x_half2(h0, h1, h2, h3, h4, h5, h6, h7, ASM)
-        x04, x15, x26, x37 = (
-            x04[:, :, None, :],
-            x15[:, :, None, :],
-            x26[:, :, None, :],
-            x37[:, :, None, :],
-        )
-        return _dot_words_h2(words, x04, x15, x26, x37, ASM) * (scales * undo[:, :, None, :])
-    h0, h1, h2, h3 = h0[:, :, None, :], h1[:, :, None, :], h2[:, :, None, :], h3[:, :, None, :]
-    h4, h5, h6, h7 = h4[:, :, None, :], h5[:, :, None, :], h6[:, :, None, :], h7[:, :, None, :]
-    return _dot_words(words, h0, h1, h2, h3, h4, h5, h6, h7, ASM) * scales
-
-
-@triton.jit(do_not_specialize=["T", "K"])
-def _moe_mxfp4_down_kernel_v2(
-    inter_ptr,
-    wb_ptr,
-    ws_ptr,
-    b_ptr,
-    topk_ids_ptr,
-    topk_w_ptr,
-    out_ptr,
-    N,
-    K,
-    T,
-    top_k,
-    stride_im,
-    stride_be,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-    PRELOAD: tl.constexpr,
-    ASM: tl.constexpr,
-    HALF2: tl.constexpr,
-    SCALE_ASM: tl.constexpr,
-):
-    # As _moe_mxfp4_down_kernel with gate_up v2's tiling: a K step is [NB, BLOCK_TOPK,
-    # BLOCK_N, 4] code words (the token's top_k experts' rows; a thread holds one word of a
-    # block in each of BLOCK_N rows of one expert, and that word's 8 activations of the
-    # expert's inter row: one 16-byte load), scaled per word into a tile-shaped accumulator,
-    # reduced once after the loop. K (= I) not specialized: see _moe_mxfp4_gate_up_kernel_v2.
-    # PRELOAD (under PDL): the routing and the first step's codes and scales are loaded before
-    # waiting for gate_up (as _moe_decode_down_kernel: the routing was written before gate_up
-    # started, and weights never depend on the previous kernel); only inter needs the wait.
-    NB: tl.constexpr = BLOCK_K // 32
-    t, n, n_ok, pair, jj_ok = _down_program(N, T, top_k, BLOCK_N, BLOCK_TOPK)
-    KW = K // 8
-    KS = K // 32
-    wb = wb_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    if not PRELOAD:
-        pdl.wait(PDL)
-    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, jj_ok)
-    # [1, BLOCK_TOPK, BLOCK_N] weight rows
-    row = (expert[:, None] * N + n.to(tl.int64)[None, :])[None, :, :]
-    rows_ok = jj_ok[None, :, None] & n_ok[None, None, :]
-    row_words = wb + (row * KW)[:, :, :, None]
-    row_scales = ws_ptr + row * KS
-    words, scales = _down_tile(row_words, row_scales, rows_ok, 0, KS, NB, SCALE_ASM)
-    if PRELOAD:
-        pdl.wait(PDL)
-    # [1, BLOCK_TOPK, 1] inter rows
-    h_rows = inter_ptr + pair.to(tl.int64)[None, :, None] * stride_im
-    h_ok = jj_ok[None, :, None]
-    acc = _down_step(words, scales, h_rows, h_ok, 0, KS, NB, ASM, HALF2)
-    for step in range(1, tl.cdiv(KS, NB)):
-        words, scales = _down_tile(row_words, row_scales, rows_ok, step, KS, NB, SCALE_ASM)
-        acc += _down_step(words, scales, h_rows, h_ok, step, KS, NB, ASM, HALF2)
-    pdl.trigger(PDL)
-    acc2 = tl.sum(tl.sum(acc, axis=3), axis=0)  # [BLOCK_TOPK, BLOCK_N]
-    _down_store(
-        acc2, b_ptr, expert, stride_be, n, n_ok, jj_ok, route_w, out_ptr, t, stride_om, HAS_BIAS
-    )
 
 
 def _check_pair(blocks: torch.Tensor, scales: torch.Tensor, rows: int, cols: int) -> None:
@@ -798,14 +418,6 @@ def uses_mxfp4_decode(num_tokens: int, top_k: int, num_experts: int) -> bool:
     rows a captured graph runs, against MXFP4_DECODE_MAX_PAIRS_PER_EXPERT."""
     pairs = graph_rows.row_bound(num_tokens) * top_k
     return pairs <= MXFP4_DECODE_MAX_PAIRS_PER_EXPERT * num_experts
-
-
-def _flags(variant: str, kernel: str, x: torch.Tensor) -> dict[str, bool]:
-    """HALF2 / SCALE_ASM of `kernel` ("gate_up" or "down") in a v2-family variant: f16x2
-    dots only for 16-bit activations (exact in fp16 once scaled), PTX loads only compiled."""
-    half2, scale_asm = VARIANT_FLAGS[variant][kernel == "down"]
-    half2 = half2 and x.dtype in (torch.bfloat16, torch.float16)
-    return dict(HALF2=half2, SCALE_ASM=scale_asm and not _interpreting())
 
 
 def _check_config(variant: str, config: DecodeConfig) -> None:
@@ -859,19 +471,12 @@ def _gate_up(
     if variant == "v1":
         _moe_mxfp4_gate_up_kernel[grid](*args, **consts, num_warps=warps, **kw)
         return
-    steps = triton.cdiv(H // BLOCK, bk // BLOCK)
-    if variant == "v5":
-        from specserve.ops.moe_mxfp4_v5 import _moe_mxfp4_gate_up_kernel_v5  # imports this
+    from specserve.ops.moe_mxfp4_v5 import _moe_mxfp4_gate_up_kernel_v5  # imports this
 
-        # K a constexpr (one compile a model shape): the unrolled steps' masks fold away.
-        _moe_mxfp4_gate_up_kernel_v5[grid](
-            *args[:7], *args[8:], K=H, **consts, ASM=not _interpreting(), num_warps=warps, **kw
-        )
-        return
-    _moe_mxfp4_gate_up_kernel_v2[grid](
-        *args, **consts, STEPS=steps, ASM=not _interpreting(), **_flags(variant, "gate_up", x),
-        num_warps=warps, **kw,
-    )  # fmt: skip
+    # K a constexpr (one compile a model shape): the unrolled steps' masks fold away.
+    _moe_mxfp4_gate_up_kernel_v5[grid](
+        *args[:7], *args[8:], K=H, **consts, ASM=not _interpreting(), num_warps=warps, **kw
+    )
 
 
 def _down(
@@ -903,20 +508,13 @@ def _down(
     if variant == "v1":
         _moe_mxfp4_down_kernel[grid](*args, **consts, num_warps=warps, **kw)
         return
-    preload = kw["PDL"] and pdl.GEMV_PRELOAD
-    if variant == "v5":
-        from specserve.ops.moe_mxfp4_v5 import _moe_mxfp4_down_kernel_v5  # imports this
+    from specserve.ops.moe_mxfp4_v5 import _moe_mxfp4_down_kernel_v5  # imports this
 
-        _aligned16(inter, "inter", copy=False)  # allocated by fused_moe_mxfp4_decode
-        _aligned16(w2_blocks, "w2_blocks", copy=False)
-        _moe_mxfp4_down_kernel_v5[grid](
-            *args[:8], *args[9:], K=inter_size, **consts, PRELOAD=preload,
-            ASM=not _interpreting(), num_warps=warps, **kw,
-        )  # fmt: skip
-        return
-    _moe_mxfp4_down_kernel_v2[grid](
-        *args, **consts, PRELOAD=preload, ASM=not _interpreting(),
-        **_flags(variant, "down", inter), num_warps=warps, **kw,
+    _aligned16(inter, "inter", copy=False)  # allocated by fused_moe_mxfp4_decode
+    _aligned16(w2_blocks, "w2_blocks", copy=False)
+    _moe_mxfp4_down_kernel_v5[grid](
+        *args[:8], *args[9:], K=inter_size, **consts, PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
+        ASM=not _interpreting(), num_warps=warps, **kw,
     )  # fmt: skip
 
 

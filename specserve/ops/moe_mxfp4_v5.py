@@ -1,7 +1,7 @@
 """MXFP4 MoE decode kernels "v5" (ops/moe_mxfp4.py's DECODE_VARIANTS): a thread owns blocks.
 
-The v2-family kernels give a thread one 32-bit code word (8 codes) of a block per row; their
-sm_90 SASS spends ~42 instructions a word, ~18 of them on decode and math, the rest on
+The earlier "v2"-"v4" kernels (sessions 12-13, superseded and removed) gave a thread one 32-bit
+code word (8 codes) of a block per row; their sm_90 SASS spent ~42 instructions a word, ~18 of them on decode and math, the rest on
 per-word addressing, scales and activation conversion (they are issue-bound at ~55-60% of
 the copy bandwidth). Here a thread owns (row, MXFP4 block) pairs whole:
 
@@ -22,7 +22,7 @@ converted through shared memory every step. One cross-thread reduction follows t
 
 fp32 activations (tests, fp32 models) keep fp32 math (`_e2m1_words` + FMAs): fp16 would
 round them to 11 bits. ASM=False is the same computation in plain Triton for the
-interpreter (f16x2 arithmetic emulated in fp16, as `_dot_words_h2`'s fallback).
+interpreter (f16x2 arithmetic emulated in fp16).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from specserve.ops.moe_triton import _down_program, _gate_up_store, _routing
 
 def _block_dot_ptx() -> str:
     """PTX of `_dot_block_h2`: $1..$4 the block's code words, $5 + 4w + c the fp16 pair
-    (x[8w + c], x[8w + c + 4]) of word w, $0 the fp32 sum. Per word `_E2M1_DOT_PTX`'s 11
+    (x[8w + c], x[8w + c + 4]) of word w, $0 the fp32 sum. Per word `_E2M1_WORD_PTX`'s 11
     integer ops and 4 HFMA2, all into one f16x2 accumulator; one conversion a block."""
     lines = [".reg .b32 t, q, h, a;", ".reg .b16 l, u;"]
     for w in range(4):
@@ -91,7 +91,8 @@ def _load_codes(ptrs, ASM: tl.constexpr):
 @triton.jit
 def _load_scales(ptrs, ASM: tl.constexpr):
     """fp32 2^(s - 127 + 14) of the E8M0 scale bytes at ptrs, as moe_mxfp4's `_scale_bits`;
-    loaded by inline PTX in the consumer's layout (see `_scale_bits_asm`), unpredicated."""
+    loaded by inline PTX in the consumer's layout (a tl.load would take the coalescer's and
+    convert through shared memory every step), unpredicated."""
     if ASM:
         s = tl.inline_asm_elementwise(_LD_SCALE_PTX, "=r,l", [ptrs], tl.int32, is_pure=True, pack=1)
     else:
@@ -181,7 +182,7 @@ def _x_block_h2(ptrs, ok, X_DTYPE: tl.constexpr, ASM: tl.constexpr):
     ptrs, int32 pointers) times 2^s in fp16 as `_dot_block_h2` takes them (`_pairs`), and
     2^-s (fp32); zero where not ok (the address must still be readable).
 
-    NOTE: as moe_mxfp4's `_x_half2`, per block: s puts the block's largest |x| in [2^14,
+    NOTE: per block: s puts the block's largest |x| in [2^14,
     2^15), so products with codes (|value| <= 6, times 2^-14) stay below 12 and the 16-term
     lane sums below 192, far from fp16's 65504; activations down to ~2^-24 of that largest
     stay normal. Powers of two: exact. ok None: all ok."""
