@@ -15,7 +15,7 @@
 #   bash benchmarks/gpu_session.sh check   # every GPU test of the engine, attention and ops
 #   bash benchmarks/gpu_session.sh decode  # decode.py: batch 1 and 16 with transformers
 #   bash benchmarks/gpu_session.sh next-tests  # experiments (EARLY_METADATA, FUSE_ROPE_KV,
-#   bash benchmarks/gpu_session.sh next-sweep  # MERGE_SPLITS_IN_KERNEL, gemv candidates):
+#   bash benchmarks/gpu_session.sh next-sweep  # gemv candidates):
 #                                          # their GPU tests, then decode with each
 #   bash benchmarks/gpu_session.sh final-kernels  # decode.py, then the kernel GPU tests
 #   bash benchmarks/gpu_session.sh final-engine   # every engine GPU test (test_gpu.py)
@@ -150,8 +150,8 @@ case "${1:-}" in
     ;;
   next-sweep)
     # ... then batch-1 decode with each (the first and last variants: the defaults).
-    python benchmarks/decode.py --sweep ";early_meta=1;fuse_kv=1;merge=1;candidates=0/1/4;\
-early_meta=1,fuse_kv=1,merge=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | tail -9
+    python benchmarks/decode.py --sweep ";early_meta=1;fuse_kv=1;candidates=0/1/4;\
+early_meta=1,fuse_kv=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | tail -9
     ;;
   final-kernels)
     python benchmarks/decode.py --batch-sizes 1,16 2>&1 | grep -v tokenizer \

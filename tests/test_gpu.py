@@ -330,17 +330,16 @@ def test_pdl_bit_equal_to_plain_launches(drafters, prompts, method: str | None) 
     assert all(r == runs[0] for r in runs[1:])
 
 
-@pytest.mark.parametrize("knob", ["FUSE_ROPE_KV", "MERGE_SPLITS_IN_KERNEL"])
+@pytest.mark.parametrize("knob", ["FUSE_ROPE_KV", "PRELOAD_FIRST_PAGE"])
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa"])
 def test_attention_experiments_in_the_engine_cuda(
     ckpt_dir, drafters, prompts, monkeypatch, knob: str, name: str
 ) -> None:
     """Each attention switch away from its default: RoPE + KV write outside the attention
-    kernel (on by default: decode and verification batches fuse it), split merge by the last
-    split (off by default; batch-1 decode splits the keys at max_model_len 256; its counters
-    must stay zero across graph replays). Greedy tokens still equal transformers' (one request
-    at a time, then a batch), and with RoPE fused EAGLE-3's (4-token verification batches)
-    equal plain decoding's."""
+    kernel (on by default: decode and verification batches fuse it), the first key tile's
+    page ids loaded after the PDL wait (before it by default). Greedy tokens still equal
+    transformers' (one request at a time, then a batch), and with RoPE fused EAGLE-3's
+    (4-token verification batches) equal plain decoding's."""
     from specserve.attention import triton_paged
 
     monkeypatch.setattr(triton_paged, knob, not getattr(triton_paged, knob))
@@ -353,7 +352,7 @@ def test_attention_experiments_in_the_engine_cuda(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(path, p, GREEDY.max_tokens)
-    if name == "llama_gqa" and knob == "MERGE_SPLITS_IN_KERNEL":  # RoPE fused, the default
+    if name == "llama_gqa" and knob == "PRELOAD_FIRST_PAGE":  # RoPE fused, the default
         spec = {"method": "eagle3", "model": drafters["eagle3"], "num_speculative_tokens": 3}
         batch = [{"prompt_token_ids": p} for p in prompts]
         with_spec = cuda_llm(drafters["target"], speculative_config=spec).generate(batch, GREEDY)

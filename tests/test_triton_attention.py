@@ -348,38 +348,16 @@ def test_mixed_batch_interpreter(
     "dtype,window,splits",
     [(torch.float32, None, 4), (torch.float32, 12, 2), (torch.bfloat16, 12, 4)],
 )
-@pytest.mark.parametrize("merge", [False, True])
 def test_split_kv_interpreter(
     interpreter: None,
-    monkeypatch: pytest.MonkeyPatch,
     dtype: torch.dtype,
     window: int | None,
     splits: int,
-    merge: bool,
 ) -> None:
-    """Split-KV on CPU: short contexts leave some splits empty (m = -inf, l = 0); merged by
-    the combine kernel or, MERGE_SPLITS_IN_KERNEL, by the last split to finish (the counters
-    the backend keeps must be left zero)."""
-    from specserve.attention import triton_paged
-
-    monkeypatch.setattr(triton_paged, "MERGE_SPLITS_IN_KERNEL", merge)
+    """Split-KV on CPU: short contexts leave some splits empty (m = -inf, l = 0), merged by
+    the combine kernel."""
     reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
     compare_with_reference(reqs, 4, 2, 16, window, dtype, "cpu", 1, num_splits=splits)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("splits", [2, 16])
-def test_split_merge_in_kernel_gpu(
-    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, splits: int
-) -> None:
-    """MERGE_SPLITS_IN_KERNEL on the GPU (acq_rel counter, partials from L2)."""
-    from specserve.attention import triton_paged
-
-    monkeypatch.setattr(triton_paged, "MERGE_SPLITS_IN_KERNEL", True)
-    for seed in (0, 1):
-        compare_with_reference(MIXED, 32, 8, 128, None, dtype, "cuda", 2, seed, splits)
 
 
 # ---- advance_decode_ ----------------------------------------------------------------------------

@@ -69,20 +69,12 @@ def compare_sinks(
         (torch.bfloat16, None, 2),
     ],
 )
-@pytest.mark.parametrize("merge", [False, True])
 def test_sinks_interpreter(
     interpreter: None,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
     dtype: torch.dtype,
     window: int | None,
     splits: int,
-    merge: bool,
 ) -> None:
-    if splits == 1 and merge:
-        pytest.skip("no splits to merge")
-    from specserve.attention import triton_paged
-
-    monkeypatch.setattr(triton_paged, "MERGE_SPLITS_IN_KERNEL", merge)
     reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
     compare_sinks(reqs, (4, 2), 16, window, dtype, "cpu", splits)
 

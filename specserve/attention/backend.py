@@ -164,5 +164,5 @@ def get_backend(
             raise ValueError("attention_backend=triton needs a CUDA device.")
         from specserve.attention.triton_paged import TritonAttentionBackend
 
-        return TritonAttentionBackend(max_model_len, device)
+        return TritonAttentionBackend(max_model_len)
     raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton).")

@@ -320,7 +320,6 @@ def _paged_attention_kernel(
     ws_acc_ptr,
     ws_m_ptr,
     ws_l_ptr,
-    counter_ptr,
     num_heads,
     k_new_ptr,
     v_new_ptr,
@@ -336,7 +335,6 @@ def _paged_attention_kernel(
     PDL: tl.constexpr,
     EARLY_META: tl.constexpr,
     FUSE_KV: tl.constexpr,
-    MERGE: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     q_norm_w_ptr,
     k_norm_w_ptr,
@@ -482,25 +480,6 @@ def _paged_attention_kernel(
         tl.store(ws_m_ptr + ws, m_i, mask=row_valid)
         tl.store(ws_l_ptr + ws, l_i, mask=row_valid)
         tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + d[None, :], acc, mask=row_valid[:, None])
-        if MERGE:
-            # Every split of this (q-block, KV head) counts itself in; the last to arrive
-            # merges (no second kernel). The barrier orders all threads' partial stores before
-            # the counter's release; the acquire makes the other splits' partials visible, read
-            # from L2 (.cg). The merging program resets the counter: the buffer stays zero
-            # between launches and graph replays. Which program merges varies, what it computes
-            # does not (splits in a fixed order).
-            tl.debug_barrier()
-            counter = counter_ptr + q_block * tl.num_programs(1) + kv_head
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                tl.store(counter, 0)
-                out = _merge_splits(
-                    ws_acc_ptr, ws_m_ptr, ws_l_ptr, ws - split, row_valid, BLOCK_M, HEAD_DIM, SPLITS
-                )
-                tl.store(
-                    out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                    out.to(out_ptr.dtype.element_ty),
-                    mask=row_valid[:, None],
-                )
     else:
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -509,42 +488,6 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None],
         )
-
-
-@triton.jit
-def _merge_splits(
-    ws_acc_ptr,
-    ws_m_ptr,
-    ws_l_ptr,
-    row0,
-    row_valid,
-    BLOCK_M: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-):
-    """[BLOCK_M, HEAD_DIM] output of rows whose SPLITS partial states (m, l, acc) start at
-    index row0, merged as _combine_splits_kernel merges them (a sequential sum over splits)."""
-    sp = tl.arange(0, SPLITS)
-    d = tl.arange(0, HEAD_DIM)
-    idx = row0[:, None] + sp[None, :]
-    ok = row_valid[:, None]
-    m = tl.load(ws_m_ptr + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    lse = tl.load(ws_l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, axis=1)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.math.exp2(m - m_safe[:, None])
-    denom = tl.sum(lse * w, axis=1)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    out = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
-        acc = tl.load(
-            ws_acc_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :],
-            mask=ok,
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        out += acc * tl.sum(tl.where(sp[None, :] == s, w, 0.0), axis=1)[:, None]
-    return out / denom[:, None]
 
 
 @triton.jit
@@ -659,9 +602,6 @@ def paged_attention(
     # (k, v [num_tokens, num_kv_heads, head_dim], cos, sin): q and k unrotated, this step's
     # keys not yet in the cache; only where `fuses_kv_write` says so
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    # [>= q-blocks x KV heads] int32, zero, left zero: split arrival counters for
-    # MERGE_SPLITS_IN_KERNEL (the backend's persistent buffer; None: a fresh one per call)
-    counters: torch.Tensor | None = None,
     # [num_heads] per-head sink logits (gpt-oss) or None
     sinks: torch.Tensor | None = None,
     # (q_norm weight [head_dim], k_norm weight [head_dim], q_eps, k_eps): q and k not yet
@@ -707,11 +647,8 @@ def paged_attention(
         ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
         ws_m = torch.empty(num_tokens, num_heads, num_splits, device=q.device)
         ws_l = torch.empty_like(ws_m)
-        if counters is None or counters.numel() < q_blocks * num_kv_heads:
-            counters = torch.zeros(q_blocks * num_kv_heads, dtype=torch.int32, device=q.device)
     else:
-        ws_acc = ws_m = ws_l = counters = out  # unused
-    merge = num_splits > 1 and MERGE_SPLITS_IN_KERNEL
+        ws_acc = ws_m = ws_l = out  # unused
     if new_kv is not None:
         if common.max_query_len > block_q:
             raise ValueError("new_kv needs max_query_len <= BLOCK_Q (see fuses_kv_write)")
@@ -757,7 +694,6 @@ def paged_attention(
         ws_acc_ptr=ws_acc,
         ws_m_ptr=ws_m,
         ws_l_ptr=ws_l,
-        counter_ptr=counters,
         num_heads=num_heads,
         k_new_ptr=fused[0],
         v_new_ptr=fused[1],
@@ -775,13 +711,12 @@ def paged_attention(
         num_stages=2,
         EARLY_META=kw["PDL"] and pdl.EARLY_METADATA,
         FUSE_KV=new_kv is not None,
-        MERGE=merge,
         # Without PDL nothing waits: early or not is the same (the interpreter tests this path).
         PAGE_EARLY=PRELOAD_FIRST_PAGE and (pdl.EARLY_METADATA or not kw["PDL"]),
         **_qk_norm_args(qk_norm, q),
         **kw,
     )
-    if num_splits > 1 and not merge:
+    if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
             out,
             ws_acc,
@@ -825,15 +760,13 @@ def fuses_kv_write(
 
 # RoPE + KV write inside the attention kernel for decode and verification batches (one launch a
 # layer less): batch-1 decode 5.817 -> 5.726 ms a step on the H100 (benchmarks/RESULTS.md,
-# session 6 call 1). Experiment, off: split-KV partials merged by the last split to finish
-# instead of _combine_splits_kernel; slower in both measurements (5.913 vs 5.817 ms there).
+# session 6 call 1). Tried and removed: split-KV partials merged by the last split to finish
+# (an acq_rel arrival counter) instead of _combine_splits_kernel: slower in every measurement
+# (5.913 vs 5.817 ms there; Qwen3-30B-A3B and gpt-oss-20b in sessions 11 and 14).
 FUSE_ROPE_KV = True
-MERGE_SPLITS_IN_KERNEL = False
 # With EARLY_METADATA: each program's first key tile's page ids load before the PDL wait, with
 # the rest of the metadata (one dependent round trip less after it).
 PRELOAD_FIRST_PAGE = True
-# Split launches leave SMs idle: far fewer (q-block, KV head) groups than this.
-MAX_SPLIT_GROUPS = 1024
 
 
 def split_count(
@@ -881,18 +814,9 @@ class TritonAttentionBackend(AttentionBackend):
     fuses_rope = True
     fuses_qk_norm = True
 
-    def __init__(
-        self, max_model_len: int | None = None, device: torch.device | None = None
-    ) -> None:
+    def __init__(self, max_model_len: int | None = None) -> None:
         # Split-KV counts follow max_model_len, the bound every captured graph is built for.
         self.max_model_len = max_model_len
-        # Split arrival counters (MERGE_SPLITS_IN_KERNEL), allocated here, outside any graph
-        # capture (the engine passes its device), and kept zero by the kernel.
-        self.counters = None if device is None else self._new_counters(device)
-
-    @staticmethod
-    def _new_counters(device: torch.device) -> torch.Tensor:
-        return torch.zeros(MAX_SPLIT_GROUPS, dtype=torch.int32, device=device)
 
     def build(
         self, common: CommonAttentionMetadata, sliding_window: int | None
@@ -929,8 +853,6 @@ class TritonAttentionBackend(AttentionBackend):
                 f"forward got {sliding_window}: pass ForwardContext.meta(sliding_window)."
             )
         c = meta.common
-        if self.counters is None or self.counters.device != q.device:
-            self.counters = self._new_counters(q.device)
         new_kv = None
         # The fused kernel rotates by the metadata's positions: only when RoPE's are those.
         same_pos = rope is not None and rope[0].data_ptr() == c.positions.data_ptr()
@@ -952,7 +874,6 @@ class TritonAttentionBackend(AttentionBackend):
             sliding_window,
             split_len=self.max_model_len,
             new_kv=new_kv,
-            counters=self.counters,
             sinks=sinks,
             qk_norm=qk_norm,
         )
