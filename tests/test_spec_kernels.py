@@ -128,9 +128,9 @@ def test_prepare_target_inputs(device: str, block_size: int) -> None:
         assert a.data_ptr() == v.data_ptr()
     # ... and positions / seq_lens into a graph's metadata buffers (seq_lens to int32).
     meta = (torch.zeros(T + 5, **i64)[:T], torch.zeros(B + 2, dtype=torch.int32, device=device)[:B])
-    ops.prepare_target_inputs(*args, views, s["seq_lens"], meta)
-    _assert_equal(meta[0], s["positions"], "meta_out positions")
-    _assert_equal(meta[1], s["seq_lens"].to(torch.int32), "meta_out seq_lens")
+    ops.prepare_target_inputs(*args, views, (s["seq_lens"], *meta))
+    _assert_equal(meta[0], s["positions"], "meta positions")
+    _assert_equal(meta[1], s["seq_lens"].to(torch.int32), "meta seq_lens")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -37,20 +37,18 @@ def prepare_target_inputs_ref(
     positions: Tensor,
     block_size: int,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
-    # [B] int64 and (positions [T], seq_lens [B], any int dtype): also copy positions and
-    # seq_lens there (a graph's metadata inputs)
-    seq_lens: Tensor | None = None,
-    meta_out: tuple[Tensor, Tensor] | None = None,
+    # (seq_lens [B] int64, positions out [T], seq_lens out [B] any int dtype): also copy the
+    # step's positions and seq_lens there (a graph's metadata inputs)
+    meta: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     rows = idx_mapping[token_req]
     input_ids = token_ids[rows, positions]
     blk = block_table[rows, positions // block_size].long()
     slot = blk * block_size + positions % block_size
     res = (input_ids, slot, block_table[idx_mapping])
-    if meta_out is not None:
-        assert seq_lens is not None
-        meta_out[0].copy_(positions)
-        meta_out[1].copy_(seq_lens)
+    if meta is not None:
+        meta[1].copy_(positions)
+        meta[2].copy_(meta[0])
     if out is None:
         return res
     for o, r in zip(out, res):
@@ -66,21 +64,17 @@ def prepare_target_inputs(
     positions: Tensor,
     block_size: int,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
-    seq_lens: Tensor | None = None,
-    meta_out: tuple[Tensor, Tensor] | None = None,
+    meta: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gather a target step's inputs from the persistent state ->
     (input_ids [T] int64, slot_mapping [T] int64, block_table [B, max_blocks] int32), written
     into `out` when given (a CUDA graph's input buffers: no copies before the replay).
-    `meta_out`: positions and `seq_lens` copied there too (the graph's metadata buffers; in
-    the same launch, not two copies more in the step)."""
+    `meta` = (seq_lens, positions out, seq_lens out): positions and seq_lens copied into the
+    graph's metadata buffers too (in the same launch, not two copies more in the step)."""
     impl = prepare_target_inputs_ref
     if _use_triton(positions):
         from specserve.ops.spec_kernels_triton import prepare_target_inputs_triton as impl
-    return impl(
-        token_ids, block_table, idx_mapping, token_req, positions, block_size, out, seq_lens,
-        meta_out,
-    )  # fmt: skip
+    return impl(token_ids, block_table, idx_mapping, token_req, positions, block_size, out, meta)
 
 
 def write_verified_tokens_ref_(

@@ -153,8 +153,7 @@ def prepare_target_inputs_triton(
     positions: Tensor,
     block_size: int,
     out: tuple[Tensor, Tensor, Tensor] | None = None,
-    seq_lens: Tensor | None = None,
-    meta_out: tuple[Tensor, Tensor] | None = None,
+    meta: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     T, B = positions.shape[0], idx_mapping.shape[0]
     max_blocks = block_table.shape[1]
@@ -177,8 +176,7 @@ def prepare_target_inputs_triton(
         input_ids,
         slot,
         bt,
-        seq_lens if meta_out is not None else positions,
-        *(meta_out if meta_out is not None else (positions, positions)),
+        *(meta if meta is not None else (positions,) * 3),  # unused without META
         T,
         max_blocks,
         token_ids.stride(0),
@@ -188,7 +186,7 @@ def prepare_target_inputs_triton(
         BLOCK=_BLOCK,
         BLOCK_COLS=cols,
         NUM_COL_BLOCKS=n_cols,
-        META=meta_out is not None,
+        META=meta is not None,
     )
     return input_ids, slot, bt
 

@@ -190,7 +190,7 @@ class CudaGraphRunner:
 
     def meta_buffers(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Where `prepare_target_inputs` copies a replayed step's positions [T] int64 and
-        seq_lens [B] int32 (its `meta_out`): in its launch, not as two copies of their own."""
+        seq_lens [B] int32 (its `meta`): in its launch, not as two copies of their own."""
         return self.positions[: inp.num_tokens], self.seq_lens[: inp.num_reqs]
 
     def replay(self, inp: StepInputs, bg: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -238,7 +238,7 @@ class ModelRunner:
         input_ids, slot_mapping, block_table = prepare_target_inputs(
             tok, self.states.block_table, st_rows, inp.token_req, inp.positions, self.block_size,
             graphs.input_buffers(inp) if bg is not None else None,
-            inp.seq_lens, graphs.meta_buffers(inp) if bg is not None else None,
+            (inp.seq_lens, *graphs.meta_buffers(inp)) if bg is not None else None,
         )  # fmt: skip
         common = ctx = None  # attention metadata: built when something runs eagerly
         if bg is not None:
