@@ -42,6 +42,9 @@
 #   bash benchmarks/gpu_session.sh remeasure      # batch 1 of issues 18 / 21 / 22 with session
 #                                                 # 14's corrected step timing (two calls:
 #                                                 # PART=moe, then PART=mla)
+#   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
+#                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
+#                                                 # bf16 decode at Qwen3-30B-A3B): full sets
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -278,6 +281,21 @@ early_meta=1,fuse_kv=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | 
       timeout 560 python benchmarks/mla_decode.py --quick --budget-s 400 2>&1 \
         | tee "$OUT/mla_decode.log" | tail -30
     fi
+    ;;
+  ncu)
+    # ncu replays each profiled kernel with the L2 flushed (its default cache control): the
+    # cold-weight case of a decode step. Clocks left alone (METHOD.md).
+    NCU=(ncu --clock-control none --set full --import-source no)
+    timeout 240 "${NCU[@]}" --kernel-name regex:'_moe_mxfp4_(gate_up|down)_kernel_v5' \
+      --launch-skip 16 --launch-count 4 python benchmarks/mxfp4.py --models gpt-oss-20b \
+      --variants v5 --configs table --layers 2 >"$OUT/ncu_mxfp4.txt" 2>&1
+    timeout 240 "${NCU[@]}" --kernel-name regex:'_moe_decode_(gate_up|down)' \
+      --launch-skip 16 --launch-count 4 python benchmarks/moe.py --quick \
+      --models qwen3-30b-a3b >"$OUT/ncu_moe.txt" 2>&1
+    for f in "$OUT"/ncu_*.txt; do
+      echo "== $f"
+      grep -E "^  _moe|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occ|Theoretical Occ|Grid Size|Block Size|Waves Per SM|Stall Long|L2 Hit|One or More|No Eligible|Issued Warp|Warp Cycles Per Issued" "$f" | head -120
+    done
     ;;
   *)
     echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure" >&2

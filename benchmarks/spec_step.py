@@ -52,7 +52,11 @@ def make_engine(
     max_seqs: int,
     async_scheduling: bool = False,
     decode_matmul: str = "auto",
+    max_num_batched_tokens: int = 8192,
 ) -> object:
+    """`max_num_batched_tokens`: the logits headroom the KV sizing reserves scales with it
+    (4 x tokens x vocab fp32: 20 GB at 8192 x 151936), so big-vocabulary targets that fill
+    most of the GPU (Qwen3-30B-A3B) pass less."""
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
 
@@ -62,7 +66,7 @@ def make_engine(
         load_format="dummy",
         max_model_len=1024,
         max_num_seqs=max_seqs,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=0.85,
         speculative_config=spec,
         draft_graph_mode=mode,

@@ -334,6 +334,7 @@ def _compile_v5_decode(mx, u8: dict) -> None:
     for (bn, bk, warps), pdl, types in gate_up_cases:
         consts = dict(K=2880, HAS_BIAS=pdl, **(oai if pdl else PLAIN.consts()))
         consts.update(BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, ASM=True)
+        consts.update(EVICT_FIRST=False)
         out: list = []
         ptx = _compile(
             mx5._moe_mxfp4_gate_up_kernel_v5, consts, warps, types=types, compiled_out=out
@@ -347,12 +348,23 @@ def _compile_v5_decode(mx, u8: dict) -> None:
         assert ("fma.rn.f16x2" in ptx) == (types is u8)
         assert "local_alloc" not in out[0].asm["ttgir"]
         assert ptx.count("bar.sync") <= 4, ptx.count("bar.sync")
+    # ops/l2.py's evict-first weight loads: every code and scale load carries the hint.
+    for kernel, config, consts in (
+        (mx5._moe_mxfp4_gate_up_kernel_v5, table_gate_up, dict(**oai)),
+        (mx5._moe_mxfp4_down_kernel_v5, table_down, dict(BLOCK_TOPK=4, PRELOAD=True)),
+    ):
+        bn, bk, warps = config
+        consts.update(K=2880, HAS_BIAS=True, BLOCK_N=bn, BLOCK_K=bk, PDL=True, ASM=True)
+        ptx = _compile(kernel, {**consts, "EVICT_FIRST": True}, warps, types=u8)
+        assert "ld.global.nc.v4.b32" not in ptx and "ld.global.nc.u8" not in ptx
+        assert ptx.count("ld.global.nc.L2::cache_hint.v4.b32") > 0
+        assert ptx.count("ld.global.nc.L2::cache_hint.u8") > 0
     down_cases = [(c, True, True, u8) for c in mx.MXFP4_V5_DOWN_CONFIGS]
     down_cases += [(table_down, False, False, u8), (table_down, True, False, u8)]
     down_cases += [(table_down, True, True, fp32)]
     for (bn, bk, warps), pdl, preload, types in down_cases:
         consts = dict(K=2880, HAS_BIAS=pdl, BLOCK_TOPK=4, BLOCK_N=bn, BLOCK_K=bk)
-        consts.update(PDL=pdl, PRELOAD=preload, ASM=True)
+        consts.update(PDL=pdl, PRELOAD=preload, ASM=True, EVICT_FIRST=False)
         out = []
         ptx = _compile(mx5._moe_mxfp4_down_kernel_v5, consts, warps, types=types, compiled_out=out)
         assert ("griddepcontrol.launch_dependents" in ptx) == pdl
@@ -394,3 +406,24 @@ def test_mxfp4_decode_gpu_gpt_oss_20b_shape(T: int) -> None:
                         *args, epilogue=epi, configs=configs, variant=variant
                     )
                     _check(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 4])
+def test_mxfp4_weights_evict_first_gpu_bit_equal(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ops/l2.py's evict-first weight loads are a hint: at gpt-oss-20b's shape the decode output
+    is bit for bit the same with them as without."""
+    from specserve.ops import l2
+    from specserve.ops import moe_mxfp4 as mx
+    from specserve.ops.moe_triton import Epilogue
+
+    x, w13, w2, tw, ids = make_moe(T, 32, 2880, 2880, 4, torch.float32, device="cuda", seed=T)
+    (b13, s13), (b2, s2) = quantize_mxfp4(w13), quantize_mxfp4(w2)
+    epi = Epilogue(**make_oai_kw(32, 2880, 2880, torch.bfloat16, "cuda", seed=T, limit=2.0))
+    args = (x.bfloat16(), b13, s13, b2, s2, tw, ids)
+    with torch.inference_mode():
+        monkeypatch.setattr(l2, "WEIGHT_EVICTION", "")
+        base = mx.fused_moe_mxfp4_decode(*args, epilogue=epi)
+        monkeypatch.setattr(l2, "WEIGHT_EVICTION", "evict_first")
+        assert torch.equal(mx.fused_moe_mxfp4_decode(*args, epilogue=epi), base)

@@ -8,6 +8,8 @@ is in test_gpu.py (graph == eager, greedy == transformers) and test_ops.py.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -52,6 +54,13 @@ def compile_sm90(
     compiled as multiples of 16 (16-byte aligned pointers), as Triton specializes them at run
     time; without it wide tiles compile to scalar loads. `compiled_out` receives the kernel."""
     sig, attrs = {}, {}
+    # constexpr parameters with a default (e.g. ops/l2.py's W_EVICT) take it unless given
+    defaults = {
+        p.name: p.default
+        for p in kernel.params
+        if p.is_constexpr and p.default is not inspect.Parameter.empty
+    }
+    constexprs = {**defaults, **constexprs}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"

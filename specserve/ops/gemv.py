@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.ops import graph_rows, pdl, skinny
+from specserve.ops import graph_rows, l2, pdl, skinny
 
 try:
     import triton
@@ -89,13 +89,14 @@ def gemv_norm_ref(
 if triton is not None:
 
     @triton.jit
-    def _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL: tl.constexpr):
-        """[BLOCK_N, BLOCK_K]: the weight tile at columns k (and the up tile), read once."""
+    def _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL: tl.constexpr, W_EVICT: tl.constexpr):
+        """[BLOCK_N, BLOCK_K]: the weight tile at columns k (and the up tile), read once
+        (W_EVICT: ops/l2.py's policy)."""
         tile_ok = n_ok[:, None] & (k < K)[None, :]
-        w = tl.load(w_row + k[None, :], mask=tile_ok, other=0.0)
+        w = tl.load(w_row + k[None, :], mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
         w_up = w
         if SILU_MUL:
-            w_up = tl.load(up_row + k[None, :], mask=tile_ok, other=0.0)
+            w_up = tl.load(up_row + k[None, :], mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
         return w, w_up
 
     @triton.jit
@@ -171,6 +172,7 @@ if triton is not None:
         PDL: tl.constexpr,
         EARLY_TRIGGER: tl.constexpr,
         PRELOAD: tl.constexpr,
+        W_EVICT: tl.constexpr = "",
     ):
         # Each program owns BLOCK_N output columns and walks K in BLOCK_K tiles.
         # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
@@ -191,11 +193,11 @@ if triton is not None:
         up_row = w_row + N * stride_wn
         k = tl.arange(0, BLOCK_K)
         if PRELOAD:
-            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL, W_EVICT)
         pdl.trigger(PDL and EARLY_TRIGGER)
         pdl.wait(PDL)
         if not PRELOAD:
-            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL, W_EVICT)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -206,7 +208,7 @@ if triton is not None:
         )  # fmt: skip
         for k0 in range(BLOCK_K, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL)
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, K, SILU_MUL, W_EVICT)
             acc, acc_up, sum_sq = _gemv_tile(
                 acc, acc_up, sum_sq, w, w_up, k, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M, K,
                 stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M,
@@ -332,6 +334,7 @@ def _launch(
         # Both only mean something under PDL (they are the overlap it buys).
         EARLY_TRIGGER=kw["PDL"] and pdl.GEMV_EARLY_TRIGGER,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
+        W_EVICT=l2.weight_eviction(),
         **kw,
     )
     return y

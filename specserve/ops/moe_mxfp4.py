@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from specserve.models.mxfp4 import BLOCK, dequantize_mxfp4
-from specserve.ops import graph_rows, pdl
+from specserve.ops import graph_rows, l2, pdl
 from specserve.ops.moe import fused_moe_ref
 from specserve.ops.moe_triton import (
     PLAIN,
@@ -475,8 +475,9 @@ def _gate_up(
 
     # K a constexpr (one compile a model shape): the unrolled steps' masks fold away.
     _moe_mxfp4_gate_up_kernel_v5[grid](
-        *args[:7], *args[8:], K=H, **consts, ASM=not _interpreting(), num_warps=warps, **kw
-    )
+        *args[:7], *args[8:], K=H, **consts, ASM=not _interpreting(),
+        EVICT_FIRST=l2.weights_evict_first() and not _interpreting(), num_warps=warps, **kw,
+    )  # fmt: skip
 
 
 def _down(
@@ -514,7 +515,8 @@ def _down(
     _aligned16(w2_blocks, "w2_blocks", copy=False)
     _moe_mxfp4_down_kernel_v5[grid](
         *args[:8], *args[9:], K=inter_size, **consts, PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
-        ASM=not _interpreting(), num_warps=warps, **kw,
+        ASM=not _interpreting(), EVICT_FIRST=l2.weights_evict_first() and not _interpreting(),
+        num_warps=warps, **kw,
     )  # fmt: skip
 
 

@@ -72,29 +72,41 @@ _BLOCK_DOT_CONSTRAINTS = tl.constexpr("=r" + ",r" * 20)
 # zero those blocks' activations. (A predicated load whose outputs are not zeroed first lets
 # ptxas drop the predicate; zeroing costs 4 moves a block.)
 _LD_CODES_PTX = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
+# The same load marked first to go from the L2 (ops/l2.py: weight streams leave the L2 to
+# the KV cache and activations).
+_LD_CODES_EF_PTX = tl.constexpr(
+    "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
+    "ld.global.nc.L2::cache_hint.v4.b32 {$0, $1, $2, $3}, [$4], pol; }"
+)
 _LD_SCALE_PTX = tl.constexpr("ld.global.nc.u8 $0, [$1];")
+_LD_SCALE_EF_PTX = tl.constexpr(
+    "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
+    "ld.global.nc.L2::cache_hint.u8 $0, [$1], pol; }"
+)
 # One 128-bit load of activations: not .nc (written by the previous kernel), unmasked (the
 # callers clamp the address and zero the values instead).
 _LD_X_PTX = tl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
 
 
 @triton.jit
-def _load_codes(ptrs, ASM: tl.constexpr):
+def _load_codes(ptrs, ASM: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
     """(w0, w1, w2, w3) int32 code words of the blocks at ptrs (int32 pointers)."""
     if ASM:
+        ptx: tl.constexpr = _LD_CODES_EF_PTX if EVICT_FIRST else _LD_CODES_PTX
         return tl.inline_asm_elementwise(
-            _LD_CODES_PTX, "=r,=r,=r,=r,l", [ptrs], (tl.int32,) * 4, is_pure=True, pack=1
+            ptx, "=r,=r,=r,=r,l", [ptrs], (tl.int32,) * 4, is_pure=True, pack=1
         )
     return tl.load(ptrs), tl.load(ptrs + 1), tl.load(ptrs + 2), tl.load(ptrs + 3)
 
 
 @triton.jit
-def _load_scales(ptrs, ASM: tl.constexpr):
+def _load_scales(ptrs, ASM: tl.constexpr, EVICT_FIRST: tl.constexpr = False):
     """fp32 2^(s - 127 + 14) of the E8M0 scale bytes at ptrs, as moe_mxfp4's `_scale_bits`;
     loaded by inline PTX in the consumer's layout (a tl.load would take the coalescer's and
     convert through shared memory every step), unpredicated."""
     if ASM:
-        s = tl.inline_asm_elementwise(_LD_SCALE_PTX, "=r,l", [ptrs], tl.int32, is_pure=True, pack=1)
+        ptx: tl.constexpr = _LD_SCALE_EF_PTX if EVICT_FIRST else _LD_SCALE_PTX
+        s = tl.inline_asm_elementwise(ptx, "=r,l", [ptrs], tl.int32, is_pure=True, pack=1)
     else:
         s = tl.load(ptrs).to(tl.int32)
     return ((s + 14) << 23).to(tl.float32, bitcast=True)
@@ -290,11 +302,12 @@ def _x_block(ptrs, ok, X_DTYPE: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _block_sums(word_ptrs, scale_ptrs, xs, undo, X_DTYPE: tl.constexpr, ASM: tl.constexpr):
+def _block_sums(word_ptrs, scale_ptrs, xs, undo, X_DTYPE: tl.constexpr, ASM: tl.constexpr,
+                EVICT_FIRST: tl.constexpr = False):  # fmt: skip
     """Scaled block dot products of the blocks at word_ptrs (int32) / scale_ptrs (u8): one
     128-bit code load, one scale byte, one block dot each."""
-    codes = _load_codes(word_ptrs, ASM)
-    scale = _load_scales(scale_ptrs, ASM)
+    codes = _load_codes(word_ptrs, ASM, EVICT_FIRST)
+    scale = _load_scales(scale_ptrs, ASM, EVICT_FIRST)
     return _scaled_dot(codes, scale, xs, undo, X_DTYPE, ASM)
 
 
@@ -349,6 +362,7 @@ def _moe_mxfp4_gate_up_kernel_v5(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     ASM: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
 ):
     # As moe_mxfp4._moe_mxfp4_gate_up_kernel. A K step is [BLOCK_N, NB] blocks of the gate
     # rows and of the up rows; lane l of a warp owns block step * NB + l of its rows, whose
@@ -382,8 +396,8 @@ def _moe_mxfp4_gate_up_kernel_v5(
     acc_up = tl.zeros([BLOCK_N, NB], dtype=tl.float32)
     for step in tl.static_range(STEPS):
         g, xs, undo = _step_x(x_blocks, None, step, NB, KS, blk, X_WORDS, X_DTYPE, ASM)
-        acc += _block_sums(gate_words + 4 * g, gate_scales + g, xs, undo, X_DTYPE, ASM)
-        acc_up += _block_sums(up_words + 4 * g, up_scales + g, xs, undo, X_DTYPE, ASM)
+        acc += _block_sums(gate_words + 4 * g, gate_scales + g, xs, undo, X_DTYPE, ASM, EVICT_FIRST)
+        acc_up += _block_sums(up_words + 4 * g, up_scales + g, xs, undo, X_DTYPE, ASM, EVICT_FIRST)
     # After the weight stream: the successor takes no SM slots from this kernel's later waves.
     pdl.trigger(PDL)
     gate_acc = tl.sum(acc, axis=1)
@@ -417,6 +431,7 @@ def _moe_mxfp4_down_kernel_v5(
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
     ASM: tl.constexpr,
+    EVICT_FIRST: tl.constexpr,
 ):
     # As moe_mxfp4._moe_mxfp4_down_kernel: out[t, n] = sum_j w[t, j] * (W2[e_j, n] @ inter[t,
     # j] + b). A K step is [BLOCK_N, BLOCK_TOPK, NB] blocks: lanes along the blocks, warps
@@ -441,8 +456,8 @@ def _moe_mxfp4_down_kernel_v5(
     row_words = wb + row * (4 * KS) + 4 * blk
     row_scales = ws_ptr + row * KS + blk
     g0 = 0 if NB <= KS else tl.minimum(blk, KS - 1) - blk  # as _step_x
-    codes = _load_codes(row_words + 4 * g0, ASM)
-    scales = _load_scales(row_scales + g0, ASM)
+    codes = _load_codes(row_words + 4 * g0, ASM, EVICT_FIRST)
+    scales = _load_scales(row_scales + g0, ASM, EVICT_FIRST)
     if PRELOAD:
         pdl.wait(PDL)
     # [1, BLOCK_TOPK, NB] int32 pointers to the inter rows' blocks (experts past top_k read
@@ -455,8 +470,8 @@ def _moe_mxfp4_down_kernel_v5(
     for step in tl.static_range(STEPS):
         g, xs, undo = _step_x(h_blocks, h_ok, step, NB, KS, blk, X_WORDS, X_DTYPE, ASM)
         if step > 0:
-            codes = _load_codes(row_words + 4 * g, ASM)
-            scales = _load_scales(row_scales + g, ASM)
+            codes = _load_codes(row_words + 4 * g, ASM, EVICT_FIRST)
+            scales = _load_scales(row_scales + g, ASM, EVICT_FIRST)
         acc += _scaled_dot(codes, scales, xs, undo, X_DTYPE, ASM)
     pdl.trigger(PDL)
     acc2 = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_TOPK]

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.ops import graph_rows, pdl
+from specserve.ops import graph_rows, l2, pdl
 
 DECODE_MAX_TOKENS = 8
 # Decode launch configs: (BLOCK_N, BLOCK_K, num_warps). gate_up: a [BLOCK_N, BLOCK_K] gate
@@ -461,6 +461,7 @@ def _moe_decode_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr,
+    W_EVICT: tl.constexpr = "",
 ):
     # inter[pair, n] = act(W13[e, n] @ x[t] (+ b13[e, n]), W13[e, N + n] @ x[t] (+ b13[e, N + n])),
     # e = topk_ids[pair]; act = silu(gate) * up, or swiglu_oai.
@@ -482,8 +483,9 @@ def _moe_decode_gate_up_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
         tile_ok = n_ok[:, None] & k_ok[None, :]
-        gate = tl.load(gate_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-        up = tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0).to(tl.float32)
+        gate = tl.load(gate_rows + k[None, :], mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
+        up = tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
+        gate, up = gate.to(tl.float32), up.to(tl.float32)
         xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         acc += tl.sum(gate * xk, axis=1)
         acc_up += tl.sum(up * xk, axis=1)
@@ -518,9 +520,11 @@ def _routing(topk_ids_ptr, topk_w_ptr, pair, ok):
 
 
 @triton.jit
-def _down_tile(w_rows, rows_ok, k, K):
-    """[BLOCK_TOPK, BLOCK_N, BLOCK_K]: the chosen experts' weight rows at columns k."""
-    return tl.load(w_rows + k[None, None, :], mask=rows_ok & (k < K)[None, None, :], other=0.0)
+def _down_tile(w_rows, rows_ok, k, K, W_EVICT: tl.constexpr):
+    """[BLOCK_TOPK, BLOCK_N, BLOCK_K]: the chosen experts' weight rows at columns k (W_EVICT:
+    ops/l2.py's policy)."""
+    ok = rows_ok & (k < K)[None, None, :]
+    return tl.load(w_rows + k[None, None, :], mask=ok, other=0.0, eviction_policy=W_EVICT)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -546,6 +550,7 @@ def _moe_decode_down_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
+    W_EVICT: tl.constexpr = "",
 ):
     # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
     # PRELOAD (under PDL): the routing and the first weight tile are loaded before waiting for
@@ -560,7 +565,7 @@ def _moe_decode_down_kernel(
     # [BLOCK_TOPK, BLOCK_N, 1] row starts
     w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     rows_ok = j_ok[:, None, None] & n_ok[None, :, None]
-    w = _down_tile(w_rows, rows_ok, k, K)
+    w = _down_tile(w_rows, rows_ok, k, K, W_EVICT)
     if PRELOAD:
         pdl.wait(PDL)
     # [BLOCK_TOPK, 1] inter rows
@@ -569,7 +574,7 @@ def _moe_decode_down_kernel(
     acc = tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        w = _down_tile(w_rows, rows_ok, k, K)
+        w = _down_tile(w_rows, rows_ok, k, K, W_EVICT)
         h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
     pdl.trigger(PDL)
@@ -602,6 +607,7 @@ def _moe_decode_down_kernel_v2(
     STEPS: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
+    W_EVICT: tl.constexpr = "",
 ):
     # _moe_decode_down_kernel's programs and result, built as the MXFP4 v2 kernels: the K loop
     # is unrolled (STEPS = cdiv(K, BLOCK_K) on the host) and its weight tiles are loaded first,
@@ -628,7 +634,7 @@ def _moe_decode_down_kernel_v2(
     # tensors is what Triton can carry): STEPS tiles [BLOCK_TOPK, BLOCK_N, BLOCK_K].
     tiles = ()
     for s in tl.static_range(STEPS):
-        tiles = tiles + (_down_tile(w_rows, rows_ok, s * BLOCK_K + k, K),)
+        tiles = tiles + (_down_tile(w_rows, rows_ok, s * BLOCK_K + k, K, W_EVICT),)
     if PRELOAD:
         pdl.wait(PDL)
     # [BLOCK_TOPK, 1] inter rows, its tiles (from L2) requested after the wait. NOTE: ptxas
@@ -842,7 +848,8 @@ def fused_moe_decode(
         x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
-        BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=early_trigger, **kw,
+        BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=early_trigger,
+        W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     # v2 unrolls its K loop: STEPS tiles of BLOCK_K (the last one masked past I).
@@ -856,7 +863,7 @@ def fused_moe_decode(
         inter.stride(0), w2.stride(0), w2.stride(1), s2, out.stride(0),
         HAS_BIAS=epilogue.w2_bias is not None,
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk, **steps, num_warps=dw,
-        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, **kw,
+        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     return out
 

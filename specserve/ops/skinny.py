@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from specserve.ops import graph_rows, pdl
+from specserve.ops import graph_rows, l2, pdl
 
 try:
     import triton
@@ -95,13 +95,14 @@ def resolve_split(cfg: SkinnyConfig, n: int, k: int, sms: int) -> tuple[int, int
 if triton is not None:
 
     @triton.jit
-    def _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL: tl.constexpr):
+    def _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL: tl.constexpr,
+                      W_EVICT: tl.constexpr):  # fmt: skip
         """[BLOCK_N, BLOCK_K]: the weight tile at columns k (and the up tile), read once."""
         ok = n_ok[:, None] & (k < k_end)[None, :]
-        w = tl.load(w_row + k[None, :], mask=ok, other=0.0)
+        w = tl.load(w_row + k[None, :], mask=ok, other=0.0, eviction_policy=W_EVICT)
         w_up = w
         if SILU_MUL:
-            w_up = tl.load(up_row + k[None, :], mask=ok, other=0.0)
+            w_up = tl.load(up_row + k[None, :], mask=ok, other=0.0, eviction_policy=W_EVICT)
         return w, w_up
 
     @triton.jit
@@ -213,6 +214,7 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr,
         PDL: tl.constexpr,
         PRELOAD: tl.constexpr,
+        W_EVICT: tl.constexpr = "",
     ):
         # Program (pid_n, pid_k): columns pid_n * BLOCK_N.., K range pid_k * k_split.. (k_split
         # a multiple of BLOCK_K; every split non-empty). HAS_RES: x + res (rounded to the model
@@ -228,10 +230,10 @@ if triton is not None:
         k_end = tl.minimum(K, k_start + k_split)
         k = k_start + tl.arange(0, BLOCK_K)
         if PRELOAD:  # weights never depend on the previous kernel
-            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL)
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL, W_EVICT)
         pdl.wait(PDL)
         if not PRELOAD:
-            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL)
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL, W_EVICT)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -242,7 +244,7 @@ if triton is not None:
         )  # fmt: skip
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL)
+            w, w_up = _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL, W_EVICT)
             acc, acc_up, sum_sq = _skinny_tile(
                 acc, acc_up, sum_sq, w, w_up, k, k_end, x_ptr, res_ptr, res_out_ptr, norm_w_ptr,
                 M, stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M, DOT_PRECISION,
@@ -424,6 +426,7 @@ def _launch(
         num_warps=cfg.num_warps,
         num_stages=num_stages(cfg, bm, silu_mul, x.element_size()),
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
+        W_EVICT=l2.weight_eviction(),
         **kw,
     )
     return y

@@ -1,0 +1,36 @@
+"""The L2 policy of the decode kernels' weight streams: evict first.
+
+A batch-1 step streams every weight once (2-5 GB against the H100's 50 MB L2), so by the time
+a layer's attention reads its KV cache, the weights streamed since the last step have evicted
+it, and those small, latency-bound reads wait in the HBM queues behind the next projection's
+weight stream (RESULTS.md session 15: gpt-oss-20b's attention slowed 8.35 -> 10.50 us when the o
+projection preloaded more). With WEIGHT_EVICTION = "evict_first", the weight loads of the
+decode kernels (the gemv, the skinny matmul, the MoE decode kernels, bf16 and MXFP4) carry an
+L2 evict-first hint, so the KV cache, activations and routing stay in the L2 across layers and
+steps while the weights pass through it.
+
+Measured (H100, batch 1, `benchmarks/timeline_sweep.py --step-ms --variants
+"base;specserve.ops.l2.WEIGHT_EVICTION='evict_first'"`, RESULTS.md session 16), device-busy us
+a step without / with: gpt-oss-20b 1797, 1789 / 1714, 1717 (attention 8.3 -> 6.3 us a layer);
+Qwen3-30B-A3B 2923 / 2892; GLM-4.7-Flash 3651 / 3574; Llama-3-8B 5392 / 5382 (its attention
+slower, 7.5 -> 9.5 us, its MLP's down gemv faster). So evict-first is the default.
+
+Read at each launch (a constexpr of the kernels): `--variants "base;specserve.ops.l2.
+WEIGHT_EVICTION=''"` A/B's it.
+"""
+
+from __future__ import annotations
+
+WEIGHT_EVICTION = "evict_first"  # or "" (Triton's default, evict-normal)
+_POLICIES = ("", "evict_first")
+
+
+def weight_eviction() -> str:
+    """The eviction policy string the kernels pass to tl.load for weight tiles."""
+    if WEIGHT_EVICTION not in _POLICIES:
+        raise ValueError(f"l2.WEIGHT_EVICTION {WEIGHT_EVICTION!r}: expected one of {_POLICIES}")
+    return WEIGHT_EVICTION
+
+
+def weights_evict_first() -> bool:
+    return weight_eviction() == "evict_first"
