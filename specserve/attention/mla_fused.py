@@ -26,7 +26,7 @@ import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
 from specserve.attention.mla import MLAWeights
-from specserve.ops import graph_rows, pdl
+from specserve.ops import graph_rows, l2, pdl
 
 # Tokens a step at most for the fused path (a batch-16 decode, a batch-4 K = 3 verification).
 FUSE_MAX_TOKENS = 16
@@ -92,6 +92,7 @@ def _mla_prologue_kernel(
     PAGE: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     PDL: tl.constexpr,
+    W_EVICT: tl.constexpr = "",  # ops/l2.py's policy for the W_UK tile
 ):
     pid = tl.program_id(0)
     out_ty = kv_ptr.dtype.element_ty
@@ -107,6 +108,7 @@ def _mla_prologue_kernel(
             w_uk_ptr + h * stride_wh + k[:, None] * stride_wn + col[None, :],
             mask=km[:, None] & cm[None, :],
             other=0.0,
+            eviction_policy=W_EVICT,
         )
         pdl.trigger(PDL)
         pdl.wait(PDL)
@@ -186,6 +188,7 @@ def mla_prologue(
         L_BLOCKS=l_blocks,
         PAGE=kv_cache.shape[1],
         INTERLEAVE=w.rope_interleave,
+        W_EVICT=l2.weight_eviction(),
         num_warps=8,
         **pdl.launch_kwargs(q.device),
     )  # fmt: skip

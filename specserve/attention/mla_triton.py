@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
-from specserve.ops import graph_rows, pdl
+from specserve.ops import graph_rows, l2, pdl
 
 
 # Per-step views (metadata uploads, split workspaces): no alignment specialization, so no batch
@@ -160,6 +160,7 @@ def _mla_merge_kernel(
     BLOCK_S: tl.constexpr,
     HAS_WUV: tl.constexpr,
     PDL: tl.constexpr,
+    W_EVICT: tl.constexpr = "",  # ops/l2.py's policy for the W_UV tile
 ):
     """out[t, h] for every token t of head h: the SPLITS partial states merged (rescaled to the
     global max, log2 domain, summed in split order, normalized once), rounded to the output
@@ -180,6 +181,7 @@ def _mla_merge_kernel(
             w_uv_ptr + h * stride_wh + v[:, None] * stride_wv + dl[None, :],
             mask=vm[:, None] & lm[None, :],
             other=0.0,
+            eviction_policy=W_EVICT,
         )
     pdl.trigger(PDL)
     pdl.wait(PDL)
@@ -284,6 +286,7 @@ def mla_attention(
             L=L, V=V, BLOCK_L=block_l, BLOCK_V=block_v, SPLITS=num_splits,
             BLOCK_S=max(2, num_splits),
             HAS_WUV=w_uv is not None,
+            W_EVICT=l2.weight_eviction(),
             num_warps=4,
             **kw,
         )  # fmt: skip
