@@ -8,9 +8,8 @@ run (the floor of issue 18), both Triton paths where both make sense (decode ker
 GEMM), and the torch reference (`fused_moe_ref`: per-expert F.linear, eager) for comparison.
 Every result is checked against the reference before it is timed; a mismatch stops the run.
 `--sweep` also times each decode launch config (ops/moe_triton.py DECODE_*_CONFIGS, each with
-the other kernel at its shape-table config, T <= 16; the down kernel's under BOTH variants,
-DECODE_DOWN_CONFIGS under "v1" and DECODE_DOWN_CONFIGS_V2 under "v2", each time labelled with
-its variant: `decode_sweep_pairs`) and each grouped-GEMM config (T >= 16) and reports the
+the other kernel at its shape-table config, T <= 16: `decode_sweep_pairs`) and each
+grouped-GEMM config (T >= 16) and reports the
 fastest (`--models glm-4.7-flash+shared,glm-4.5-air+shared`: the shapes with
 the shared expert fused, top_k + 1 experts). `--route-sweep` times the fused norm + router +
 choice (ops/moe_router.py norm_route) at each model's router shape for every ROUTE_CONFIGS
@@ -177,34 +176,31 @@ def bench_model(name: str, tokens: tuple[int, ...], layers: int, sweep: bool, bw
     return rows
 
 
-# (down variant, (gate_up config, down config)): one decode launch of the sweep.
-SweepPoint = tuple[str, tuple[tuple[int, int, int], tuple[int, int, int]]]
+# (gate_up config, down config): one decode launch of the sweep.
+SweepPoint = tuple[tuple[int, int, int], tuple[int, int, int]]
 
 
 def decode_sweep_pairs(hidden: int, inter: int, top_k: int) -> list[SweepPoint]:
-    """What --sweep times at this expert shape: each gate_up candidate with the active
-    DOWN_VARIANT's table down config, and each down candidate of EACH variant (v1:
-    DECODE_DOWN_CONFIGS, v2: DECODE_DOWN_CONFIGS_V2) with the table gate_up config; both
-    variants' table pairs are among them. Sorted, no duplicates."""
+    """What --sweep times at this expert shape: each gate_up candidate with the table's down
+    config and each down candidate with the table's gate_up config (the table pair among
+    them). Sorted, no duplicates."""
     from specserve.ops import moe_triton as mt
 
-    active = mt.DOWN_VARIANT
-    gate_up, down = mt.decode_configs(hidden, inter, top_k, active)
-    points = {(active, (g, down)) for g in mt.DECODE_GATE_UP_CONFIGS}
-    for variant, downs in (("v1", mt.DECODE_DOWN_CONFIGS), ("v2", mt.DECODE_DOWN_CONFIGS_V2)):
-        points |= {(variant, (gate_up, d)) for d in downs}
+    gate_up, down = mt.decode_configs(hidden, inter, top_k)
+    points = {(g, down) for g in mt.DECODE_GATE_UP_CONFIGS}
+    points |= {(gate_up, d) for d in mt.DECODE_DOWN_CONFIGS}
     return sorted(points)
 
 
 def point_name(point: SweepPoint) -> str:
-    """The sweep's label of a point (JSON key and table): "v2 gu(4, 2048, 4) dn(2, 256, 4)"."""
-    variant, (g, d) = point
-    return f"{variant} gu{g} dn{d}"
+    """The sweep's label of a point (JSON key and table): "gu(4, 2048, 4) dn(2, 256, 4)"."""
+    g, d = point
+    return f"gu{g} dn{d}"
 
 
 def sweep_configs(xs: list, weights: list, routes: list, refs: list, T: int, layers: int) -> dict:
-    """The fastest decode (down variant, config pair) (T <= 16), each variant's table pair,
-    and the fastest grouped-GEMM config (T >= 16)."""
+    """The fastest decode config pair (T <= 16), the table pair, and the fastest grouped-GEMM
+    config (T >= 16)."""
     from specserve.ops import moe_triton as mt
 
     def timed(call: Callable[..., torch.Tensor]) -> float:
@@ -217,18 +213,13 @@ def sweep_configs(xs: list, weights: list, routes: list, refs: list, T: int, lay
         w13, w2 = weights[0]
         shape = (w13.shape[2], w2.shape[2], routes[0][1].shape[1])
         times = {
-            p: timed(lambda *a, p=p: mt.fused_moe_decode(*a, configs=p[1], down_variant=p[0]))
+            p: timed(lambda *a, p=p: mt.fused_moe_decode(*a, configs=p))
             for p in decode_sweep_pairs(*shape)
         }
         best = min(times, key=times.get)
-        found.update(best_decode_variant=best[0], best_decode_config=best[1])
-        found.update(best_decode_us=times[best])
-        table = {v: (v, mt.decode_configs(*shape, v)) for v in mt.DOWN_VARIANTS}
-        active = table[mt.DOWN_VARIANT]
-        found.update(table_decode_config=active[1], table_decode_us=times[active])
-        found["table_decode_by_variant"] = {
-            v: {"config": p[1], "us": round(times[p], 2)} for v, p in table.items()
-        }
+        found.update(best_decode_config=best, best_decode_us=times[best])
+        table = mt.decode_configs(*shape)
+        found.update(table_decode_config=table, table_decode_us=times[table])
         found["decode_sweep_us"] = {point_name(p): round(t, 2) for p, t in times.items()}
     if T >= 16:
         times = {
@@ -328,10 +319,10 @@ def main() -> None:
             f"{r['gemm_us']:>8.1f} {r['ref_us']:>12.0f}"
         )
         if "best_decode_config" in r:
-            best = point_name((r["best_decode_variant"], r["best_decode_config"]))
+            best = point_name(r["best_decode_config"])
             print(f"{'':>20} best decode {best}: {r['best_decode_us']:.1f} us")
-            for v, t in r["table_decode_by_variant"].items():
-                print(f"{'':>20} table decode {point_name((v, t['config']))}: {t['us']:.1f} us")
+            table = point_name(r["table_decode_config"])
+            print(f"{'':>20} table decode {table}: {r['table_decode_us']:.1f} us")
         if "best_gemm_config" in r:
             print(f"{'':>20} best gemm {r['best_gemm_config']}: {r['best_gemm_us']:.1f} us")
     for r in route_rows:

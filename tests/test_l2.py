@@ -61,6 +61,6 @@ def test_moe_decode_weight_loads(policy: str) -> None:
     # gate and up: 4 rows x 2048 bf16 each over 128 threads in 16-byte loads; x is not a weight
     assert _hinted_loads(ptx) == (2 * 4 * 2048 * 2 // 16 // 128 if policy else 0)
     consts = dict(BLOCK_TOPK=8, BLOCK_N=2, BLOCK_K=256, STEPS=3, PDL=True, PRELOAD=True)
-    ptx = _compile(mt._moe_decode_down_kernel_v2, dict(HAS_BIAS=False, W_EVICT=policy, **consts))
+    ptx = _compile(mt._moe_decode_down_kernel, dict(HAS_BIAS=False, W_EVICT=policy, **consts))
     # the [8, 2, 768] bf16 slab over 128 threads; inter (the activations) is not hinted
     assert _hinted_loads(ptx) == (8 * 2 * 768 * 2 // 16 // 128 if policy else 0)

@@ -145,10 +145,10 @@ def test_gpt_oss_cpu_smoke(tmp_path) -> None:
             assert all(1.0 <= r["tokens_per_step"] <= s["k"] + 1 for r in s["rows"])
 
 
-def test_moe_sweep_times_both_down_variants(monkeypatch) -> None:
-    """benchmarks/moe.py --sweep: at every model shape it times the down candidates of both
-    variants (each labelled with its variant) with both variants' table pairs among them, and
-    gate_up's candidates under the active variant, whichever DOWN_VARIANT is set."""
+def test_moe_sweep_times_every_candidate() -> None:
+    """benchmarks/moe.py --sweep: at every model shape it times each gate_up candidate with the
+    table's down config and each down candidate with the table's gate_up config, the table
+    pair among them, each point labelled once."""
     pytest.importorskip("triton")
     from specserve.ops import moe_triton as mt
 
@@ -156,15 +156,11 @@ def test_moe_sweep_times_both_down_variants(monkeypatch) -> None:
     spec = importlib.util.spec_from_file_location("moe_bench", path)
     bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    for active in mt.DOWN_VARIANTS:
-        monkeypatch.setattr(mt, "DOWN_VARIANT", active)
-        for H, inter, _, top_k, shared in bench.MODELS.values():
-            points = bench.decode_sweep_pairs(H, inter, top_k + shared)
-            names = [bench.point_name(p) for p in points]
-            assert len(set(names)) == len(points)
-            assert all(n.startswith(f"{v} gu") for n, (v, _) in zip(names, points))
-            gate_up = mt.decode_configs(H, inter, top_k + shared)[0]
-            for v, downs in (("v1", mt.DECODE_DOWN_CONFIGS), ("v2", mt.DECODE_DOWN_CONFIGS_V2)):
-                assert {d for w, (g, d) in points if w == v and g == gate_up} == set(downs)
-                assert (v, mt.decode_configs(H, inter, top_k + shared, v)) in points
-            assert {g for w, (g, _) in points if w == active} >= set(mt.DECODE_GATE_UP_CONFIGS)
+    for H, inter, _, top_k, shared in bench.MODELS.values():
+        points = bench.decode_sweep_pairs(H, inter, top_k + shared)
+        names = [bench.point_name(p) for p in points]
+        assert len(set(names)) == len(points)
+        gate_up, down = mt.decode_configs(H, inter, top_k + shared)
+        assert (gate_up, down) in points
+        assert {d for g, d in points if g == gate_up} == set(mt.DECODE_DOWN_CONFIGS) | {down}
+        assert {g for g, d in points if d == down} == set(mt.DECODE_GATE_UP_CONFIGS) | {gate_up}

@@ -8,10 +8,8 @@ code the compiler rejects).
 
 from __future__ import annotations
 
-import functools
 import os
 import re
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -106,40 +104,11 @@ def _decodes(T: int, path: str) -> bool:
     return path == "decode" or (path == "auto" and T <= 8)
 
 
-def down_variants(
-    cases: list[tuple], path_at: int, also_v1: Callable[[tuple], bool] = lambda case: True
-) -> list[tuple]:
-    """`cases` (T first) + a down variant: v2 (the default) everywhere, v1 too where the case
-    takes the decode kernels and `also_v1` holds (the grouped GEMM has no down variant; v1's
-    duplicates are trimmed to keep the interpreter run short)."""
-    return [
-        (*case, v)
-        for case in cases
-        for v in ("v1", "v2")
-        if v == "v2" or (_decodes(case[0], case[path_at]) and also_v1(case))
-    ]
-
-
-@pytest.fixture
-def down_variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Sets moe_triton.DOWN_VARIANT (read at each launch) to the test's `variant` param."""
-    from specserve.ops import moe_triton as mt
-
-    monkeypatch.setattr(mt, "DOWN_VARIANT", request.param)
-    return request.param
-
-
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize(
-    "T, routing, path, dtype, down_variant",
-    down_variants(CASES_DTYPES, 2, lambda case: case[3] == torch.float32),
-    indirect=["down_variant"],
-)
-def test_moe_triton_matches_reference(
-    T: int, routing: str, path: str, dtype: torch.dtype, down_variant: str
-) -> None:
+@pytest.mark.parametrize("T, routing, path, dtype", CASES_DTYPES)
+def test_moe_triton_matches_reference(T: int, routing: str, path: str, dtype: torch.dtype) -> None:
     from specserve.ops.moe_triton import fused_moe_triton
 
     top_k = 3 if routing == "shared" else 2  # shared: top-2 + 1, padded to 4 in down's tile
@@ -185,13 +154,9 @@ OAI_CASES = [
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "T, path, bias, activation, down_variant",
-    down_variants(OAI_CASES, 1, lambda case: case[2]),  # v1 with biases
-    indirect=["down_variant"],
-)
+@pytest.mark.parametrize("T, path, bias, activation", OAI_CASES)
 def test_moe_triton_gpt_oss_experts(
-    T: int, path: str, bias: bool, activation: str, dtype: torch.dtype, down_variant: str
+    T: int, path: str, bias: bool, activation: str, dtype: torch.dtype
 ) -> None:
     """Biases and the clamped SwiGLU (gpt-oss) in the decode and GEMM kernels == reference,
     with the clamps active (some gate products above the limit, some up products outside
@@ -213,12 +178,8 @@ def test_moe_triton_gpt_oss_experts(
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize(
-    "path, down_variant",
-    [("decode", "v1"), ("decode", "v2"), ("gemm", "v2")],
-    indirect=["down_variant"],
-)
-def test_moe_triton_strided_input_and_int64_ids(path: str, down_variant: str) -> None:
+@pytest.mark.parametrize("path", ["decode", "gemm"])
+def test_moe_triton_strided_input_and_int64_ids(path: str) -> None:
     """x a column slice of a wider tensor (row stride != H), ids int64 as routers return them."""
     from specserve.ops.moe_triton import fused_moe_triton
 
@@ -249,8 +210,8 @@ def test_moe_align(routing: str, E: int, block_m: int) -> None:
         assert torch.equal(expert_ids[: ref_total // block_m], ref_experts)
 
 
-# (H, I, top_k) of the real models -> v2's down config: every row of DECODE_DOWN_TABLE_V2.
-V2_TABLE_SHAPES = {
+# (H, I, top_k) of the real models -> the down config: every row of DECODE_DOWN_TABLE.
+DOWN_TABLE_SHAPES = {
     (2048, 768, 8): (2, 256, 4),  # Qwen3-30B-A3B
     (2048, 1536, 4): (2, 256, 4),  # GLM-4.7-Flash
     (2880, 2880, 4): (1, 512, 4),  # gpt-oss (biases)
@@ -273,22 +234,20 @@ V2_TABLE_SHAPES = {
         ("random", 5, True, (4, 128, 4)),  # one step wider than I; 5 rows padded to 8
     ],
 )
-def test_moe_decode_down_v2_steps(
+def test_moe_decode_down_steps(
     routing: str, top_k: int, bias: bool, config: tuple[int, int, int]
 ) -> None:
-    """v2's unrolled K steps at I = 48 (masking past I in the last step or the only one),
-    experts that get no tokens, padded top_k rows and expert biases: equal to the reference,
-    and to v1 at the same config up to fp32 summation order."""
+    """The down kernel's unrolled K steps at I = 48 (masking past I in the last step or the
+    only one), experts that get no tokens, padded top_k rows and expert biases: equal to the
+    reference."""
     from specserve.ops import moe_triton as mt
 
     args = make_moe(3, E=8, H=64, inter=48, top_k=top_k, dtype=torch.float32, routing=routing)
     kw = make_oai_kw(8, 64, 48, torch.float32, activation="silu") if bias else {}
     epilogue = mt.Epilogue(**kw)
     configs = (mt.DECODE_GATE_UP_CONFIG, config)
-    v2 = mt.fused_moe_decode(*args, configs=configs, epilogue=epilogue, down_variant="v2")
-    _check(v2, fused_moe_ref(*args, **kw))
-    v1 = mt.fused_moe_decode(*args, configs=configs, epilogue=epilogue, down_variant="v1")
-    torch.testing.assert_close(v2, v1, atol=1e-5, rtol=1e-5)
+    out = mt.fused_moe_decode(*args, configs=configs, epilogue=epilogue)
+    _check(out, fused_moe_ref(*args, **kw))
 
 
 @pytest.mark.interpret
@@ -305,38 +264,25 @@ def test_every_launch_config() -> None:
         _check(mt.fused_moe_gemm(*args, config=cfg), ref)
     args = make_moe(2, E=8, H=64, inter=48, top_k=2, dtype=torch.float32, seed=6)
     ref = fused_moe_ref(*args)
+    down0 = mt.DECODE_DOWN_CONFIGS[0]
     for gate_up in mt.DECODE_GATE_UP_CONFIGS:
-        _check(mt.fused_moe_decode(*args, configs=(gate_up, mt.DECODE_DOWN_CONFIG)), ref)
-    for variant, downs in (("v1", mt.DECODE_DOWN_CONFIGS), ("v2", mt.DECODE_DOWN_CONFIGS_V2)):
-        for down in downs:
-            configs = (mt.DECODE_GATE_UP_CONFIG, down)
-            _check(mt.fused_moe_decode(*args, configs=configs, down_variant=variant), ref)
-    # The shape tables: one K tile at Qwen3-30B-A3B / GLM-4.7-Flash, the old configs beyond
-    # (gpt-oss, GLM-4.5-Air's H = 4096); every table config is one the sweep times.
-    v1 = functools.partial(mt.decode_configs, down_variant="v1")
-    assert v1(2048, 768, 8) == ((4, 2048, 4), (2, 256, 4))
-    assert v1(2048, 1536, 4) == ((2, 2048, 8), (2, 2048, 8))
-    assert v1(2880, 2880, 4) == (mt.DECODE_GATE_UP_CONFIG, mt.DECODE_DOWN_CONFIG)
-    assert v1(4096, 1408, 8)[1] == mt.DECODE_DOWN_CONFIG
-    # Shared experts fused (top_k + 1): GLM-4.7-Flash keeps gate_up's config, down the sweep's
-    # [8, 4, 128] tiles; top-8 + 1 (16 rows a tile) halves the fallback's BLOCK_N.
-    assert v1(2048, 1536, 5) == ((2, 2048, 8), (4, 128, 4))
-    assert v1(4096, 1408, 9) == (mt.DECODE_GATE_UP_CONFIG, (2, 256, 4))
-    assert v1(7168, 2048, 9)[1] == (2, 256, 4)
+        _check(mt.fused_moe_decode(*args, configs=(gate_up, down0)), ref)
+    for down in mt.DECODE_DOWN_CONFIGS:
+        _check(mt.fused_moe_decode(*args, configs=(mt.DECODE_GATE_UP_CONFIG, down)), ref)
+    # The shape tables: gate_up one K tile at Qwen3-30B-A3B / GLM-4.7-Flash, the fallback
+    # beyond (gpt-oss, GLM-4.5-Air's H = 4096); down a program's whole slab in registers
+    # (BLOCK_N shrinks as top_k and I grow); every table config is one the sweep times.
+    gate_ups = {
+        (2048, 768, 8): (4, 2048, 4),
+        (2048, 1536, 4): (2, 2048, 8),
+        (2048, 1536, 5): (2, 2048, 8),  # shared expert fused: top-4 + 1
+    }
+    for shape, down in DOWN_TABLE_SHAPES.items():
+        gate_up = gate_ups.get(shape, mt.DECODE_GATE_UP_CONFIG)
+        assert mt.decode_configs(*shape) == (gate_up, down), shape
     assert {c for *_, c in mt.DECODE_GATE_UP_TABLE} <= set(mt.DECODE_GATE_UP_CONFIGS)
+    assert {c for *_, c in mt.DECODE_DOWN_TABLE} == set(DOWN_TABLE_SHAPES.values())
     assert {c for *_, c in mt.DECODE_DOWN_TABLE} <= set(mt.DECODE_DOWN_CONFIGS)
-    # v2's table (a program's whole slab in registers: BLOCK_N shrinks as top_k and I grow);
-    # gate_up's config does not depend on the down variant.
-    for shape, down in V2_TABLE_SHAPES.items():
-        assert mt.decode_configs(*shape, down_variant="v2") == (v1(*shape)[0], down), shape
-    assert {c for *_, c in mt.DECODE_DOWN_TABLE_V2} == set(V2_TABLE_SHAPES.values())
-    assert {c for *_, c in mt.DECODE_DOWN_TABLE_V2} <= set(mt.DECODE_DOWN_CONFIGS_V2)
-    # DOWN_VARIANT is read when called (benchmarks/timeline_sweep.py sets it after import).
-    assert mt.decode_configs(2048, 1536, 4) == mt.decode_configs(
-        2048, 1536, 4, down_variant=mt.DOWN_VARIANT
-    )
-    with pytest.raises(ValueError, match="DOWN_VARIANT must be one of v1, v2"):
-        mt.decode_configs(2048, 768, 8, down_variant="v3")
     # The default pick (one K tile each here: BLOCK_K >= K) on this shape.
     _check(mt.fused_moe_decode(*args, configs=((4, 64, 4), (2, 64, 4))), ref)
 
@@ -461,10 +407,7 @@ def test_moe_kernels_compile_for_sm90() -> None:
     ]
     decode_cases = [(k, c, dict(EARLY_TRIGGER=False, **e)) for k, c, e in decode_cases] + [
         (kernel, config, dict(BLOCK_TOPK=8, **steps, **extra))
-        for kernel, config, steps in (
-            (mt._moe_decode_down_kernel, mt.DECODE_DOWN_CONFIG, {}),
-            (mt._moe_decode_down_kernel_v2, (2, 256, 4), dict(STEPS=3)),
-        )
+        for kernel, config, steps in ((mt._moe_decode_down_kernel, (2, 256, 4), dict(STEPS=3)),)
         for bias in (False, True)
         for extra in (dict(PRELOAD=False, HAS_BIAS=bias), dict(PRELOAD=True, HAS_BIAS=bias))
     ]
@@ -474,7 +417,7 @@ def test_moe_kernels_compile_for_sm90() -> None:
             ptx = _compile(kernel, dict(BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, **extra), warps)
             assert ("griddepcontrol.wait" in ptx) == pdl
             assert ("griddepcontrol.launch_dependents" in ptx) == pdl
-            if pdl:  # only down's preload (routing, first weight tile) loads before the wait
+            if pdl:  # only down's preload (routing, weight tiles) loads before the wait
                 assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
     # GATE_UP_EARLY_TRIGGER: down may launch once gate_up waited (not after its weights)
     consts = dict(BLOCK_N=8, BLOCK_K=512, PDL=True, HAS_BIAS=False, **silu)
@@ -485,34 +428,27 @@ def test_moe_kernels_compile_for_sm90() -> None:
             ptx.index("griddepcontrol.wait"),
         )
         assert wait < trigger and (trigger < ptx.rindex("ld.global")) == early
-    # The shape tables' configs at their real shapes (Qwen3-30B-A3B: H 2048, I 768, top-8;
+    # gate_up's table configs at their real shapes (Qwen3-30B-A3B: H 2048, I 768, top-8;
     # GLM-4.7-Flash: I 1536, top-4; with a fused shared expert top-4 + 1, and GLM-4.5-Air /
-    # DeepSeek-V3's top-8 + 1): no spills, and down requests its first tile ([next_pow2(top_k),
-    # BLOCK_N, BLOCK_K] bf16 in 16-byte loads; the whole slab where one tile spans I) before
-    # the PDL wait.
+    # DeepSeek-V3's top-8 + 1): no spills.
     shapes = ((2048, 768, 8), (2048, 1536, 4), (2048, 1536, 5), (4096, 1408, 9), (7168, 2048, 9))
     for hidden, inter, top_k in shapes:
-        (gn, gk, gw), (dn, dk, dw) = mt.decode_configs(hidden, inter, top_k)
+        gn, gk, gw = mt.decode_configs(hidden, inter, top_k)[0]
         _compile(mt._moe_decode_gate_up_kernel, dict(BLOCK_N=gn, BLOCK_K=gk, PDL=True,
                                                      HAS_BIAS=False, EARLY_TRIGGER=False, **silu),
                  gw)  # fmt: skip
-        block_topk = 1 << (top_k - 1).bit_length()
-        consts = dict(BLOCK_N=dn, BLOCK_K=dk, PDL=True, PRELOAD=True, HAS_BIAS=False)
-        ptx = _compile(mt._moe_decode_down_kernel, dict(BLOCK_TOPK=block_topk, **consts), dw)
-        early = ptx[: ptx.index("griddepcontrol.wait")]
-        assert early.count("ld.global.v4") * 16 * 32 * dw == block_topk * dn * dk * 2
-    # v2's table at every row's shapes (gpt-oss with its biases): no spills, registers for
+    # down's table at every row's shapes (gpt-oss with its biases): no spills, registers for
     # >= 4 programs an SM (3 at 8 warps; DeepSeek-V3 + shared's 64 KB slab allows 2), and the
     # program's WHOLE slab, [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 in 16-byte
     # loads, requested before the PDL wait.
-    for (hidden, inter, top_k), down in V2_TABLE_SHAPES.items():
-        dn, dk, dw = mt.decode_configs(hidden, inter, top_k, down_variant="v2")[1]
+    for (hidden, inter, top_k), down in DOWN_TABLE_SHAPES.items():
+        dn, dk, dw = mt.decode_configs(hidden, inter, top_k)[1]
         assert (dn, dk, dw) == down
         block_topk, steps = 1 << (top_k - 1).bit_length(), -(-inter // dk)
         consts = dict(BLOCK_TOPK=block_topk, BLOCK_N=dn, BLOCK_K=dk, STEPS=steps, PDL=True)
         consts.update(PRELOAD=True, HAS_BIAS=inter == 2880)
         out = []
-        ptx = _compile(mt._moe_decode_down_kernel_v2, consts, dw, compiled_out=out)
+        ptx = _compile(mt._moe_decode_down_kernel, consts, dw, compiled_out=out)
         regs = int(re.search(r"REG:(\d+)", _cuobjdump(out[0], "--dump-resource-usage"))[1])
         programs = 65536 // (regs * 32 * dw)
         assert programs >= (2 if (inter, top_k) == (2048, 9) else 3 if dw == 8 else 4), regs

@@ -7,13 +7,11 @@ so the kernels are gemv-like (ops/gemv.py): each program owns a few weight rows 
 long contiguous tiles, the few activation rows come from L2.
   `_moe_decode_gate_up_kernel`  program (pair, column block) -> inter[pair] = act(g, u)
   `_moe_decode_down_kernel`     program (token, column block): the token's top_k experts' rows
-                                as one [top_k, BLOCK_N, BLOCK_K] tile a K step, weighted by the
-                                routing weights and summed in registers: the sum over top_k is
-                                fused, in a fixed order (deterministic, no atomics).
-  `_moe_decode_down_kernel_v2`  the same programs with the K loop unrolled (STEPS constexpr):
-                                every weight tile of a program is requested at once (before
-                                the PDL wait), products accumulate elementwise and the sum over
-                                K is reduced once, after the loop. DOWN_VARIANT picks v1 / v2.
+                                as one [top_k, BLOCK_N, STEPS * BLOCK_K] slab, every tile of it
+                                requested at once (before the PDL wait, the K loop unrolled),
+                                products accumulated elementwise and reduced over K once, after
+                                the loop, then weighted by the routing weights and summed over
+                                top_k in registers: a fixed order (deterministic, no atomics).
   Pairs (tokens) are the fastest grid index, so the programs reading one column block of an
   expert chosen twice in a batch run side by side: the second read comes from L2, and HBM
   traffic is the distinct experts' bytes.
@@ -56,42 +54,21 @@ DecodeConfig = tuple[int, int, int]
 # (max K, max top_k, config) rows, the first whose bounds hold wins (table_configs).
 ConfigTable = tuple[tuple[float, float, DecodeConfig], ...]
 DECODE_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # any shape (the tables' fallback)
-DECODE_DOWN_CONFIG: DecodeConfig = (4, 256, 4)
 # Per shape class, the first row whose bounds hold: (max K, max top_k, config); K is H for
 # gate_up, the expert intermediate I for down. Why (issue 18, Qwen3-30B-A3B batch 1 at
-# (8, 512, 4) / (4, 256, 4): gate_up 81%, down 64% of the copy bandwidth, both ~4 us over
-# their bytes): at short K a program's few K steps are serial round trips (each step's loads
-# wait for the previous step's math, a cross-warp reduction), and down only preloads its
-# first tile before the PDL wait. One tile spanning K (BLOCK_K >= K) makes a program ONE
-# round trip: gate_up issues all its weights as soon as it has its expert id, down all of
-# its slab before the wait (during gate_up's tail). Register counts (sm_90 cubin, Qwen3
-# shape): gate_up (4, 2048, 4) 72 -> 7 programs an SM; down (2, 1024, 4) 145 -> 3 an SM,
-# 24 KB each (K = 768 in a 1024 tile: masked lanes cost registers, no bytes).
-# Measured on the H100 (benchmarks/moe.py --quick --sweep, RESULTS.md session 10): per layer at
-# one token, Qwen3-30B-A3B 32.9 us with down (2, 256, 4) vs 33.7 with (2, 1024, 4); GLM-4.7-Flash
-# 31.5 us with gate_up (2, 2048, 8) vs 42.7 with (4, 2048, 4).
-# Fused shared experts (models/moe.py) make top_k + 1: GLM-4.7-Flash runs top-5, GLM-4.5-Air
-# and DeepSeek-V3 top-9. gate_up's tile does not depend on top_k (only its grid does); down's
-# [next_pow2(top_k), BLOCK_N, BLOCK_K] pads 5 to 8 and 9 to 16 rows, so those rows halve
-# BLOCK_N to keep the tile (registers) of the measured config. NOTE: the "+ shared" rows are
-# unmeasured (sm_90 compile only: no spills) until a GPU run of
-# benchmarks/moe.py --sweep --models glm-4.7-flash+shared,glm-4.5-air+shared.
+# (8, 512, 4): gate_up 81% of the copy bandwidth, ~4 us over its bytes): at short K a program's
+# few K steps are serial round trips (each step's loads wait for the previous step's math, a
+# cross-warp reduction). One tile spanning K (BLOCK_K >= K) makes a program ONE round trip:
+# gate_up issues all its weights as soon as it has its expert id. Registers (sm_90 cubin,
+# Qwen3 shape): (4, 2048, 4) 72 -> 7 programs an SM. Measured on the H100 (benchmarks/moe.py
+# --quick --sweep, RESULTS.md session 10): GLM-4.7-Flash 31.5 us a layer at one token with
+# (2, 2048, 8) vs 42.7 with (4, 2048, 4). gate_up's tile does not depend on top_k (fused
+# shared experts, models/moe.py, make it top_k + 1; only the grid grows).
 DECODE_GATE_UP_TABLE: ConfigTable = (
     (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: H = 2048, top-4
     (2048, 5, (2, 2048, 8)),  # GLM-4.7-Flash + shared: top-4 + 1 (the sweep's best too)
     (2048, float("inf"), (4, 2048, 4)),
     (float("inf"), float("inf"), DECODE_GATE_UP_CONFIG),
-)
-DECODE_DOWN_TABLE: ConfigTable = (
-    (1024, 8, (2, 256, 4)),  # Qwen3-30B-A3B: I = 768, top-8
-    (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: I = 1536, top-4
-    # GLM-4.7-Flash + shared: [8, 4, 128] tiles. H100 sweep (benchmarks/moe.py --quick --sweep
-    # --models glm-4.7-flash+shared, RESULTS.md session 12): the op at 1 / 8 tokens 39.2 /
-    # 182.3 us against 46.7 / 259.5 with (1, 2048, 8).
-    (2048, 5, (4, 128, 4)),
-    (float("inf"), 8, DECODE_DOWN_CONFIG),
-    # Top-8 + shared (GLM-4.5-Air I = 1408, DeepSeek-V3 I = 2048): [16, 2, 256] (unmeasured)
-    (float("inf"), float("inf"), (2, 256, 4)),
 )
 # What benchmarks/moe.py --sweep times (each with the other kernel at its table config).
 DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
@@ -103,52 +80,23 @@ DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
     (2, 2048, 8),
     (16, 512, 8),
 )
-DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
-    (4, 256, 4),
-    (2, 1024, 4),
-    (1, 1024, 4),
-    (2, 1024, 8),
-    (2, 512, 4),
-    (2, 256, 4),
-    (4, 512, 8),
-    (2, 2048, 8),
-    (1, 2048, 8),
-    (4, 128, 4),  # 9..16 experts (top-8 + shared): [16, 4, 128]
-    (1, 512, 4),
-)
-
-
-# The down kernel: "v2" (`_moe_decode_down_kernel_v2`) or "v1" (`_moe_decode_down_kernel`),
-# read at each launch, so
-# benchmarks/timeline_sweep.py --variants "specserve.ops.moe_triton.DOWN_VARIANT='v1'" and
-# benchmarks/moe.py --sweep A/B them.
-# Why v2: on the H100 v1 runs at ~58-63% of the HBM bandwidth (Qwen3-30B-A3B at (2, 256, 4):
-# 13 us for 7.5 us of bytes). Each of its K steps ends in a cross-thread reduction, and the next
-# step's loads wait for it: a program is STEPS serial round trips, and only the first tile is
-# preloaded before the PDL wait. The MXFP4 down kernel got much faster built the v2 way
-# (moe_mxfp4.py, `_moe_mxfp4_down_kernel_v2`: one reduction after an unrolled K loop).
-# Measured (H100, `benchmarks/moe.py --quick --sweep`, RESULTS.md session 13; the whole op at
-# one token, each variant's table pair): Qwen3-30B-A3B v1 31.9 / v2 33.1 us, GLM-4.7-Flash +
-# shared (top-5) 38.7 / 38.5, GLM-4.5-Air + shared (top-9) 124.2 / 112.0 (8 tokens: 662.6 /
-# 659.9). In a whole step v2 pays when gate_up lets it launch early (GATE_UP_EARLY_TRIGGER):
-# batch-1 spans (`benchmarks/timeline_sweep.py`, RESULTS.md session 13): Qwen3-30B-A3B 3188 /
-# 3168 us with v1, 3137 / 3125 with v1 and the early trigger, 3095 with v2 and it;
-# GLM-4.7-Flash (top-4 + shared) 3918 / 3873 with v1, 3839 with v2 and it (3961 with v1 and
-# the trigger alone). So v2 with the early trigger is the default; DeepSeek-V3 is unmeasured.
-DOWN_VARIANTS = ("v1", "v2")
-DOWN_VARIANT = "v2"
+# The down kernel holds a program's whole slab in registers and requests it before the PDL
+# wait. Its predecessor ("v1", removed in session 16) walked K in a loop with a cross-thread
+# reduction a step, so a program was STEPS serial round trips: in batch-1 steps (H100,
+# `benchmarks/timeline_sweep.py`, RESULTS.md session 13) Qwen3-30B-A3B spanned 3137 / 3125 us
+# with v1 and gate_up's early trigger vs 3095 with this kernel; GLM-4.7-Flash (top-4 + shared)
+# 3961 vs 3839; GLM-4.5-Air + shared (top-9) 124.2 vs 112.0 us a layer alone.
 # The gate_up decode kernel lets down launch right after its own PDL wait instead of after its
-# weight stream, so down's programs (v2 loads all its weight tiles before its wait) take SM
-# slots early and stream during gate_up's tail. None: with down v2 only (above); the dense
-# gemv measured slower that way (ops/pdl.py).
-GATE_UP_EARLY_TRIGGER: bool | None = None
-# v2 holds a program's whole [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 slab in
+# weight stream, so down's programs take SM slots early and stream their slabs during gate_up's
+# tail (the dense gemv measured slower that way: ops/pdl.py).
+GATE_UP_EARLY_TRIGGER = True
+# A program's whole [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 slab sits in
 # registers (plus a [.., BLOCK_K] fp32 accumulator), so BLOCK_N (and warps) are chosen per shape
 # to keep the slab near 24 KB: no spills, registers for >= 4 programs an SM where the slab
 # allows (sm_90 cubin registers a thread at the real shapes, checked by tests/test_moe_ops.py;
-# BLOCK_K 256 keeps 16-byte loads and few unrolled steps). Unmeasured, like the variant.
+# BLOCK_K 256 keeps 16-byte loads and few unrolled steps).
 # Per row: (max K = I, max top_k, config).
-DECODE_DOWN_TABLE_V2: ConfigTable = (
+DECODE_DOWN_TABLE: ConfigTable = (
     (1024, 8, (2, 256, 4)),  # Qwen3-30B-A3B (I 768, top-8): [8, 2, 768], 80 regs, 6 an SM
     (2048, 4, (2, 256, 4)),  # GLM-4.7-Flash (I 1536, top-4): [4, 2, 1536], 80 regs, 6 an SM
     # gpt-oss (I 2880 in 6 steps of 512, biases): [4, 1, 3072], 86 regs, 5 an SM
@@ -161,8 +109,8 @@ DECODE_DOWN_TABLE_V2: ConfigTable = (
     # an SM): no config of this kernel fits three.
     (float("inf"), float("inf"), (1, 256, 8)),
 )
-# What benchmarks/moe.py --sweep times for v2 (the v1 list above is timed under v1).
-DECODE_DOWN_CONFIGS_V2: tuple[DecodeConfig, ...] = (
+# What benchmarks/moe.py --sweep times for down.
+DECODE_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
     (2, 256, 4),
     (1, 256, 4),
     (1, 512, 4),
@@ -174,15 +122,6 @@ DECODE_DOWN_CONFIGS_V2: tuple[DecodeConfig, ...] = (
 )
 
 
-def down_table(variant: str) -> ConfigTable:
-    """The down kernel's shape table under `variant` (DOWN_VARIANTS)."""
-    if variant not in DOWN_VARIANTS:
-        raise ValueError(
-            f"moe_triton.DOWN_VARIANT must be one of {', '.join(DOWN_VARIANTS)}, got {variant!r}"
-        )
-    return DECODE_DOWN_TABLE_V2 if variant == "v2" else DECODE_DOWN_TABLE
-
-
 def table_configs(
     gate_up_table: ConfigTable, down_table: ConfigTable, hidden: int, inter: int, top_k: int
 ) -> tuple[DecodeConfig, DecodeConfig]:
@@ -192,13 +131,9 @@ def table_configs(
     return gate_up, down
 
 
-def decode_configs(
-    hidden: int, inter: int, top_k: int, down_variant: str | None = None
-) -> tuple[DecodeConfig, DecodeConfig]:
-    """(gate_up, down) launch configs of the decode kernels for this expert shape, down's for
-    `down_variant` (default: DOWN_VARIANT as it is now)."""
-    table = down_table(down_variant or DOWN_VARIANT)
-    return table_configs(DECODE_GATE_UP_TABLE, table, hidden, inter, top_k)
+def decode_configs(hidden: int, inter: int, top_k: int) -> tuple[DecodeConfig, DecodeConfig]:
+    """(gate_up, down) launch configs of the decode kernels for this expert shape."""
+    return table_configs(DECODE_GATE_UP_TABLE, DECODE_DOWN_TABLE, hidden, inter, top_k)
 
 
 # Grouped GEMM configs: (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages), by the
@@ -312,7 +247,7 @@ def _down_store(
     HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """out[t, n] = sum_j route_w[j] * (acc[j, n] (+ b2[expert_j, n])): the decode down
-    kernels' epilogue (bf16 and MXFP4 v1 / v2), acc [BLOCK_TOPK, BLOCK_N] fp32, the top_k sum
+    kernels' epilogue (bf16, MXFP4 v1 / v5), acc [BLOCK_TOPK, BLOCK_N] fp32, the top_k sum
     in a fixed order."""
     if HAS_BIAS:  # the chosen experts' biases
         b = b_ptr + expert[:, None] * stride_be + n[None, :]
@@ -548,80 +483,22 @@ def _moe_decode_down_kernel(
     BLOCK_TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-    PRELOAD: tl.constexpr,
-    W_EVICT: tl.constexpr = "",
-):
-    # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
-    # PRELOAD (under PDL): the routing and the first weight tile are loaded before waiting for
-    # the gate_up kernel, so this kernel's weight stream starts during gate_up's tail. Safe
-    # because the routing was written before gate_up started (it is gate_up's input too) and
-    # gate_up lets this kernel launch only after its own wait; only inter needs the wait.
-    t, n, n_ok, pair, j_ok = _down_program(N, T, top_k, BLOCK_N, BLOCK_TOPK)
-    k = tl.arange(0, BLOCK_K)
-    if not PRELOAD:
-        pdl.wait(PDL)
-    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, j_ok)
-    # [BLOCK_TOPK, BLOCK_N, 1] row starts
-    w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
-    rows_ok = j_ok[:, None, None] & n_ok[None, :, None]
-    w = _down_tile(w_rows, rows_ok, k, K, W_EVICT)
-    if PRELOAD:
-        pdl.wait(PDL)
-    # [BLOCK_TOPK, 1] inter rows
-    h_rows = inter_ptr + pair.to(tl.int64)[:, None] * stride_im
-    h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
-    acc = tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = _down_tile(w_rows, rows_ok, k, K, W_EVICT)
-        h = tl.load(h_rows + k[None, :], mask=j_ok[:, None] & (k < K)[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * h.to(tl.float32)[:, None, :], axis=2)
-    pdl.trigger(PDL)
-    _down_store(
-        acc, b_ptr, expert, stride_be, n, n_ok, j_ok, route_w, out_ptr, t, stride_om, HAS_BIAS
-    )
-
-
-@triton.jit(do_not_specialize=["T"])
-def _moe_decode_down_kernel_v2(
-    inter_ptr,
-    w_ptr,
-    b_ptr,
-    topk_ids_ptr,
-    topk_w_ptr,
-    out_ptr,
-    N,
-    K,
-    T,
-    top_k,
-    stride_im,
-    stride_we,
-    stride_wn,
-    stride_be,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     STEPS: tl.constexpr,
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
     W_EVICT: tl.constexpr = "",
 ):
-    # _moe_decode_down_kernel's programs and result, built as the MXFP4 v2 kernels: the K loop
-    # is unrolled (STEPS = cdiv(K, BLOCK_K) on the host) and its weight tiles are loaded first,
-    # all of them, into a tuple, so a program is ONE round trip to HBM instead of STEPS; the
+    # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
+    # The K loop is unrolled (STEPS = cdiv(K, BLOCK_K) on the host) and its weight tiles are
+    # loaded first, all of them, into a tuple, so a program is ONE round trip to HBM; the
     # products accumulate elementwise into a tile-shaped fp32 accumulator and the cross-thread
-    # sum over K runs once, after the loop (v1 reduces every step, and each step's loads wait
-    # for the previous step's reduction). The price is registers: a program holds its whole
-    # [BLOCK_TOPK, BLOCK_N, STEPS * BLOCK_K] slab, so the tables pick BLOCK_N (and warps) to
-    # fit it (DECODE_DOWN_TABLE_V2).
+    # sum over K runs once, after the loop. The price is registers: a program holds its whole
+    # [BLOCK_TOPK, BLOCK_N, STEPS * BLOCK_K] slab, so DECODE_DOWN_TABLE picks BLOCK_N (and
+    # warps) to fit it.
     # PRELOAD (under PDL): the routing and EVERY weight tile are loaded before waiting for the
-    # gate_up kernel (v1 preloads the first tile only). Safe for the reasons v1's preload is:
-    # the routing was written before gate_up started (it is gate_up's input too), gate_up lets
-    # this kernel launch only after its own wait, and weights never depend on the previous
-    # kernel; only inter is read after the wait.
+    # gate_up kernel. Safe because the routing was written before gate_up started (it is
+    # gate_up's input too), gate_up lets this kernel launch only after its own wait, and
+    # weights never depend on the previous kernel; only inter is read after the wait.
     t, n, n_ok, pair, j_ok = _down_program(N, T, top_k, BLOCK_N, BLOCK_TOPK)
     k = tl.arange(0, BLOCK_K)
     if not PRELOAD:
@@ -826,20 +703,13 @@ def fused_moe_decode(
     topk_ids: torch.Tensor,
     configs: tuple[DecodeConfig, DecodeConfig] | None = None,
     epilogue: Epilogue = PLAIN,
-    down_variant: str | None = None,
 ) -> torch.Tensor:
     """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`.
-    `down_variant`: DOWN_VARIANTS, default DOWN_VARIANT read now (not at import: a benchmark
-    may set it); `configs` default to that variant's tables."""
+    `configs`: (gate_up, down) launch configs, default the shape tables'."""
     T, top_k = topk_ids.shape
     E, two_i, H = w13.shape
     inter_size, P = two_i // 2, T * top_k
-    down_variant = down_variant or DOWN_VARIANT
-    down_table(down_variant)  # validates
-    early_trigger = GATE_UP_EARLY_TRIGGER
-    if early_trigger is None:
-        early_trigger = down_variant == "v2"
-    (gn, gk, gw), (dn, dk, dw) = configs or decode_configs(H, inter_size, top_k, down_variant)
+    (gn, gk, gw), (dn, dk, dw) = configs or decode_configs(H, inter_size, top_k)
     kw = pdl.launch_kwargs(x.device)
     b13, s13 = _bias_args(epilogue.w13_bias, w13)
     b2, s2 = _bias_args(epilogue.w2_bias, w2)
@@ -848,21 +718,17 @@ def fused_moe_decode(
         x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
-        BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=early_trigger,
+        BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=GATE_UP_EARLY_TRIGGER,
         W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    # v2 unrolls its K loop: STEPS tiles of BLOCK_K (the last one masked past I).
-    kernel, steps = (
-        (_moe_decode_down_kernel_v2, dict(STEPS=triton.cdiv(inter_size, dk)))
-        if down_variant == "v2"
-        else (_moe_decode_down_kernel, {})
-    )
-    kernel[(T * triton.cdiv(H, dn),)](
+    # The K loop unrolled: STEPS tiles of BLOCK_K (the last one masked past I).
+    _moe_decode_down_kernel[(T * triton.cdiv(H, dn),)](
         inter, w2, b2, topk_ids, topk_weights, out, H, inter_size, T, top_k,
         inter.stride(0), w2.stride(0), w2.stride(1), s2, out.stride(0),
         HAS_BIAS=epilogue.w2_bias is not None,
-        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk, **steps, num_warps=dw,
+        BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk,
+        STEPS=triton.cdiv(inter_size, dk), num_warps=dw,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     return out

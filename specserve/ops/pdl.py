@@ -23,9 +23,10 @@ decode down kernel requesting their next weight tile before each tile's math (so
 pipelining by hand; their sm_90 PTX has no cp.async): Llama-3-8B batch-1 span 5731 vs 5498 us
 with the gemv's, Qwen3-30B-A3B 3229 / 3202 vs 3162 us with the down kernel's; both dropped.
 Session 13 (H100, timeline_sweep): the MoE gate_up decode kernel triggering right after its
-own wait, so the down kernel's programs (v2: the whole weight slab before their wait) launch
+own wait, so the down kernel's programs (the whole weight slab before their wait) launch
 early: Qwen3-30B-A3B span 3095 vs ~3178 us, GLM-4.7-Flash 3839 vs ~3896; kept
-(moe_triton.GATE_UP_EARLY_TRIGGER). With down v1 it was worse on GLM-4.7-Flash (3961 us).
+(moe_triton.GATE_UP_EARLY_TRIGGER). With the earlier K-loop down kernel it was worse on
+GLM-4.7-Flash (3961 us).
 Session 14 (H100, gpt-oss-20b, timeline_sweep, RESULTS.md): the same for the MXFP4 v5 kernels
 (gate_up triggering early, down loading all its K steps before waiting) did nothing (busy 1812
 vs 1795 us): gate_up's programs hold the SM's registers until they finish; capping both
