@@ -64,3 +64,39 @@ def test_moe_decode_weight_loads(policy: str) -> None:
     ptx = _compile(mt._moe_decode_down_kernel, dict(HAS_BIAS=False, W_EVICT=policy, **consts))
     # the [8, 2, 768] bf16 slab over 128 threads; inter (the activations) is not hinted
     assert _hinted_loads(ptx) == (8 * 2 * 768 * 2 // 16 // 128 if policy else 0)
+
+
+@pytest.mark.gpu
+def test_evict_first_bit_equal_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hint changes no result: the gemv, the skinny matmul and the bf16 MoE decode kernels
+    give bit-equal outputs with and without it (bf16, Llama-3-8B-like widths)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from specserve.ops import moe_triton as mt
+    from specserve.ops.gemv import gemv
+    from specserve.ops.skinny import skinny_matmul
+
+    from .test_moe_ops import make_moe
+
+    g = torch.Generator("cuda").manual_seed(0)
+    w = torch.randn(2 * 1024, 4096, device="cuda", generator=g).mul_(0.02).bfloat16()
+    x1 = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
+    x16 = torch.randn(16, 4096, device="cuda", generator=g).bfloat16()
+    moe = make_moe(4, E=16, H=2048, inter=768, top_k=4, dtype=torch.bfloat16, device="cuda")
+
+    def run() -> list[torch.Tensor]:
+        return [
+            gemv(x1, w),
+            gemv(x1, w, silu_mul=True),
+            skinny_matmul(x16, w),
+            skinny_matmul(x16, w, silu_mul=True),
+            mt.fused_moe_decode(*moe),
+        ]
+
+    monkeypatch.setattr(l2, "WEIGHT_EVICTION", "")
+    base = run()
+    monkeypatch.setattr(l2, "WEIGHT_EVICTION", "evict_first")
+    for a, b in zip(run(), base):
+        assert torch.equal(a, b)
