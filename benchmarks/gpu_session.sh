@@ -298,7 +298,7 @@ early_meta=1,fuse_kv=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | 
     done
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure|ncu" >&2
     exit 2
     ;;
 esac
