@@ -476,7 +476,7 @@ def _gate_up(
     # K a constexpr (one compile a model shape): the unrolled steps' masks fold away.
     _moe_mxfp4_gate_up_kernel_v5[grid](
         *args[:7], *args[8:], K=H, **consts, ASM=not _interpreting(),
-        EVICT_FIRST=l2.weights_evict_first() and not _interpreting(), num_warps=warps, **kw,
+        EVICT_FIRST=l2.weights_evict_first(), num_warps=warps, **kw,
     )  # fmt: skip
 
 
@@ -515,7 +515,7 @@ def _down(
     _aligned16(w2_blocks, "w2_blocks", copy=False)
     _moe_mxfp4_down_kernel_v5[grid](
         *args[:8], *args[9:], K=inter_size, **consts, PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
-        ASM=not _interpreting(), EVICT_FIRST=l2.weights_evict_first() and not _interpreting(),
+        ASM=not _interpreting(), EVICT_FIRST=l2.weights_evict_first(),
         num_warps=warps, **kw,
     )  # fmt: skip
 

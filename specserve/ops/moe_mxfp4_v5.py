@@ -71,18 +71,26 @@ _BLOCK_DOT_CONSTRAINTS = tl.constexpr("=r" + ",r" * 20)
 # kernels clamp the addresses of blocks past K (and rows past N) into the tensor instead, and
 # zero those blocks' activations. (A predicated load whose outputs are not zeroed first lets
 # ptxas drop the predicate; zeroing costs 4 moves a block.)
-_LD_CODES_PTX = tl.constexpr("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];")
-# The same load marked first to go from the L2 (ops/l2.py: weight streams leave the L2 to
-# the KV cache and activations).
-_LD_CODES_EF_PTX = tl.constexpr(
-    "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
-    "ld.global.nc.L2::cache_hint.v4.b32 {$0, $1, $2, $3}, [$4], pol; }"
-)
-_LD_SCALE_PTX = tl.constexpr("ld.global.nc.u8 $0, [$1];")
-_LD_SCALE_EF_PTX = tl.constexpr(
-    "{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; "
-    "ld.global.nc.L2::cache_hint.u8 $0, [$1], pol; }"
-)
+_LD_CODES = "ld.global.nc{}.v4.b32 {{$0, $1, $2, $3}}, [$4]{};"
+_LD_SCALE = "ld.global.nc{}.u8 $0, [$1]{};"
+
+
+def _ld_ptx(load: str, evict_first: bool) -> tl.constexpr:
+    """The PTX of `load` (a format string: cache-hint qualifier, then hint operand), plain or
+    marked first to go from the L2 (ops/l2.py: weight streams leave the L2 to the KV cache and
+    activations)."""
+    if not evict_first:
+        return tl.constexpr(load.format("", ""))
+    hinted = load.format(".L2::cache_hint", ", pol")
+    return tl.constexpr(
+        f"{{ .reg .b64 pol; createpolicy.fractional.L2::evict_first.b64 pol, 1.0; {hinted} }}"
+    )
+
+
+_LD_CODES_PTX = _ld_ptx(_LD_CODES, False)
+_LD_CODES_EF_PTX = _ld_ptx(_LD_CODES, True)
+_LD_SCALE_PTX = _ld_ptx(_LD_SCALE, False)
+_LD_SCALE_EF_PTX = _ld_ptx(_LD_SCALE, True)
 # One 128-bit load of activations: not .nc (written by the previous kernel), unmasked (the
 # callers clamp the address and zero the values instead).
 _LD_X_PTX = tl.constexpr("ld.global.v4.b32 {$0, $1, $2, $3}, [$4];")
