@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from specserve.engine.scheduler import SchedulerOutput
+from specserve.worker import copy_streams
 
 
 @dataclass
@@ -86,7 +87,7 @@ def prepare_inputs(
     ]
     packed = torch.from_numpy(np.concatenate(parts))
     if device.type == "cuda":
-        packed = packed.pin_memory().to(device, non_blocking=True)
+        packed = copy_streams.upload(packed, device)
     sizes = [B, B + 1, T, T, B * k1, B, B, B, B, B, host_drafts.size]
     v = torch.split(packed, sizes)
     return StepInputs(

@@ -39,6 +39,7 @@ from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import compute_logprobs, sample
 from specserve.spec_decode.drafting import TargetStep
 from specserve.structured.bitmask import apply_grammar_bitmask_, build_grammar_step
+from specserve.worker import copy_streams
 from specserve.worker.cudagraph import eager_rows
 from specserve.worker.input_batch import StepInputs, prepare_inputs
 from specserve.worker.request_states import RequestStates
@@ -451,11 +452,9 @@ class ModelRunner:
         if flat.device.type != "cuda":
             return PendingStep(flat.cpu(), None, B, k1, n_top, has_acc, spans, p_top, n_drafts)
         # NOTE: the single device-to-host copy of the step; everything above stayed on device.
-        # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile.
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile;
+        # on a side stream (worker/copy_streams.py), so the next step need not wait for it.
+        host, event = copy_streams.download(flat)
         return PendingStep(host, event, B, k1, n_top, has_acc, spans, p_top, n_drafts)
 
     def finish(self, pending: PendingStep) -> StepOutput:
