@@ -368,6 +368,7 @@ SWEEP_KNOBS = {
     "gemv_early": ("specserve.ops.pdl", "GEMV_EARLY_TRIGGER", lambda v: bool(int(v))),
     "early_meta": ("specserve.ops.pdl", "EARLY_METADATA", lambda v: bool(int(v))),
     "fuse_kv": ("specserve.attention.triton_paged", "FUSE_ROPE_KV", lambda v: bool(int(v))),
+    "side_streams": ("specserve.worker.copy_streams", "SIDE_STREAMS", lambda v: bool(int(v))),
     # decode_matmul="auto"'s launch configs, as indexes into gemv.CONFIGS ("1/2/4": the default)
     "candidates": ("specserve.ops.gemv_plan", "CANDIDATES", lambda v: _gemv_configs(v)),
 }
