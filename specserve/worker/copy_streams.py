@@ -2,8 +2,8 @@
 
 On the compute stream a step's host-to-device upload would wait behind the previous step's
 device-to-host copy and its kernels, and each copy costs the compute stream the copy engine's
-start-up (H100, gpt-oss-20b batch 1: ~7 us of idle device before the upload, ~3 us around
-the download; RESULTS.md session 16). On side streams the upload runs while the previous
+start-up (H100, gpt-oss-20b batch 1: 14-27 us of idle device a step, ~12 us of it before the
+two copies; RESULTS.md session 16). On side streams the upload runs while the previous
 step computes, and the compute stream goes on to the next step while the download runs; the
 compute stream waits only for the upload (done by then) and never for the download.
 """
@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-# False: both copies on the compute stream (the A/B switch of benchmarks/timeline_sweep.py).
+# False: both copies on the compute stream (an A/B switch: timeline_sweep.py, decode.py --sweep).
 SIDE_STREAMS = True
 
 
@@ -24,19 +24,24 @@ def _streams(index: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
     return torch.cuda.Stream(index), torch.cuda.Stream(index)
 
 
+def _stream(device: torch.device, which: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(the current stream, the copy's stream): side stream `which` (0 upload, 1 download),
+    or the current stream itself without SIDE_STREAMS."""
+    main = torch.cuda.current_stream(device)
+    return main, _streams(main.device_index)[which] if SIDE_STREAMS else main
+
+
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`host` (CPU) on `device`, usable on the current stream: copied from pinned memory on
     the upload stream, which the current stream then waits for."""
     pinned = host.pin_memory()
-    if not SIDE_STREAMS:
-        return pinned.to(device, non_blocking=True)
-    main = torch.cuda.current_stream(device)
-    side = _streams(main.device_index)[0]
+    main, side = _stream(device, 0)
     with torch.cuda.stream(side):
         out = pinned.to(device, non_blocking=True)
-    main.wait_stream(side)
-    # allocated on the upload stream, used on the compute stream: not reused before that use
-    out.record_stream(main)
+    if side is not main:
+        main.wait_stream(side)
+        # allocated on the upload stream, used on the compute stream: not reused before that
+        out.record_stream(main)
     return out
 
 
@@ -44,17 +49,13 @@ def download(dev: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
     """(pinned host copy, event): `dev` (CUDA) copied once the current stream's work so far
     is done, on the download stream; the event completes with the copy."""
     host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-    event = torch.cuda.Event()
-    if not SIDE_STREAMS:
-        host.copy_(dev, non_blocking=True)
-        event.record()
-        return host, event
-    main = torch.cuda.current_stream(dev.device)
-    side = _streams(main.device_index)[1]
-    side.wait_stream(main)
+    main, side = _stream(dev.device, 1)
+    if side is not main:
+        side.wait_stream(main)
+        # made on the compute stream, read on the download stream: not reused before the copy
+        dev.record_stream(side)
     with torch.cuda.stream(side):
         host.copy_(dev, non_blocking=True)
+        event = torch.cuda.Event()
         event.record(side)
-    # made on the compute stream, read on the download stream: not reused before the copy
-    dev.record_stream(side)
     return host, event
