@@ -42,6 +42,9 @@
 #   bash benchmarks/gpu_session.sh remeasure      # batch 1 of issues 18 / 21 / 22 with session
 #                                                 # 14's corrected step timing (two calls:
 #                                                 # PART=moe, then PART=mla)
+#   bash benchmarks/gpu_session.sh coldplan       # decode_matmul=auto's planning from an
+#                                                 # empty Triton cache, per COMPILE mode
+#   bash benchmarks/gpu_session.sh b16            # Llama-3-8B batch-16 timeline (issue 23)
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -281,6 +284,24 @@ early_meta=1,fuse_kv=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | 
       timeout 560 python benchmarks/mla_decode.py --quick --budget-s 400 2>&1 \
         | tee "$OUT/mla_decode.log" | tail -30
     fi
+    ;;
+  coldplan)
+    # decode_matmul=auto's start-up planning from an empty Triton cache (a fresh machine), per
+    # way of compiling the candidates before timing them (gemv_plan.COMPILE; default first).
+    for mode in ${MODES:-threads serial}; do
+      TRITON_CACHE_DIR=$(mktemp -d) timeout 280 python -c "
+import runpy, sys
+import specserve.ops.gemv_plan as g
+g.COMPILE = '$mode'
+sys.argv = ['decode.py', '--no-hf', '--batch-sizes', '1']
+runpy.run_path('benchmarks/decode.py', run_name='__main__')" 2>&1 \
+        | grep -E "planned| 1 +[0-9.]+ " | sed "s/^/COMPILE=$mode: /"
+    done
+    ;;
+  b16)
+    # Issue 23's batch-16 gap: where a Llama-3-8B batch-16 step goes, kernel by kernel.
+    timeout 400 python benchmarks/timeline.py --shape llama3-8b --batch 16 --rows 40 --step-ms \
+      2>&1 | grep -v Warning | tee "$OUT/timeline_b16.log" | tail -60
     ;;
   ncu)
     # ncu replays each profiled kernel with the L2 flushed (its default cache control): the

@@ -31,6 +31,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", required=True)
     ap.add_argument("--batch", default="1")
+    ap.add_argument("--prompt-len", default="128")
     ap.add_argument("--variants", required=True)
     ap.add_argument(
         "--step-ms", action="store_true", help="also each variant's step time without profiler"
@@ -40,6 +41,7 @@ def main() -> None:
     for variant in args.variants.split(";"):
         sets = "" if variant == "base" else variant
         cmd = [sys.executable, "-c", RUNNER, sets, "--shape", args.shape, "--batch", args.batch]
+        cmd += ["--prompt-len", args.prompt_len]
         cmd += ["--step-ms"] if args.step_ms else []
         out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ).stdout
         print(f"### {variant}\n{out}", flush=True)

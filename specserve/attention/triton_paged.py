@@ -342,6 +342,7 @@ def _paged_attention_kernel(
     k_eps,
     QK_NORM: tl.constexpr,
     PAGE_EARLY: tl.constexpr,
+    EARLY_ROPE: tl.constexpr = False,
 ):
     # QK_NORM (with FUSE_KV): q and k arrive un-normed too; the per-head RMSNorm runs in the
     # RoPE tiles (no qk-norm launch), q_norm_w / k_norm_w [HEAD_DIM].
@@ -390,6 +391,16 @@ def _paged_attention_kernel(
         # first K / V loads wait on no block-table round trip after the wait.
         kpos0 = kv_begin + tl.arange(0, BLOCK_N)
         page0 = tl.load(bt_row + kpos0 // BLOCK_SIZE, mask=kpos0 < kv_end, other=0)
+    q_c, q_s, k_c, k_s = None, None, None, None
+    if FUSE_KV:  # the new tokens: positions, slots (metadata), RoPE table rows (constants)
+        tq = q_off + tl.arange(0, BLOCK_Q)
+        t_tok = (q_start + tq).to(tl.int64)
+        t_ok = tq < q_len
+        t_pos = tl.load(positions_ptr + t_tok, mask=t_ok, other=-1).to(tl.int32)
+        t_slot = tl.load(slot_mapping_ptr + t_tok, mask=t_ok, other=-1)
+        if EARLY_ROPE:  # before the wait with the metadata: one round trip less after it
+            q_c, q_s = _rope_trig(pos, row_valid, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
+            k_c, k_s = _rope_trig(t_pos, t_ok, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
     pdl.wait(PDL and EARLY_META)
     if q_off >= q_len:  # a q-block past its request's queries (all rows invalid above)
         return
@@ -398,7 +409,7 @@ def _paged_attention_kernel(
     if FUSE_KV:  # q arrives unrotated: RoPE here, rounded as the RoPE kernel rounds
         q = _rope_tile(
             q_row, row_valid, pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM, q_norm_w_ptr, q_eps,
-            QK_NORM,
+            QK_NORM, q_c, q_s,
         )  # fmt: skip
         q = q.to(q_ptr.dtype.element_ty)
     else:
@@ -414,16 +425,11 @@ def _paged_attention_kernel(
         # whose key range holds its position: all of a request's new tokens sit in one q-block
         # (the launcher fuses only when max_query_len <= BLOCK_Q), so no other program reads
         # them; the barrier makes them visible to this program's threads.
-        tq = q_off + tl.arange(0, BLOCK_Q)
-        t_tok = (q_start + tq).to(tl.int64)
-        t_ok = tq < q_len
-        t_pos = tl.load(positions_ptr + t_tok, mask=t_ok, other=-1).to(tl.int32)
-        t_slot = tl.load(slot_mapping_ptr + t_tok, mask=t_ok, other=-1)
         mine = t_ok & (t_slot >= 0) & (t_pos >= kv_begin) & (t_pos < kv_end)
         k_row = k_new_ptr + t_tok[:, None] * stride_knt + kv_head * stride_knh
         k_rot = _rope_tile(
             k_row, mine, t_pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM, k_norm_w_ptr, k_eps,
-            QK_NORM,
+            QK_NORM, k_c, k_s,
         )  # fmt: skip
         v_new = tl.load(
             v_new_ptr + t_tok[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :],
@@ -491,6 +497,16 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _rope_trig(pos, row_ok, cos_ptr, sin_ptr, stride_cos, HEAD_DIM: tl.constexpr):
+    """(cos, sin) [rows, HEAD_DIM] fp32 table rows of positions pos [rows] (0 where not
+    row_ok)."""
+    d = tl.arange(0, HEAD_DIM)
+    trig = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
+    ok = row_ok[:, None]
+    return tl.load(cos_ptr + trig, mask=ok, other=0.0), tl.load(sin_ptr + trig, mask=ok, other=0.0)
+
+
+@triton.jit
 def _rope_tile(
     row_ptr,
     row_ok,
@@ -502,10 +518,13 @@ def _rope_tile(
     norm_w_ptr,
     eps,
     NORM: tl.constexpr,
+    c=None,
+    s=None,
 ):
     """[rows, HEAD_DIM] fp32 rotate-half RoPE of the vectors at row_ptr [rows, 1] (positions
     pos [rows]): x1 * c - x2 * s, x2 * c + x1 * s, as the RoPE kernels compute it; each half's
-    partner is a second load of the same row (cos/sin rows are cat(c, c), cat(s, s)).
+    partner is a second load of the same row (cos/sin rows are cat(c, c), cat(s, s)); c, s:
+    the rows' `_rope_trig`, loaded already, or None.
     NORM: each row RMS-normed over HEAD_DIM first (Qwen3's q_norm / k_norm, weight at
     norm_w_ptr), rounded as the qk-norm kernel rounds (to the row dtype after the scale and
     after the weight), so the rotation sees the values that kernel would have stored."""
@@ -521,9 +540,8 @@ def _rope_tile(
         wp = tl.load(norm_w_ptr + partner).to(tl.float32)[None, :]
         x = (w * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         xp = (wp * (xp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    trig = pos.to(tl.int64)[:, None] * stride_cos + d[None, :]
-    c = tl.load(cos_ptr + trig, mask=ok, other=0.0)
-    s = tl.load(sin_ptr + trig, mask=ok, other=0.0)
+    if c is None:
+        c, s = _rope_trig(pos, row_ok, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
     first_half = (d < HEAD_DIM // 2)[None, :]
     return tl.where(first_half, x * c - xp * s, x * c + xp * s)
 
@@ -713,6 +731,7 @@ def paged_attention(
         FUSE_KV=new_kv is not None,
         # Without PDL nothing waits: early or not is the same (the interpreter tests this path).
         PAGE_EARLY=PRELOAD_FIRST_PAGE and (pdl.EARLY_METADATA or not kw["PDL"]),
+        EARLY_ROPE=EARLY_ROPE_ROWS and (pdl.EARLY_METADATA or not kw["PDL"]),
         **_qk_norm_args(qk_norm, q),
         **kw,
     )
@@ -767,6 +786,10 @@ FUSE_ROPE_KV = True
 # With EARLY_METADATA: each program's first key tile's page ids load before the PDL wait, with
 # the rest of the metadata (one dependent round trip less after it).
 PRELOAD_FIRST_PAGE = True
+# With FUSE_ROPE_KV and EARLY_METADATA: the RoPE table rows of q and of the new keys load
+# before the wait too (the new keys' positions are metadata): after it, their cos / sin no
+# longer wait on a positions round trip.
+EARLY_ROPE_ROWS = True
 
 
 def split_count(
@@ -793,7 +816,8 @@ def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> in
 
     From host-side sizes only (a captured graph uses max_model_len for max_seq_len)."""
     sms = _num_sms(device.index) if device.type == "cuda" else 132
-    want = min(MAX_SPLITS, max_seq_len // MIN_KEYS_PER_SPLIT, sms // max(num_programs, 1))
+    room = PROGRAMS_PER_SM * sms // max(num_programs, 1)
+    want = min(MAX_SPLITS, max_seq_len // MIN_KEYS_PER_SPLIT, room)
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
@@ -801,6 +825,10 @@ def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> in
 # 5.76 ms a graph with 4 splits instead of 1; benchmarks/RESULTS.md).
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
+# Programs an SM is given before keys stop being split. 1: a batch of 16 requests x 8 KV heads
+# fills the H100's 132 SMs once and walks each request's keys in one program (experiment:
+# larger values split such batches too; benchmarks/RESULTS.md session 18).
+PROGRAMS_PER_SM = 1
 
 
 @functools.cache

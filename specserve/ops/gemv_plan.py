@@ -12,8 +12,10 @@ and launch gaps are those of a captured step.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +109,13 @@ def graph_timer(layers: list[DecodeLinear], m: int, silu_mul: bool, cfg: PlanCon
     """Microseconds of `cfg` for `m` rows over all of `layers`' weights, in one CUDA graph. Layers
     the model feeds through norm_linear are timed as they run: the Triton kernel with the RMSNorm
     and residual add fused, cuBLAS after the separate norm kernel."""
+    return graph_us(_candidate(layers, m, silu_mul, cfg))
+
+
+def _candidate(
+    layers: list[DecodeLinear], m: int, silu_mul: bool, cfg: PlanConfig
+) -> Callable[[], None]:
+    """`cfg` for `m` rows over `layers`' weights, as graph_timer times it."""
     from specserve import ops
 
     w0 = layers[0].weight
@@ -126,7 +135,40 @@ def graph_timer(layers: list[DecodeLinear], m: int, silu_mul: bool, cfg: PlanCon
             else:
                 lin.run(x, cfg, silu_mul)
 
-    return graph_us(run)
+    return run
+
+
+# Compile the Triton candidates in threads before timing them (Triton releases the GIL in much
+# of a compile; a cold start compiles every candidate: 96 s for Llama-3-8B on an H100 host,
+# RESULTS.md session 17). A switch for benchmarks.
+PARALLEL_COMPILE = True
+
+
+def _precompile(jobs: list[tuple[list[DecodeLinear], int, bool, PlanConfig]]) -> None:
+    """Runs each distinct Triton candidate of `jobs` once (one layer, eagerly) in a thread
+    pool, so the serial timing after it finds every kernel compiled. Distinct: the launch's
+    constexprs (config, rows, epilogue, fused norm, bias, dtype); weight shapes only
+    specialize on alignment, which every model weight shares."""
+    if not PARALLEL_COMPILE:
+        return
+    seen: dict[tuple, tuple] = {}
+    for layers, m, silu_mul, cfg in jobs:
+        lin = layers[0]
+        if cfg is not None:
+            key = (str(cfg), m, silu_mul, lin.norm_fed, lin.bias is not None, lin.weight.dtype)
+            seen.setdefault(key, (layers[:1], m, silu_mul, cfg))
+    if not seen:
+        return
+    device = next(iter(seen.values()))[0][0].weight.device
+
+    def compile_one(job: tuple) -> None:
+        torch.cuda.set_device(device)
+        with torch.inference_mode():
+            _candidate(*job)()
+
+    with ThreadPoolExecutor(max_workers=min(len(seen), os.cpu_count() or 1, 16)) as pool:
+        list(pool.map(compile_one, seen.values()))
+    torch.cuda.synchronize(device)
 
 
 # A later candidate must beat every earlier one by more than this fraction to be chosen. Why
@@ -175,28 +217,37 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
                     lin.norm_fed,
                 )
                 groups.setdefault(key, []).append(lin)
+    # (group, its layers, silu_mul, rows bucket, _PLANS key): every plan to make
+    tasks = [
+        (group, layers, silu_mul, b, (layers[0].weight.device, group, len(layers), silu_mul, b))
+        for group, layers in groups.items()
+        if group[1] in (torch.bfloat16, torch.float16)
+        for silu_mul in ((False, True) if group[3] else (False,))
+        for b in TUNED_BUCKETS
+    ]
+    if timer is None:  # the CUDA plans this process has not timed yet: compile them first
+        _precompile([
+            (layers, b, silu_mul, c)
+            for _, layers, silu_mul, b, pkey in tasks
+            if pkey + (candidates(b),) not in _PLANS
+            for c in candidates(b)
+        ])  # fmt: skip
     report = []
-    for group, layers in groups.items():
-        shape, dtype, _, is_gate_up, _ = group
-        if dtype not in (torch.bfloat16, torch.float16):
-            continue
-        dev = layers[0].weight.device
-        for silu_mul in (False, True) if is_gate_up else (False,):
-            for b in TUNED_BUCKETS:
-                if timer is not None:
-                    cfg, times = fastest(layers, b, silu_mul, timer)
-                else:
-                    pkey = (dev, group, len(layers), silu_mul, b, candidates(b))
-                    if pkey not in _PLANS:
-                        _PLANS[pkey] = fastest(layers, b, silu_mul)
-                    cfg, times = _PLANS[pkey]
-                for lin in layers:
-                    (lin.silu_plan if silu_mul else lin.plan)[b] = cfg
-                report.append(
-                    {"shape": shape, "layers": len(layers), "rows": b, "silu_mul": silu_mul}
-                    | {"norm_fed": layers[0].norm_fed}
-                    | {"choice": str(cfg), "us": times}
-                )
+    for group, layers, silu_mul, b, pkey in tasks:
+        if timer is not None:
+            cfg, times = fastest(layers, b, silu_mul, timer)
+        else:
+            pkey = pkey + (candidates(b),)
+            if pkey not in _PLANS:
+                _PLANS[pkey] = fastest(layers, b, silu_mul)
+            cfg, times = _PLANS[pkey]
+        for lin in layers:
+            (lin.silu_plan if silu_mul else lin.plan)[b] = cfg
+        report.append(
+            {"shape": group[0], "layers": len(layers), "rows": b, "silu_mul": silu_mul}
+            | {"norm_fed": layers[0].norm_fed}
+            | {"choice": str(cfg), "us": times}
+        )
     logger.info(
         "decode_matmul=auto: planned %d (shape, rows) in %.1f s",
         len(report),
