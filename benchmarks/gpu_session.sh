@@ -43,7 +43,7 @@
 #                                                 # 14's corrected step timing (two calls:
 #                                                 # PART=moe, then PART=mla)
 #   bash benchmarks/gpu_session.sh coldplan       # decode_matmul=auto's planning from an
-#                                                 # empty Triton cache, per COMPILE mode
+#                                                 # empty Triton cache, threads vs serial
 #   bash benchmarks/gpu_session.sh b16            # Llama-3-8B batch-16 timeline (issue 23)
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
@@ -286,16 +286,16 @@ early_meta=1,fuse_kv=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | 
     fi
     ;;
   coldplan)
-    # decode_matmul=auto's start-up planning from an empty Triton cache (a fresh machine), per
-    # way of compiling the candidates before timing them (gemv_plan.COMPILE; default first).
-    for mode in ${MODES:-threads serial}; do
+    # decode_matmul=auto's start-up planning from an empty Triton cache (a fresh machine), the
+    # candidates compiled in threads first (ops/plan_compile.PARALLEL) or one by one.
+    for mode in ${MODES:-True False}; do
       TRITON_CACHE_DIR=$(mktemp -d) timeout 280 python -c "
 import runpy, sys
-import specserve.ops.gemv_plan as g
-g.COMPILE = '$mode'
+import specserve.ops.plan_compile as g
+g.PARALLEL = $mode
 sys.argv = ['decode.py', '--no-hf', '--batch-sizes', '1']
 runpy.run_path('benchmarks/decode.py', run_name='__main__')" 2>&1 \
-        | grep -E "planned| 1 +[0-9.]+ " | sed "s/^/COMPILE=$mode: /"
+        | grep -E "planned|compiled| 1 +[0-9.]+ " | sed "s/^/PARALLEL=$mode: /"
     done
     ;;
   b16)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from specserve.ops import graph_rows, l2, pdl, skinny
+from specserve.ops.jit import launcher
 
 try:
     import triton
@@ -307,7 +308,7 @@ def _launch(
     res, res_out, norm_w, eps = norm if norm is not None else (None, x, w, 0.0)
     block_n, block_k, num_warps, num_stages = config
     kw = pdl.launch_kwargs(x.device)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
+    launcher(_gemv_kernel, (triton.cdiv(N, block_n),))(
         x,
         w,
         b if b is not None else w,

@@ -12,15 +12,14 @@ and launch gaps are those of a captured step.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.ops import plan_compile
 from specserve.ops.gemv import BUCKETS, Config, DecodeLinear, PlanConfig, use_decode_gemv_
 from specserve.ops.skinny import SkinnyConfig
 
@@ -90,7 +89,8 @@ def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> flo
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    # thread_local: the plan's compile threads (plan_compile) may allocate meanwhile
+    with torch.cuda.graph(g, capture_error_mode="thread_local"):
         for _ in range(calls):
             fn()
     times = []
@@ -136,39 +136,6 @@ def _candidate(
                 lin.run(x, cfg, silu_mul)
 
     return run
-
-
-# Compile the Triton candidates in threads before timing them (Triton releases the GIL in much
-# of a compile; a cold start compiles every candidate: 96 s for Llama-3-8B on an H100 host,
-# RESULTS.md session 17). A switch for benchmarks.
-PARALLEL_COMPILE = True
-
-
-def _precompile(jobs: list[tuple[list[DecodeLinear], int, bool, PlanConfig]]) -> None:
-    """Runs each distinct Triton candidate of `jobs` once (one layer, eagerly) in a thread
-    pool, so the serial timing after it finds every kernel compiled. Distinct: the launch's
-    constexprs (config, rows, epilogue, fused norm, bias, dtype); weight shapes only
-    specialize on alignment, which every model weight shares."""
-    if not PARALLEL_COMPILE:
-        return
-    seen: dict[tuple, tuple] = {}
-    for layers, m, silu_mul, cfg in jobs:
-        lin = layers[0]
-        if cfg is not None:
-            key = (str(cfg), m, silu_mul, lin.norm_fed, lin.bias is not None, lin.weight.dtype)
-            seen.setdefault(key, (layers[:1], m, silu_mul, cfg))
-    if not seen:
-        return
-    device = next(iter(seen.values()))[0][0].weight.device
-
-    def compile_one(job: tuple) -> None:
-        torch.cuda.set_device(device)
-        with torch.inference_mode():
-            _candidate(*job)()
-
-    with ThreadPoolExecutor(max_workers=min(len(seen), os.cpu_count() or 1, 16)) as pool:
-        list(pool.map(compile_one, seen.values()))
-    torch.cuda.synchronize(device)
 
 
 # A later candidate must beat every earlier one by more than this fraction to be chosen. Why
@@ -225,13 +192,17 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
         for silu_mul in ((False, True) if group[3] else (False,))
         for b in TUNED_BUCKETS
     ]
-    if timer is None:  # the CUDA plans this process has not timed yet: compile them first
-        _precompile([
-            (layers, b, silu_mul, c)
-            for _, layers, silu_mul, b, pkey in tasks
-            if pkey + (candidates(b),) not in _PLANS
-            for c in candidates(b)
-        ])  # fmt: skip
+    # The CUDA plans this process has not timed: their candidates compile in threads while
+    # the loop below times each (shape, rows) as soon as its own are compiled.
+    todo = [t for t in tasks if timer is None and t[4] + (candidates(t[3]),) not in _PLANS]
+
+    def jobs_of(lin: DecodeLinear, silu_mul: bool, b: int) -> list[plan_compile.Job]:
+        return [plan_compile.job(lin, b, silu_mul, c) for c in candidates(b) if c is not None]
+
+    compiles = plan_compile.Compiles(
+        {j: layers[0] for _, layers, silu, b, _ in todo for j in jobs_of(layers[0], silu, b)},
+        todo[0][1][0].weight.device if todo else torch.device("cpu"),
+    )
     report = []
     for group, layers, silu_mul, b, pkey in tasks:
         if timer is not None:
@@ -239,6 +210,7 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
         else:
             pkey = pkey + (candidates(b),)
             if pkey not in _PLANS:
+                compiles.wait(jobs_of(layers[0], silu_mul, b))
                 _PLANS[pkey] = fastest(layers, b, silu_mul)
             cfg, times = _PLANS[pkey]
         for lin in layers:
@@ -248,6 +220,7 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
             | {"norm_fed": layers[0].norm_fed}
             | {"choice": str(cfg), "us": times}
         )
+    compiles.close()
     logger.info(
         "decode_matmul=auto: planned %d (shape, rows) in %.1f s",
         len(report),

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.ops import graph_rows, l2, pdl
+from specserve.ops.jit import launcher
 
 try:
     import triton
@@ -395,7 +396,7 @@ def _launch(
         ws = ss = counters = y  # unused
     res, res_out, norm_w, eps = norm if norm is not None else (None, x, w, 0.0)
     kw = pdl.launch_kwargs(x.device)
-    _skinny_kernel[(n_tiles, splits)](
+    launcher(_skinny_kernel, (n_tiles, splits))(
         x,
         w,
         b if b is not None else w,
