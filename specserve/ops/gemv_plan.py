@@ -88,17 +88,22 @@ def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> flo
         for _ in range(2):  # compiles, cuBLAS heuristics
             fn()
     torch.cuda.current_stream().wait_stream(s)
+    # The events are nodes of the graph (external): the time is the device's from the first
+    # kernel to the last, whatever the host does around the replay. Recorded by the host around
+    # each replay, a host stall between the first event and the replay counted as kernel time,
+    # and the plan's compile threads (plan_compile) hold the GIL for milliseconds at a time.
+    a = torch.cuda.Event(enable_timing=True, external=True)
+    b = torch.cuda.Event(enable_timing=True, external=True)
     g = torch.cuda.CUDAGraph()
-    # thread_local: the plan's compile threads (plan_compile) may allocate meanwhile
+    # thread_local: the compile threads may allocate meanwhile
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
+        a.record()
         for _ in range(calls):
             fn()
+        b.record()
     times = []
     for _ in range(replays + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
         g.replay()
-        b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
     del g
