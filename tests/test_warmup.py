@@ -138,3 +138,39 @@ def test_nothing_compiles_or_captures_after_startup(
         assert not new, f"batch of {b}: compiled after start-up: {sorted(new)}"
         assert _graph_count(llm) == graphs, f"batch of {b}: a graph captured after start-up"
     llm.shutdown()
+
+
+def test_late_compiles_are_logged(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """After the warm-up every specserve Triton compile is logged as a serving stall, naming the
+    kernel (Triton's post-compile hook, called here with the keywords Triton 3.6 passes); other
+    packages' kernels and manual warmups (decode_matmul=auto's compile pool) are not, and a hook
+    set before keeps being called."""
+    import logging
+    from types import SimpleNamespace
+
+    triton = pytest.importorskip("triton")
+    from specserve.worker import warmup
+
+    calls = []
+    monkeypatch.setattr(
+        triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(kw)
+    )
+    monkeypatch.setattr(warmup, "_watching", False)
+    warmup.watch_late_compiles()
+    warmup.watch_late_compiles()  # idempotent: one hook, not a chain of two
+    hook = triton.knobs.runtime.jit_post_compile_hook
+
+    def compiled(module: str, name: str, manual: bool) -> None:
+        fn = SimpleNamespace(module=module, name=name, jit_function=None)
+        repr_ = f"{name}[num_warps=4, num_ctas=1, num_stages=3](x_ptr: *bf16, n: i32)"
+        hook(key=("k",), repr=repr_, fn=fn, compile={}, is_manual_warmup=manual,
+             already_compiled=False)  # fmt: skip
+
+    with caplog.at_level(logging.WARNING, logger="specserve"):
+        compiled("specserve.ops.gemv", "_gemv_kernel", manual=False)
+        compiled("specserve.ops.skinny", "_skinny_kernel", manual=True)
+        compiled("other_package.kernels", "_other_kernel", manual=False)
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(logged) == 1 and "_gemv_kernel[num_warps=4" in logged[0]
+    assert "after the warm-up" in logged[0]
+    assert len(calls) == 3  # the earlier hook still sees every compile

@@ -164,6 +164,7 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int) -> WarmupReport:
                     steps += 1
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
+        watch_late_compiles()
     report = WarmupReport(steps, time.perf_counter() - t0, compiled_kernel_count() - before)
     logger.info(
         "warm-up: %d steps (every batch size 1-%d, query lengths %s, prefills of 1-%d tokens) "
@@ -176,3 +177,34 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int) -> WarmupReport:
         report.compiled,
     )
     return report
+
+
+_watching = False
+
+
+def watch_late_compiles() -> None:
+    """From now on, log a warning for every specserve Triton kernel compiled (or loaded from
+    the disk cache) in this process: after the warm-up, each one is a stall of 0.2-1 s on the
+    serving path, and the warning names the kernel and its specialization (the shape the
+    warm-up missed). Triton's process-wide post-compile hook; a hook set before is chained."""
+    global _watching
+    try:
+        import triton
+    except ImportError:  # CPU-only installs: nothing compiles
+        return
+    if _watching:
+        return
+    _watching = True
+    previous = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(**kw: object) -> object:
+        fn = kw["fn"]
+        if str(getattr(fn, "module", "")).startswith("specserve.") and not kw["is_manual_warmup"]:
+            logger.warning(
+                "Triton compiled %s after the warm-up: a one-time stall on the serving path "
+                "(a step shape the warm-up does not run)",
+                kw["repr"],
+            )
+        return previous(**kw) if previous is not None else None
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
