@@ -63,7 +63,8 @@ def test_compiles_ahead_exactly_what_runs_gpu(caplog: pytest.LogCaptureFixture) 
         plan_compile.Compiles(jobs, lin.weight.device).close()
     assert any("6 candidates compiled" in r.getMessage() for r in caplog.records)
     before = compiled()
-    for (*_, rows, _, cfg, _, _, _), lin in jobs.items():
+    for j, lin in jobs.items():
+        rows, cfg = j.rows, j.cfg
         with torch.inference_mode():
             y = lin.run(x[:rows], cfg)
         ref = F.linear(x[:rows], lin.weight, lin.bias)

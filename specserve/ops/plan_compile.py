@@ -4,8 +4,9 @@ A cold start compiles every candidate: one after another before timing each, Lla
 planning took 87 s on an H100 host. Here a thread pool compiles them (Triton's warmup: compile,
 no launch, so nothing lands on the GPU between a timed graph's events) in the order the plan
 times them, and the plan times each (shape, rows) as soon as its candidates are compiled.
-RESULTS.md session 18: compiling first in threads, 24.7 s (16.4 s of it compiling); worker
-processes instead of threads were no faster (16.5 vs 16.6 s for the same 162 compiles).
+RESULTS.md session 18, Llama-3-8B on H100 hosts: 21.0-26.3 s (compiling first, then timing:
+24.7 s; worker processes instead of threads compiled no faster: 16.5 vs 16.6 s for the same
+162 compiles, CPU-bound either way).
 
 One compile serves every weight shape with the same specialization (`job`): a launch
 specializes on its constexprs and on whether each integer argument is 1 or a multiple of 16,
@@ -19,6 +20,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -28,9 +30,20 @@ from specserve.ops.jit import compile_only
 
 logger = logging.getLogger("specserve")
 
-# What a candidate's launch compiles to: (dtype, has bias, norm-fed, rows, SiLU epilogue,
-# candidate, N and K multiples of 16, the skinny matmul's split count is 1).
-Job = tuple[torch.dtype, bool, bool, int, bool, PlanConfig, bool, bool, bool]
+
+class Job(NamedTuple):
+    """What a candidate's launch compiles to."""
+
+    dtype: torch.dtype
+    bias: bool
+    norm_fed: bool
+    rows: int
+    silu_mul: bool
+    cfg: PlanConfig
+    n_div16: bool  # N a multiple of 16
+    k_div16: bool
+    one_split: bool  # the skinny matmul's split count is 1
+
 
 # Compile in a thread pool ahead of the timing (False: each candidate at its first timing). A
 # switch for benchmarks.
@@ -46,7 +59,9 @@ def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
         sms = skinny.num_sms(layer.weight.device) if layer.weight.is_cuda else 132
         one_split = skinny.resolve_split(cfg, n, k, sms)[0] == 1
     dtype, bias = layer.weight.dtype, layer.bias is not None
-    return (dtype, bias, layer.norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0, one_split)
+    return Job(
+        dtype, bias, layer.norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0, one_split
+    )
 
 
 class Compiles:
@@ -68,7 +83,7 @@ class Compiles:
         # The inputs are made here, before any timing: a thread drawing random numbers while
         # the timing captures a graph breaks the capture (the generator's offset is captured).
         with torch.inference_mode():
-            runs = {j: _candidate([layer], j[3], j[4], j[5]) for j, layer in jobs.items()}
+            runs = {j: _candidate([layer], j.rows, j.silu_mul, j.cfg) for j, layer in jobs.items()}
         pool = ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1, 16))
         self.futures = {j: pool.submit(compile_one, run) for j, run in runs.items()}
         pool.shutdown(wait=False)  # its threads finish the queue and exit
