@@ -117,6 +117,8 @@ def test_sigterm_drains_then_ends_stuck_stream(serve: Any) -> None:
     assert "shutting down" in err["message"] and "2 s shutdown timeout" in err["message"]
     # The drain is the orderly end SIGTERM asks for (uvicorn alone re-raises it: 143).
     assert p.proc.returncode == 0, p.proc.returncode
+    # The startup heap was frozen before serving (no gen-2 walks of it mid-stream).
+    assert "startup objects frozen" in (p.proc.stderr.read() if p.proc.stderr else "")
 
 
 def test_second_signal_exits_at_once(serve: Any) -> None:

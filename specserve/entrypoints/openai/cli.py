@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import logging
 import os
 import socket
 from typing import Any
 
 from specserve.entrypoints.cli import add_engine_args, engine_kwargs
+
+logger = logging.getLogger("specserve")
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -87,6 +91,18 @@ def check_port_free(host: str, port: int) -> None:
             ) from e
 
 
+def freeze_startup_heap() -> None:
+    """Move every object alive now (model, tokenizer, engine, warm-up leftovers: the heap the
+    server keeps to its end) out of the garbage collector's reach. A full collection walks
+    every tracked object and stops the world while it does, on the thread that serves steps;
+    frozen, the startup heap is no longer walked. vLLM and SGLang freeze theirs after start-up
+    for these pauses. Frozen objects are still freed by reference counting; only cycles among
+    them stay."""
+    gc.collect()
+    gc.freeze()
+    logger.info("%d startup objects frozen out of the collector's walks", gc.get_freeze_count())
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -99,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config.check_device_available()
     check_port_free(args.host, args.port)
     app = build_app(config, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    freeze_startup_heap()
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     SpecServer(uv, app.state.engine, args.shutdown_timeout).run()
     return 0
