@@ -310,7 +310,9 @@ def timeline(
     # what every candidate cost when the plan timed it (to compare with the chain above).
     from specserve.ops.gemv import bucket as row_bucket
 
-    bucket = row_bucket(batch)
+    # speculative steps verify K + 1 rows a request
+    k = getattr(getattr(engine, "config", None), "spec", None)
+    bucket = row_bucket(min(batch * (1 + (k.num_speculative_tokens if k else 0)), 64))
     plan = [r for r in getattr(engine, "decode_matmul_plan", []) if r["rows"] == bucket]
     if plan:
         print(f"decode_matmul plan at {bucket} rows (us for all layers of a shape):")

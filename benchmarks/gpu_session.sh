@@ -45,6 +45,8 @@
 #   bash benchmarks/gpu_session.sh coldplan       # decode_matmul=auto's planning from an
 #                                                 # empty Triton cache, threads vs serial
 #   bash benchmarks/gpu_session.sh b16            # Llama-3-8B batch-16 timeline (issue 23)
+#   bash benchmarks/gpu_session.sh spec-timeline  # EAGLE-3 K=4 steps at batch 1 / 16 / 64
+#                                                 # traced, kernel by kernel (issue 23)
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -302,6 +304,15 @@ runpy.run_path('benchmarks/decode.py', run_name='__main__')" 2>&1 \
     # Issue 23's batch-16 gap: where a Llama-3-8B batch-16 step goes, kernel by kernel.
     timeout 400 python benchmarks/timeline.py --shape llama3-8b --batch 16 --rows 40 --step-ms \
       2>&1 | grep -v Warning | tee "$OUT/timeline_b16.log" | tail -60
+    ;;
+  spec-timeline)
+    # Issue 23's step cost: where an EAGLE-3 K = 4 step goes (drafting and verification), at
+    # each batch (written in session 18, not yet run).
+    for b in ${BATCHES:-1 16 64}; do
+      timeout $((580 - SECONDS)) python benchmarks/timeline.py --shape llama3-8b --batch "$b" \
+        --spec-k 4 --rows 30 2>&1 | grep -v -i "warn\|tokenizer" | tee "$OUT/spec_timeline_b$b.log" \
+        | tail -45
+    done
     ;;
   ncu)
     # ncu replays each profiled kernel with the L2 flushed (its default cache control): the

@@ -4,6 +4,7 @@ step's time over the captured graph goes, kernel by kernel (decode.py's `timelin
     python benchmarks/timeline.py --shape qwen3-30b-a3b   # $OUT/timeline-<shape>.json
     python benchmarks/timeline.py --shape glm47-flash,gpt-oss-20b,llama3-8b
     python benchmarks/timeline.py --shape gpt-oss-20b --profile   # + the host side (cProfile)
+    python benchmarks/timeline.py --shape llama3-8b --batch 64 --spec-k 4   # EAGLE-3 steps
 
 Each shape: `load_format="dummy"`, bf16, async scheduling, decode_matmul=auto, CUDA graphs. Shapes
 that do not fit one GPU keep as many layers as fit (moe_decode.fit_layers), as their decode
@@ -53,6 +54,13 @@ def main() -> None:
         help="then the steady-state step time without the profiler (spec_step.measure, 48 "
         "steps, a fresh engine)",
     )
+    ap.add_argument(
+        "--spec-k",
+        type=int,
+        default=0,
+        help="llama3-8b only: trace EAGLE-3 steps with K drafts (spec_step.py's head, synthetic "
+        "acceptance 0.7): drafting and verification kernels by name",
+    )
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp")
     for name in args.shape.split(","):
@@ -66,20 +74,40 @@ def main() -> None:
         print(f"\n#### {name}", flush=True)
         if args.step_ms:  # first: a profiler leaves launches slower for the rest of the process
             step_time(model_dir, args.prompt_len, args.batch, cfg["vocab_size"])
+        spec = {}
+        if args.spec_k:
+            if name != "llama3-8b":
+                raise SystemExit("--spec-k: llama3-8b only (spec_step.py's EAGLE-3 head)")
+            spec = {"speculative_config": eagle3_spec(args.spec_k)}
         res = timeline(
             model_dir,
             args.prompt_len,
             rows=args.rows,
             batch=args.batch,
             gpu_memory_utilization=0.9,
+            **spec,
         )
-        with open(os.path.join(out, f"timeline-{name}-b{args.batch}.json"), "w") as f:
+        tag = f"-k{args.spec_k}" if args.spec_k else ""
+        with open(os.path.join(out, f"timeline-{name}-b{args.batch}{tag}.json"), "w") as f:
             json.dump({"shape": name, "config": cfg, **res}, f, indent=1)
         if args.profile:
             kw = dict(async_scheduling=True, decode_matmul="auto", gpu_memory_utilization=0.9)
             profile_steps(model_dir, args.prompt_len, **kw)
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def eagle3_spec(k: int) -> dict:
+    """spec_step.py's EAGLE-3-shaped head for the Llama-3-8B shape, K drafts, acceptance 0.7."""
+    from spec_step import EAGLE3_HEAD
+
+    return {
+        "method": "eagle3",
+        "model": write_config(EAGLE3_HEAD, tempfile.mkdtemp(prefix="eagle3-")),
+        "num_speculative_tokens": k,
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rate": 0.7,
+    }
 
 
 def step_time(model_dir: str, prompt_len: int, batch: int, vocab_size: int) -> None:
