@@ -45,6 +45,8 @@
 #   bash benchmarks/gpu_session.sh coldplan       # decode_matmul=auto's planning from an
 #                                                 # empty Triton cache, threads vs serial
 #   bash benchmarks/gpu_session.sh b16            # Llama-3-8B batch-16 timeline (issue 23)
+#   bash benchmarks/gpu_session.sh attn16         # batch-16 attention: key-loop pipeline depth
+#                                                 # and splits (NUM_STAGES, PROGRAMS_PER_SM)
 #   bash benchmarks/gpu_session.sh spec-timeline  # EAGLE-3 K=4 steps at batch 1 / 16 / 64
 #                                                 # traced, kernel by kernel (issue 23)
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
@@ -304,6 +306,22 @@ runpy.run_path('benchmarks/decode.py', run_name='__main__')" 2>&1 \
     # Issue 23's batch-16 gap: where a Llama-3-8B batch-16 step goes, kernel by kernel.
     timeout 400 python benchmarks/timeline.py --shape llama3-8b --batch 16 --rows 40 --step-ms \
       2>&1 | grep -v Warning | tee "$OUT/timeline_b16.log" | tail -60
+    ;;
+  attn16)
+    # Issue 23's batch 16 (written in session 18, not yet run): GPU tests with the deeper key
+    # pipeline, then the Llama-3-8B batch-16 step per variant (and batch 1 for the winner's
+    # side effects: `BATCH=1 ... attn16`).
+    T=specserve.attention.triton_paged
+    timeout 200 python -c "
+import sys, pytest
+import specserve.attention.triton_paged as t
+t.NUM_STAGES = 3
+sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_triton_attention.py']))
+" 2>&1 | tail -2
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape llama3-8b \
+      --batch "${BATCH:-16}" --prompt-len 256 --step-ms --variants \
+      "base;$T.NUM_STAGES=3;$T.NUM_STAGES=5;$T.PROGRAMS_PER_SM=4;$T.PROGRAMS_PER_SM=4,$T.NUM_STAGES=3;base" \
+      2>&1 | grep -E "^### |_paged|_combine|^variant|\| [0-9]+ \|" | tee "$OUT/attn16.log"
     ;;
   spec-timeline)
     # Issue 23's step cost: where an EAGLE-3 K = 4 step goes (drafting and verification), at

@@ -167,3 +167,35 @@ def test_place_on_device_compiles() -> None:
     i64 = {n: "*i64" for n in _place_on_device_kernel.arg_names if n.endswith("_ptr")}
     ptx = compile_sm90(_place_on_device_kernel, dict(BLOCK=256), types=i64)
     assert "griddepcontrol" not in ptx
+
+
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_attention_key_loop_pipeline_depth(stages: int) -> None:
+    """What triton_paged.NUM_STAGES buys the decode attention's key loop (sm_90 compile): from
+    3 stages the page ids of the next tile load an iteration ahead (an i32 shared buffer), from
+    5 the K and V tiles are double-buffered."""
+    import re
+
+    from specserve.attention import triton_paged as tp
+
+    attn = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=64)
+    attn.update(USE_WINDOW=False, DOT_PRECISION="tf32", SPLITS=1, PDL=True, EARLY_META=True)
+    attn.update(FUSE_KV=True, QK_NORM=False, PAGE_EARLY=True)
+    names = tp._paged_attention_kernel.arg_names
+    aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
+    out: list = []
+    compile_sm90(
+        tp._paged_attention_kernel,
+        attn,
+        4,
+        stages,
+        {"q_eps": "fp32", "k_eps": "fp32"},
+        aligned,
+        out,
+    )
+    bufs = re.findall(
+        r"memdesc<(\d+)x(\d+x)?\d+x(i32|bf16), #shared\d?, #smem, mutable", out[0].asm["ttgir"]
+    )
+    depth = {kind: int(n) for n, _, kind in bufs}
+    assert ("i32" in depth) == (stages >= 3)
+    assert depth["bf16"] == (2 if stages >= 5 else 1)

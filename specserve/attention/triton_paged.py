@@ -726,7 +726,7 @@ def paged_attention(
         sinks_ptr=sinks if sinks is not None else q,
         HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
-        num_stages=2,
+        num_stages=NUM_STAGES,
         EARLY_META=kw["PDL"] and pdl.EARLY_METADATA,
         FUSE_KV=new_kv is not None,
         # Without PDL nothing waits: early or not is the same (the interpreter tests this path).
@@ -825,6 +825,12 @@ def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> in
 # 5.76 ms a graph with 4 splits instead of 1; benchmarks/RESULTS.md).
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
+# The key loop's software pipeline (sm_90 compile, tests/test_pdl.py): at 2 the next tile's K
+# and V copies start after this tile's dots and its page ids load in the iteration; at 3 (and
+# 4) the page ids load an iteration earlier (one dependent round trip less a tile); at 5 the K
+# and V buffers double (72 KB of shared memory). A program walks one tile at batch 1 (key
+# splits) and several at batch 16+: an experiment for those (session 18, not yet measured).
+NUM_STAGES = 2
 # Programs an SM is given before keys stop being split. 1: a batch of 16 requests x 8 KV heads
 # fills the H100's 132 SMs once and walks each request's keys in one program (experiment:
 # larger values split such batches too; benchmarks/RESULTS.md session 18).
