@@ -47,6 +47,8 @@
 #   bash benchmarks/gpu_session.sh b16            # Llama-3-8B batch-16 timeline (issue 23)
 #   bash benchmarks/gpu_session.sh attn16         # batch-16 attention: key-loop pipeline depth
 #                                                 # and splits (NUM_STAGES, PROGRAMS_PER_SM)
+#   bash benchmarks/gpu_session.sh oss-window     # gpt-oss window layers split by the window
+#                                                 # (WINDOW_SPLITS): GPU tests, 20b A/B
 #   bash benchmarks/gpu_session.sh spec-timeline  # EAGLE-3 K=4 steps at batch 1 / 16 / 64
 #                                                 # traced, kernel by kernel (issue 23)
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
@@ -322,6 +324,21 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
       --batch "${BATCH:-16}" --prompt-len 256 --step-ms --variants \
       "base;$T.NUM_STAGES=3;$T.NUM_STAGES=5;$T.PROGRAMS_PER_SM=4;$T.PROGRAMS_PER_SM=4,$T.NUM_STAGES=3;base" \
       2>&1 | grep -E "^### |_paged|_combine|^variant|\| [0-9]+ \|" | tee "$OUT/attn16.log"
+    ;;
+  oss-window)
+    # Issue 22 (written in session 18, not yet run): sliding-window layers split by their
+    # window; the sinks / window GPU tests with it on, then the gpt-oss-20b step A/B.
+    T=specserve.attention.triton_paged
+    timeout 200 python -c "
+import sys, pytest
+import specserve.attention.triton_paged as t
+t.WINDOW_SPLITS = True
+sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_triton_sinks.py',
+                      'tests/test_gpt_oss.py']))
+" 2>&1 | tail -2
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape gpt-oss-20b \
+      --step-ms --variants "base;$T.WINDOW_SPLITS=True;base;$T.WINDOW_SPLITS=True" 2>&1 \
+      | grep -E "^### |_paged|_combine|^variant|\| [0-9]+ \|" | tee "$OUT/oss_window.log"
     ;;
   spec-timeline)
     # Issue 23's step cost: where an EAGLE-3 K = 4 step goes (drafting and verification), at
