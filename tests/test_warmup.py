@@ -174,3 +174,24 @@ def test_late_compiles_are_logged(monkeypatch: pytest.MonkeyPatch, caplog: Any) 
     assert len(logged) == 1 and "_gemv_kernel[num_warps=4" in logged[0]
     assert "after the warm-up" in logged[0]
     assert len(calls) == 3  # the earlier hook still sees every compile
+
+
+@pytest.mark.gpu
+def test_late_compile_is_logged_gpu(caplog: Any) -> None:
+    """A real compile after watch_late_compiles: the RMSNorm kernel at a width no model here
+    has (BLOCK 16384) is logged with its name; running it again logs nothing."""
+    import logging
+
+    from specserve.ops.triton_kernels import rms_norm_triton
+    from specserve.worker.warmup import watch_late_compiles
+
+    watch_late_compiles()
+    x = torch.randn(3, 8200, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(8200, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="specserve"):
+        rms_norm_triton(x, w, 1e-6, None)
+        first = [r.getMessage() for r in caplog.records if "after the warm-up" in r.getMessage()]
+        rms_norm_triton(x, w, 1e-6, None)
+    again = [r.getMessage() for r in caplog.records if "after the warm-up" in r.getMessage()]
+    assert len(first) == 1 and "_rms_norm_kernel[" in first[0]
+    assert again == first
