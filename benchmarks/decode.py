@@ -309,10 +309,14 @@ def timeline(
     # The decode_matmul=auto plan at this step's row bucket: what each weight shape runs and
     # what every candidate cost when the plan timed it (to compare with the chain above).
     from specserve.ops.gemv import bucket as row_bucket
+    from specserve.ops.gemv import plan_rows
+    from specserve.ops.skinny import MAX_M
 
-    # speculative steps verify K + 1 rows a request
-    k = getattr(getattr(engine, "config", None), "spec", None)
-    bucket = row_bucket(min(batch * (1 + (k.num_speculative_tokens if k else 0)), 64))
+    # the bucket the step's matmuls take (DecodeLinear.config): K + 1 rows a request when
+    # speculating; past MAX_M rows they run cuBLAS, unplanned
+    spec = engine.config.spec
+    rows = plan_rows(batch * (1 + (spec.num_speculative_tokens if spec else 0)))
+    bucket = row_bucket(rows) if rows <= MAX_M else None
     plan = [r for r in getattr(engine, "decode_matmul_plan", []) if r["rows"] == bucket]
     if plan:
         print(f"decode_matmul plan at {bucket} rows (us for all layers of a shape):")

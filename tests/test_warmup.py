@@ -155,7 +155,6 @@ def test_late_compiles_are_logged(monkeypatch: pytest.MonkeyPatch, caplog: Any) 
     monkeypatch.setattr(
         triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: calls.append(kw)
     )
-    monkeypatch.setattr(warmup, "_watching", False)
     warmup.watch_late_compiles()
     warmup.watch_late_compiles()  # idempotent: one hook, not a chain of two
     hook = triton.knobs.runtime.jit_post_compile_hook

@@ -191,7 +191,13 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
                 groups.setdefault(key, []).append(lin)
     # (group, its layers, silu_mul, rows bucket, _PLANS key): every plan to make
     tasks = [
-        (group, layers, silu_mul, b, (layers[0].weight.device, group, len(layers), silu_mul, b))
+        (
+            group,
+            layers,
+            silu_mul,
+            b,
+            (layers[0].weight.device, group, len(layers), silu_mul, b, candidates(b)),
+        )
         for group, layers in groups.items()
         if group[1] in (torch.bfloat16, torch.float16)
         for silu_mul in ((False, True) if group[3] else (False,))
@@ -199,7 +205,7 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
     ]
     # The CUDA plans this process has not timed: their candidates compile in threads while
     # the loop below times each (shape, rows) as soon as its own are compiled.
-    todo = [t for t in tasks if timer is None and t[4] + (candidates(t[3]),) not in _PLANS]
+    todo = [t for t in tasks if timer is None and t[4] not in _PLANS]
 
     def jobs_of(lin: DecodeLinear, silu_mul: bool, b: int) -> list[plan_compile.Job]:
         return [plan_compile.job(lin, b, silu_mul, c) for c in candidates(b) if c is not None]
@@ -213,7 +219,6 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
         if timer is not None:
             cfg, times = fastest(layers, b, silu_mul, timer)
         else:
-            pkey = pkey + (candidates(b),)
             if pkey not in _PLANS:
                 compiles.wait(jobs_of(layers[0], silu_mul, b))
                 _PLANS[pkey] = fastest(layers, b, silu_mul)

@@ -179,23 +179,18 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int) -> WarmupReport:
     return report
 
 
-_watching = False
-
-
 def watch_late_compiles() -> None:
     """From now on, log a warning for every specserve Triton kernel compiled (or loaded from
     the disk cache) in this process: after the warm-up, each one is a stall of 0.2-1 s on the
     serving path, and the warning names the kernel and its specialization (the shape the
     warm-up missed). Triton's process-wide post-compile hook; a hook set before is chained."""
-    global _watching
     try:
         import triton
     except ImportError:  # CPU-only installs: nothing compiles
         return
-    if _watching:
-        return
-    _watching = True
     previous = triton.knobs.runtime.jit_post_compile_hook
+    if getattr(previous, "specserve_late_compiles", False):
+        return  # watching already
 
     def hook(**kw: object) -> object:
         fn = kw["fn"]
@@ -207,4 +202,5 @@ def watch_late_compiles() -> None:
             )
         return previous(**kw) if previous is not None else None
 
+    hook.specserve_late_compiles = True  # type: ignore[attr-defined]
     triton.knobs.runtime.jit_post_compile_hook = hook
