@@ -45,6 +45,19 @@ EAGLE3_HEAD = {
 PTD_HEAD = {**EAGLE3_HEAD, "parallel_draft": True, "ptd_token_id": 128255}
 
 
+def synthetic_spec(head: str, k: int, acceptance: float, parallel_draft: bool = False) -> dict:
+    """An EAGLE-3 (or parallel-drafting) config over the head at `head`, K drafts, accepted
+    at the synthetic rate `acceptance` (the step costs of real acceptance, any weights)."""
+    return {
+        "method": "eagle3",
+        "model": head,
+        "num_speculative_tokens": k,
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rate": acceptance,
+        "parallel_draft": parallel_draft,
+    }
+
+
 def make_engine(
     target: str,
     spec: dict | None,
@@ -185,14 +198,7 @@ def main() -> None:
     for k in [int(x) for x in args.ks.split(",")]:
         for method in args.methods.split(","):
             for mode in args.modes.split(",") if method == "eagle3" else ["graph"]:
-                spec = {
-                    "method": "eagle3",
-                    "model": heads[method],
-                    "num_speculative_tokens": k,
-                    "rejection_sample_method": "synthetic",
-                    "synthetic_acceptance_rate": args.acceptance,
-                    "parallel_draft": method == "ptd",
-                }
+                spec = synthetic_spec(heads[method], k, args.acceptance, method == "ptd")
                 run(method, k, "auto" if mode == "graph" else mode, spec)
     if os.environ.get("OUT"):
         name = f"spec_step{'_async' * args.async_scheduling}_{args.decode_matmul}.json"

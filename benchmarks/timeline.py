@@ -99,15 +99,9 @@ def main() -> None:
 
 def eagle3_spec(k: int) -> dict:
     """spec_step.py's EAGLE-3-shaped head for the Llama-3-8B shape, K drafts, acceptance 0.7."""
-    from spec_step import EAGLE3_HEAD
+    from spec_step import EAGLE3_HEAD, synthetic_spec
 
-    return {
-        "method": "eagle3",
-        "model": write_config(EAGLE3_HEAD, tempfile.mkdtemp(prefix="eagle3-")),
-        "num_speculative_tokens": k,
-        "rejection_sample_method": "synthetic",
-        "synthetic_acceptance_rate": 0.7,
-    }
+    return synthetic_spec(write_config(EAGLE3_HEAD, tempfile.mkdtemp(prefix="eagle3-")), k, 0.7)
 
 
 def step_time(model_dir: str, prompt_len: int, batch: int, vocab_size: int) -> None:
