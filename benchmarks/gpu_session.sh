@@ -51,6 +51,8 @@
 #                                                 # (WINDOW_SPLITS): GPU tests, 20b A/B
 #   bash benchmarks/gpu_session.sh spec-timeline  # EAGLE-3 K=4 steps at batch 1 / 16 / 64
 #                                                 # traced, kernel by kernel (issue 23)
+#   bash benchmarks/gpu_session.sh l2next         # next layer's qkv prefetched into the L2
+#                                                 # (ops/l2.PREFETCH_NEXT_QKV): test + step A/B
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -349,6 +351,19 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
         | tail -45
     done
     ;;
+  l2next)
+    # Session 19: the next layer's qkv weight bulk-prefetched into the L2 during attention and
+    # routing (ops/l2.PREFETCH_NEXT_QKV): its GPU test (and the late-compile warning's), then
+    # the step A/B at SHAPE (default Qwen3-30B-A3B; VARIANTS overrides the list).
+    L=specserve.ops.l2
+    S=${SHAPE:-qwen3-30b-a3b}
+    [ -n "${SKIP_TESTS:-}" ] || timeout 200 python -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_l2.py tests/test_warmup.py -k "prefetch or late_compile" 2>&1 | tail -3
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape "$S" --step-ms \
+      --variants "${VARIANTS:-base;$L.PREFETCH_NEXT_QKV=True;$L.PREFETCH_NEXT_QKV=True,$L.PREFETCH_EVICT_LAST=True;base}" \
+      >"$OUT/l2next_$S.log" 2>&1
+    grep -E "^### |_prefetch|_gemv|_paged|_combine|^variant|\| [0-9]+ \|" "$OUT/l2next_$S.log" | tail -60
+    ;;
   ncu)
     # ncu replays each profiled kernel with the L2 flushed (its default cache control): the
     # cold-weight case of a decode step. Clocks left alone (METHOD.md).
@@ -365,7 +380,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
     done
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure|ncu" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure|coldplan|b16|attn16|oss-window|spec-timeline|l2next|ncu" >&2
     exit 2
     ;;
 esac

@@ -100,3 +100,56 @@ def test_evict_first_bit_equal_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(l2, "WEIGHT_EVICTION", "evict_first")
     for a, b in zip(run(), base):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("evict_last", [False, True])
+def test_prefetch_kernel_issues_bulk_prefetches(evict_last: bool) -> None:
+    """One predicated `cp.async.bulk.prefetch.L2` a thread (its size is 0 past the weight's
+    end), with the evict-last policy only when asked; nothing is loaded or stored."""
+    consts = dict(CHUNK=4096, LANES=128, EVICT_LAST=evict_last)
+    ptx = compile_sm90(l2._prefetch_kernel, consts, types={"ptr": "*u8", "nbytes": "i64"})
+    lines = [ln for ln in ptx.splitlines() if "cp.async.bulk.prefetch.L2.global" in ln]
+    assert len(lines) == 1 and "@p cp.async.bulk.prefetch" in lines[0]
+    assert ("createpolicy.fractional.L2::evict_last" in ptx) == evict_last
+    assert "ld.global" not in ptx and "st.global" not in ptx
+
+
+def test_prefetch_wanted_only_for_cuda_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    rows = torch.zeros(1, dtype=torch.long)
+    assert not l2.prefetch_wanted(rows)  # off by default
+    monkeypatch.setattr(l2, "PREFETCH_NEXT_QKV", True)
+    assert not l2.prefetch_wanted(rows)  # a CPU forward never forks a stream
+
+
+@pytest.mark.gpu
+def test_next_qkv_prefetch_bit_equal_gpu(ckpt_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the next layer's qkv prefetched on the side stream, CUDA-graph decode gives the
+    tokens it gives without (bf16 Qwen3-MoE, sampled and greedy), and the graphs did fork:
+    one prefetch a layer but the last, per decode forward."""
+    import torch
+
+    from specserve import LLM, SamplingParams
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path = ckpt_dir("qwen3_moe_l2", "qwen3_moe")
+    prompts = [{"prompt_token_ids": [5 + i, 9, 13 + 2 * i, 7]} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4)
+
+    def run() -> list[list[int]]:
+        llm = LLM(path, **kw)
+        outs = llm.generate(prompts, [greedy, sampled, greedy])
+        del llm
+        return [o.outputs[0].token_ids for o in outs]
+
+    plain = run()
+    calls: list[int] = []
+    real = l2.prefetch_on_side
+    monkeypatch.setattr(l2, "PREFETCH_NEXT_QKV", True)
+    monkeypatch.setattr(l2, "prefetch_on_side", lambda w: calls.append(w.numel()) or real(w))
+    assert run() == plain
+    assert calls and all(n == calls[0] for n in calls)

@@ -46,6 +46,11 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     # Backend metadata per sliding window (None = full attention).
     metadata: dict[int | None, Any] = field(default_factory=dict)
+    # The weight a decoder layer prefetches into the L2 once its qkv matmul is queued (the next
+    # layer's qkv; ops/l2.PREFETCH_NEXT_QKV), set by the model's layer loop; `l2_forked`: one
+    # was queued on the side stream, so the forward joins it at its end.
+    l2_prefetch: torch.Tensor | None = None
+    l2_forked: bool = False
 
     def meta(self, sliding_window: int | None) -> Any:
         return self.metadata[sliding_window]

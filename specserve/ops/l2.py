@@ -21,6 +21,16 @@ WEIGHT_EVICTION=''"` A/B's it.
 
 from __future__ import annotations
 
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: no prefetch
+    triton = None
+
 WEIGHT_EVICTION = "evict_first"  # or "" (Triton's default, evict-normal)
 _POLICIES = ("", "evict_first")
 
@@ -34,3 +44,103 @@ def weight_eviction() -> str:
 
 def weights_evict_first() -> bool:
     return weight_eviction() == "evict_first"
+
+
+# ---- next-layer prefetch (experiment, off) ----------------------------------------------------
+# A batch-1 MoE step's attention, split merge, o projection and routing (~15 us a layer at
+# Qwen3-30B-A3B) are chains of dependent round trips: HBM idles there while the next weights
+# to stream, the next layer's qkv projection (21 MB at Qwen3-30B-A3B), are known. With
+# PREFETCH_NEXT_QKV the decoder layer, once its own qkv matmul is queued, has a side stream
+# bulk-prefetch the next layer's qkv weight into the L2 (a few programs issue
+# `cp.async.bulk.prefetch.L2` and exit: no data comes back, nothing waits), so that matmul reads
+# L2 instead of HBM. The weight streams in between (the experts, evict-first) leave the L2
+# before the prefetched lines (evict-normal, or evict-last with PREFETCH_EVICT_LAST).
+# Earlier prefetches that lost (pdl.py, moe_router.py): a kernel's own weights just before it
+# runs, o_proj's during attention on Llama-3-8B (whose attention is short), the experts' first
+# rows from the router. Session 19 measures this one.
+PREFETCH_NEXT_QKV = False
+PREFETCH_EVICT_LAST = False
+PREFETCH_MAX_BYTES = 32 << 20  # a weight larger than this is not prefetched (the L2 is 50 MB)
+PREFETCH_MAX_TOKENS = 8  # decode batches only: prefill reads its weights at compute speed
+_CHUNK = 4096  # bytes a bulk prefetch (a thread issues one)
+_LANES = 128  # threads a program (4 warps, one chunk each)
+
+
+def prefetch_wanted(x: torch.Tensor) -> bool:
+    """Whether a forward with input rows `x` [num_tokens, ...] prefetches (CUDA decode, on)."""
+    return (
+        PREFETCH_NEXT_QKV and triton is not None and x.is_cuda and x.shape[0] <= PREFETCH_MAX_TOKENS
+    )
+
+
+def prefetch_on_side(weight: torch.Tensor) -> bool:
+    """Queue a bulk L2 prefetch of `weight` (contiguous CUDA) on the device's side stream,
+    after the current stream's work so far. Returns whether it did (the caller then ends its
+    forward with `join`, as graph capture needs every forked stream joined)."""
+    nbytes = weight.numel() * weight.element_size() // 16 * 16
+    if not weight.is_contiguous() or nbytes == 0 or nbytes > PREFETCH_MAX_BYTES:
+        return False
+    main = torch.cuda.current_stream(weight.device)
+    side = _side_stream(main.device_index)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        grid = (triton.cdiv(nbytes, _CHUNK * _LANES),)
+        _prefetch_kernel[grid](
+            weight.view(-1).view(torch.uint8),
+            nbytes,
+            CHUNK=_CHUNK,
+            LANES=_LANES,
+            EVICT_LAST=PREFETCH_EVICT_LAST,
+            num_warps=_LANES // 32,
+        )
+    return True
+
+
+def join(device: torch.device) -> None:
+    """The current stream waits for the prefetches queued so far (cheap: they finish early)."""
+    main = torch.cuda.current_stream(device)
+    main.wait_stream(_side_stream(main.device_index))
+
+
+@functools.cache
+def _side_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _prefetch_kernel(
+        ptr,  # the weight's bytes (uint8)
+        nbytes,  # a multiple of 16
+        CHUNK: tl.constexpr,
+        LANES: tl.constexpr,
+        EVICT_LAST: tl.constexpr,
+    ):
+        """Each thread one bulk L2 prefetch of CHUNK bytes (fewer at the end; none past it)."""
+        i = tl.program_id(0) * LANES + tl.arange(0, LANES)
+        off = i.to(tl.int64) * CHUNK
+        size = tl.minimum(tl.maximum(nbytes - off, 0), CHUNK).to(tl.int32)
+        # Not pure: a hint with no result must not be dropped as unused.
+        if EVICT_LAST:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $1, 0; "
+                "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$2], $1, pol; "
+                "mov.b32 $0, 0; }",
+                "=r,r,l",
+                [size, ptr + off],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
+        else:
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $1, 0; "
+                "@p cp.async.bulk.prefetch.L2.global [$2], $1; mov.b32 $0, 0; }",
+                "=r,r,l",
+                [size, ptr + off],
+                dtype=tl.int32,
+                is_pure=False,
+                pack=1,
+            )
