@@ -106,8 +106,9 @@ def test_evict_first_bit_equal_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_prefetch_kernel_issues_bulk_prefetches(evict_last: bool) -> None:
     """One predicated `cp.async.bulk.prefetch.L2` a thread (its size is 0 past the weight's
     end), with the evict-last policy only when asked; nothing is loaded or stored."""
-    consts = dict(CHUNK=4096, LANES=128, EVICT_LAST=evict_last)
-    ptx = compile_sm90(l2._prefetch_kernel, consts, types={"ptr": "*u8", "nbytes": "i64"})
+    consts = dict(LANES=128, EVICT_LAST=evict_last)
+    types = {"ptr": "*u8", "nbytes": "i64", "chunk": "i64"}
+    ptx = compile_sm90(l2._prefetch_kernel, consts, types=types)
     lines = [ln for ln in ptx.splitlines() if "cp.async.bulk.prefetch.L2.global" in ln]
     assert len(lines) == 1 and "@p cp.async.bulk.prefetch" in lines[0]
     assert ("createpolicy.fractional.L2::evict_last" in ptx) == evict_last
@@ -124,7 +125,10 @@ def test_prefetch_wanted_only_for_cuda_decode(monkeypatch: pytest.MonkeyPatch) -
 
 
 @pytest.mark.gpu
-def test_next_qkv_prefetch_bit_equal_gpu(ckpt_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("after", ["qkv", "attention"])
+def test_next_qkv_prefetch_bit_equal_gpu(
+    ckpt_dir, monkeypatch: pytest.MonkeyPatch, after: str
+) -> None:
     """With the next layer's qkv prefetched on the side stream, CUDA-graph decode gives the
     tokens it gives without (bf16 Qwen3-MoE, sampled and greedy), and the graphs did fork:
     one prefetch a layer but the last, per decode forward."""
@@ -150,6 +154,7 @@ def test_next_qkv_prefetch_bit_equal_gpu(ckpt_dir, monkeypatch: pytest.MonkeyPat
     calls: list[int] = []
     real = l2.prefetch_on_side
     monkeypatch.setattr(l2, "PREFETCH_NEXT_QKV", True)
+    monkeypatch.setattr(l2, "PREFETCH_AFTER", after)
     monkeypatch.setattr(l2, "prefetch_on_side", lambda w: calls.append(w.numel()) or real(w))
     assert run() == plain
     assert calls and all(n == calls[0] for n in calls)

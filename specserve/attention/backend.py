@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from specserve.ops import l2
+
 
 @dataclass
 class CommonAttentionMetadata:
@@ -54,6 +56,11 @@ class ForwardContext:
 
     def meta(self, sliding_window: int | None) -> Any:
         return self.metadata[sliding_window]
+
+    def fork_l2_prefetch(self, at: str) -> None:
+        """Queue `l2_prefetch` on the side stream if the layer is at ops/l2.PREFETCH_AFTER."""
+        if self.l2_prefetch is not None and l2.PREFETCH_AFTER == at:
+            self.l2_forked |= l2.prefetch_on_side(self.l2_prefetch)
 
 
 class AttentionBackend(ABC):

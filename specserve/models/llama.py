@@ -195,8 +195,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
-        if ctx.l2_prefetch is not None:  # during this layer's attention and routing
-            ctx.l2_forked |= l2.prefetch_on_side(ctx.l2_prefetch)
+        ctx.fork_l2_prefetch("qkv")  # (ops/l2.PREFETCH_NEXT_QKV)
         x = attn.attend(positions, qkv, ctx)
         if not isinstance(mlp, MLP):
             return norm_ffn(self.post_attention_layernorm, mlp, x, residual)

@@ -60,9 +60,15 @@ def weights_evict_first() -> bool:
 # rows from the router. Session 19 measures this one.
 PREFETCH_NEXT_QKV = False
 PREFETCH_EVICT_LAST = False
+# Where in the layer the prefetch is queued: "qkv" (after the qkv matmul: during attention) or
+# "attention" (after the attention kernel: during the merge, o_proj and routing).
+PREFETCH_AFTER = "qkv"
+# Programs that issue it (0: one a 512 KB): fewer programs issue fewer bulk prefetches at once.
+PREFETCH_PROGRAMS = 0
+PREFETCH_CAP_BYTES = 0  # prefetch only the weight's first bytes (0: all of it)
 PREFETCH_MAX_BYTES = 32 << 20  # a weight larger than this is not prefetched (the L2 is 50 MB)
 PREFETCH_MAX_TOKENS = 8  # decode batches only: prefill reads its weights at compute speed
-_CHUNK = 4096  # bytes a bulk prefetch (a thread issues one)
+_CHUNK = 4096  # bytes a bulk prefetch (a thread issues one) with PREFETCH_PROGRAMS = 0
 _LANES = 128  # threads a program (4 warps, one chunk each)
 
 
@@ -77,18 +83,22 @@ def prefetch_on_side(weight: torch.Tensor) -> bool:
     """Queue a bulk L2 prefetch of `weight` (contiguous CUDA) on the device's side stream,
     after the current stream's work so far. Returns whether it did (the caller then ends its
     forward with `join`, as graph capture needs every forked stream joined)."""
-    nbytes = weight.numel() * weight.element_size() // 16 * 16
-    if not weight.is_contiguous() or nbytes == 0 or nbytes > PREFETCH_MAX_BYTES:
+    nbytes = weight.numel() * weight.element_size()
+    if not weight.is_contiguous() or nbytes > PREFETCH_MAX_BYTES:
         return False
+    nbytes = (min(nbytes, PREFETCH_CAP_BYTES) if PREFETCH_CAP_BYTES else nbytes) // 16 * 16
+    if nbytes == 0:
+        return False
+    programs = PREFETCH_PROGRAMS or triton.cdiv(nbytes, _CHUNK * _LANES)
+    chunk = triton.cdiv(triton.cdiv(nbytes, programs * _LANES), 16) * 16
     main = torch.cuda.current_stream(weight.device)
     side = _side_stream(main.device_index)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        grid = (triton.cdiv(nbytes, _CHUNK * _LANES),)
-        _prefetch_kernel[grid](
+        _prefetch_kernel[(programs,)](
             weight.view(-1).view(torch.uint8),
             nbytes,
-            CHUNK=_CHUNK,
+            chunk,
             LANES=_LANES,
             EVICT_LAST=PREFETCH_EVICT_LAST,
             num_warps=_LANES // 32,
@@ -113,14 +123,14 @@ if triton is not None:
     def _prefetch_kernel(
         ptr,  # the weight's bytes (uint8)
         nbytes,  # a multiple of 16
-        CHUNK: tl.constexpr,
+        chunk,  # bytes a thread, a multiple of 16
         LANES: tl.constexpr,
         EVICT_LAST: tl.constexpr,
     ):
-        """Each thread one bulk L2 prefetch of CHUNK bytes (fewer at the end; none past it)."""
+        """Each thread one bulk L2 prefetch of `chunk` bytes (fewer at the end; none past it)."""
         i = tl.program_id(0) * LANES + tl.arange(0, LANES)
-        off = i.to(tl.int64) * CHUNK
-        size = tl.minimum(tl.maximum(nbytes - off, 0), CHUNK).to(tl.int32)
+        off = i.to(tl.int64) * chunk
+        size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
         # Not pure: a hint with no result must not be dropped as unused.
         if EVICT_LAST:
             tl.inline_asm_elementwise(
