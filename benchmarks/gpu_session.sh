@@ -47,12 +47,8 @@
 #   bash benchmarks/gpu_session.sh b16            # Llama-3-8B batch-16 timeline (issue 23)
 #   bash benchmarks/gpu_session.sh attn16         # batch-16 attention: key-loop pipeline depth
 #                                                 # and splits (NUM_STAGES, PROGRAMS_PER_SM)
-#   bash benchmarks/gpu_session.sh oss-window     # gpt-oss window layers split by the window
-#                                                 # (WINDOW_SPLITS): GPU tests, 20b A/B
 #   bash benchmarks/gpu_session.sh spec-timeline  # EAGLE-3 K=4 steps at batch 1 / 16 / 64
 #                                                 # traced, kernel by kernel (issue 23)
-#   bash benchmarks/gpu_session.sh l2next         # next layer's qkv prefetched into the L2
-#                                                 # (ops/l2.PREFETCH_NEXT_QKV): test + step A/B
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -327,21 +323,6 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
       "base;$T.NUM_STAGES=3;$T.NUM_STAGES=5;$T.PROGRAMS_PER_SM=4;$T.PROGRAMS_PER_SM=4,$T.NUM_STAGES=3;base" \
       2>&1 | grep -E "^### |_paged|_combine|^variant|\| [0-9]+ \|" | tee "$OUT/attn16.log"
     ;;
-  oss-window)
-    # Issue 22 (written in session 18, not yet run): sliding-window layers split by their
-    # window; the sinks / window GPU tests with it on, then the gpt-oss-20b step A/B.
-    T=specserve.attention.triton_paged
-    timeout 200 python -c "
-import sys, pytest
-import specserve.attention.triton_paged as t
-t.WINDOW_SPLITS = True
-sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_triton_sinks.py',
-                      'tests/test_gpt_oss.py']))
-" 2>&1 | tail -2
-    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape gpt-oss-20b \
-      --step-ms --variants "base;$T.WINDOW_SPLITS=True;base;$T.WINDOW_SPLITS=True" 2>&1 \
-      | grep -E "^### |_paged|_combine|^variant|\| [0-9]+ \|" | tee "$OUT/oss_window.log"
-    ;;
   spec-timeline)
     # Issue 23's step cost: where an EAGLE-3 K = 4 step goes (drafting and verification), at
     # each batch (written in session 18, not yet run).
@@ -350,19 +331,6 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
         --spec-k 4 --rows 30 2>&1 | grep -v -i "warn\|tokenizer" | tee "$OUT/spec_timeline_b$b.log" \
         | tail -45
     done
-    ;;
-  l2next)
-    # Session 19: the next layer's qkv weight bulk-prefetched into the L2 during attention and
-    # routing (ops/l2.PREFETCH_NEXT_QKV): its GPU test (and the late-compile warning's), then
-    # the step A/B at SHAPE (default Qwen3-30B-A3B; VARIANTS overrides the list).
-    L=specserve.ops.l2
-    S=${SHAPE:-qwen3-30b-a3b}
-    [ -n "${SKIP_TESTS:-}" ] || timeout 200 python -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_l2.py tests/test_warmup.py -k "prefetch or late_compile" 2>&1 | tail -3
-    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape "$S" --step-ms \
-      --variants "${VARIANTS:-base;$L.PREFETCH_NEXT_QKV=True;$L.PREFETCH_NEXT_QKV=True,$L.PREFETCH_EVICT_LAST=True;base}" \
-      >"$OUT/l2next_$S.log" 2>&1
-    grep -E "^### |_prefetch|_gemv|_paged|_combine|^variant|\| [0-9]+ \|" "$OUT/l2next_$S.log" | tail -60
     ;;
   ncu)
     # ncu replays each profiled kernel with the L2 flushed (its default cache control): the
@@ -380,7 +348,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
     done
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure|coldplan|b16|attn16|oss-window|spec-timeline|l2next|ncu" >&2
+    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure|ncu" >&2
     exit 2
     ;;
 esac

@@ -79,44 +79,6 @@ def test_sinks_interpreter(
     compare_sinks(reqs, (4, 2), 16, window, dtype, "cpu", splits)
 
 
-def test_window_splits() -> None:
-    """A window's keys span at most cdiv(window + queries - 1, tile) + 1 tiles: that many
-    splits (a power of two) leave each program at most one tile."""
-    from specserve.attention.triton_paged import window_splits
-
-    assert window_splits(128, 1, 64) == 4  # gpt-oss decode: 3 tiles at most
-    assert window_splits(128, 5, 64) == 4  # verification of 4 drafts
-    assert window_splits(64, 1, 64) == 2
-    assert window_splits(12, 21, 32) == 2  # 32 keys: 1 tile, 2 where unaligned
-
-
-@needs_interpreter
-def test_sinks_window_splits_interpreter(
-    interpreter: None,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """WINDOW_SPLITS caps a window layer's 16 splits at window_splits (here 2): the same
-    attention."""
-    from specserve.attention import triton_paged
-
-    monkeypatch.setattr(triton_paged, "WINDOW_SPLITS", True)
-    launched = []
-    kernel = triton_paged._combine_splits_kernel
-
-    class Spy:
-        def __getitem__(self, grid: tuple) -> object:
-            def launch(*args: object, **kw: object) -> None:
-                launched.append(kw["SPLITS"])
-                kernel[grid](*args, **kw)
-
-            return launch
-
-    monkeypatch.setattr(triton_paged, "_combine_splits_kernel", Spy())
-    reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
-    compare_sinks(reqs, (4, 2), 16, 12, torch.float32, "cpu", 16)
-    assert launched == [2]
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

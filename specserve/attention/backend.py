@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from specserve.ops import l2
-
 
 @dataclass
 class CommonAttentionMetadata:
@@ -48,19 +46,9 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     # Backend metadata per sliding window (None = full attention).
     metadata: dict[int | None, Any] = field(default_factory=dict)
-    # The weight a decoder layer prefetches into the L2 once its qkv matmul is queued (the next
-    # layer's qkv; ops/l2.PREFETCH_NEXT_QKV), set by the model's layer loop; `l2_forked`: one
-    # was queued on the side stream, so the forward joins it at its end.
-    l2_prefetch: torch.Tensor | None = None
-    l2_forked: bool = False
 
     def meta(self, sliding_window: int | None) -> Any:
         return self.metadata[sliding_window]
-
-    def fork_l2_prefetch(self, at: str) -> None:
-        """Queue `l2_prefetch` on the side stream if the layer is at ops/l2.PREFETCH_AFTER."""
-        if self.l2_prefetch is not None and l2.PREFETCH_AFTER == at:
-            self.l2_forked |= l2.prefetch_on_side(self.l2_prefetch)
 
 
 class AttentionBackend(ABC):

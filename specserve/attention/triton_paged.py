@@ -660,9 +660,6 @@ def paged_attention(
             split_len or common.max_seq_len,
             q.device,
         )
-        if sliding_window is not None and WINDOW_SPLITS:
-            cap = window_splits(sliding_window, common.max_query_len, cfg.block_n)
-            num_splits = min(num_splits, cap)
     grid = (q_blocks, num_kv_heads, num_splits)
     if num_splits > 1:
         ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
@@ -812,13 +809,6 @@ def split_count(
     return _num_splits(q_blocks * num_kv_heads, split_len, device)
 
 
-def window_splits(window: int, max_query_len: int, block_n: int) -> int:
-    """Splits that leave each program at most one key tile of a sliding window: the queries'
-    keys (window - 1 before the first query, then the queries) start anywhere in a tile, so
-    they span at most cdiv(window + max_query_len - 1, block_n) + 1 tiles."""
-    return triton.next_power_of_2(triton.cdiv(window + max_query_len - 1, block_n) + 1)
-
-
 def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
     """Key splits per (q-block, KV head): 1 unless the grid leaves most SMs idle (small decode
     batches) and keys are many (at least MIN_KEYS_PER_SPLIT each); a power of two <=
@@ -841,11 +831,6 @@ MAX_SPLITS = 16
 # and V buffers double (72 KB of shared memory). A program walks one tile at batch 1 (key
 # splits) and several at batch 16+: an experiment for those (session 18, not yet measured).
 NUM_STAGES = 2
-# Sliding-window layers split their keys by the window, not by max_model_len: gpt-oss's
-# 128-key windows take 4 splits instead of 16 at batch 1 (a quarter of the programs, a
-# combine over 4 partial results), each program still one tile. An experiment, off (session
-# 18, not yet measured).
-WINDOW_SPLITS = False
 # Programs an SM is given before keys stop being split. 1: a batch of 16 requests x 8 KV heads
 # fills the H100's 132 SMs once and walks each request's keys in one program (experiment:
 # larger values split such batches too; benchmarks/RESULTS.md session 18).

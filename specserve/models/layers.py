@@ -240,7 +240,6 @@ class Attention(KVCacheLayer):
         else:
             q, k = ops.rope_(positions, q, k, self.rope.cos, self.rope.sin)
             out = ctx.backend.forward(q, k, v, *args, **kw)
-        ctx.fork_l2_prefetch("attention")  # (ops/l2.PREFETCH_NEXT_QKV)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _partial_rope(

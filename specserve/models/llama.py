@@ -24,7 +24,6 @@ from specserve.models.layers import (
 )
 from specserve.models.loader import ModelLoadError
 from specserve.models.moe import SparseMoE
-from specserve.ops import l2
 
 
 @dataclass
@@ -195,7 +194,6 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
-        ctx.fork_l2_prefetch("qkv")  # (ops/l2.PREFETCH_NEXT_QKV)
         x = attn.attend(positions, qkv, ctx)
         if not isinstance(mlp, MLP):
             return norm_ffn(self.post_attention_layernorm, mlp, x, residual)
@@ -252,25 +250,12 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         residual = None
         taps: dict[int, torch.Tensor] = {}
-        prefetch = l2.prefetch_wanted(input_ids)
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 taps[i] = x if residual is None else x + residual
-            ctx.l2_prefetch = self._next_qkv(i) if prefetch else None
             x, residual = layer(positions, x, residual, ctx)
-        ctx.l2_prefetch = None
-        if ctx.l2_forked:
-            l2.join(x.device)
-            ctx.l2_forked = False
         x, _ = self.norm(x, residual)
         return x, [taps[i] for i in aux_layers]
-
-    def _next_qkv(self, i: int) -> torch.Tensor | None:
-        """Layer i + 1's qkv weight (None past the last layer or for other attention kinds)."""
-        if i + 1 >= len(self.layers):
-            return None
-        proj = getattr(getattr(self.layers[i + 1], "self_attn", None), "qkv_proj", None)
-        return None if proj is None else proj.weight
 
 
 def make_rope(c: ArchConfig, max_position: int) -> RotaryEmbedding:
