@@ -173,6 +173,31 @@ def test_late_compiles_are_logged(monkeypatch: pytest.MonkeyPatch, caplog: Any) 
     assert len(logged) == 1 and "_gemv_kernel[num_warps=4" in logged[0]
     assert "after the warm-up" in logged[0]
     assert len(calls) == 3  # the earlier hook still sees every compile
+    assert warmup.late_compiles[-1] in logged[0]
+
+
+def test_describe_compile_names_the_specialization() -> None:
+    """The hook's `compile` keywords as Triton 3.6 passes them (constants and divisibility
+    attributes keyed by argument paths) become argument names: which int was 1, which pointers
+    and ints were multiples of 16."""
+    from types import SimpleNamespace
+
+    from specserve.worker.warmup import describe_compile
+
+    params = [SimpleNamespace(name=n) for n in ("x_ptr", "y_ptr", "M", "K", "BLOCK_M")]
+    fn = SimpleNamespace(name="_skinny_kernel", jit_function=SimpleNamespace(params=params))
+    comp = {
+        "constants": {(2,): 1, (4,): 32},
+        "configs": [{(0,): [["tt.divisibility", 16]], (3,): [["tt.divisibility", 16]]}],
+        "num_warps": 4,
+        "num_stages": 3,
+    }
+    text = describe_compile({"fn": fn, "compile": comp, "repr": "unused"})
+    assert text == (
+        "_skinny_kernel[num_warps=4, num_stages=3](M=1, BLOCK_M=32; 16-divisible: x_ptr, K)"
+    )
+    # Nothing to name: Triton's own text
+    assert describe_compile({"fn": fn, "compile": {}, "repr": "r"}) == "r"
 
 
 @pytest.mark.gpu
@@ -193,4 +218,5 @@ def test_late_compile_is_logged_gpu(caplog: Any) -> None:
         rms_norm_triton(x, w, 1e-6, None)
     again = [r.getMessage() for r in caplog.records if "after the warm-up" in r.getMessage()]
     assert len(first) == 1 and "_rms_norm_kernel[" in first[0]
+    assert "BLOCK=16384" in first[0]  # the specialization, by argument name
     assert again == first

@@ -179,6 +179,31 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int) -> WarmupReport:
     return report
 
 
+# What watch_late_compiles logged in this process (describe_compile's text), oldest first.
+late_compiles: list[str] = []
+
+
+def describe_compile(kw: dict) -> str:
+    """A specialization from Triton's post-compile hook keywords: the kernel, its constexprs
+    (Triton makes an int argument equal to 1 one) and the arguments it took as multiples of 16
+    (pointers: 16-byte aligned). Triton's own `repr` names no argument in 3.6."""
+    fn, comp = kw["fn"], kw.get("compile") or {}
+    params = getattr(getattr(fn, "jit_function", None), "params", None) or []
+    names = [p.name for p in params]
+
+    def name(path: object) -> str:
+        i = path[0] if isinstance(path, tuple) and path else path
+        return names[i] if isinstance(i, int) and i < len(names) else str(i)
+
+    consts = ", ".join(f"{name(p)}={v!r}" for p, v in (comp.get("constants") or {}).items())
+    attrs = (comp.get("configs") or [{}])[0] or {}
+    div = ", ".join(name(p) for p, a in attrs.items() if "tt.divisibility" in str(a))
+    opts = f"num_warps={comp.get('num_warps')}, num_stages={comp.get('num_stages')}"
+    if not consts and not div:
+        return str(kw.get("repr", getattr(fn, "name", "?")))
+    return f"{getattr(fn, 'name', '?')}[{opts}]({consts}; 16-divisible: {div or 'none'})"
+
+
 def watch_late_compiles() -> None:
     """From now on, log a warning for every specserve Triton kernel compiled (or loaded from
     the disk cache) in this process: after the warm-up, each one is a stall of 0.2-1 s on the
@@ -195,10 +220,12 @@ def watch_late_compiles() -> None:
     def hook(**kw: object) -> object:
         fn = kw["fn"]
         if str(getattr(fn, "module", "")).startswith("specserve.") and not kw["is_manual_warmup"]:
+            what = describe_compile(kw)
+            late_compiles.append(what)
             logger.warning(
                 "Triton compiled %s after the warm-up: a one-time stall on the serving path "
                 "(a step shape the warm-up does not run)",
-                kw["repr"],
+                what,
             )
         return previous(**kw) if previous is not None else None
 
