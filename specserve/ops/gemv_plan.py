@@ -44,22 +44,32 @@ CANDIDATES: tuple[Config, ...] = (
     (8, 2048, 4, 2),
     (2, 4096, 4, 1),
 )
-# Skinny-matmul configs tried, the first few of them per bucket (SKINNY_PER_BUCKET). From a
-# 48-config sweep on the H100 (benchmarks/skinny.py --sweep, Llama-3-8B shapes, 4 and 16 rows;
-# RESULTS.md session 10): 3 stages beat 4-6, and a fixed split of 3 wins on the o and down
-# projections (fewer, longer K ranges than "two programs per SM"); wide tiles at 32-64 rows.
-# The same configs at every bucket share compiles: buckets 2-16 all run the 16-row tile.
+# Skinny-matmul configs tried (at the buckets below). From a 48-config sweep on the H100
+# (benchmarks/skinny.py --sweep, Llama-3-8B shapes, 4 and 16 rows; RESULTS.md session 10): 3
+# stages beat 4-6, and a fixed split of 3 wins on the o and down projections (fewer, longer K
+# ranges than "two programs per SM"); wide tiles at 32-64 rows.
 SKINNY_CANDIDATES: tuple[SkinnyConfig, ...] = (
     SkinnyConfig(64, 128, 3, 4, 3),
     SkinnyConfig(32, 128, 0, 4, 3),
     SkinnyConfig(64, 128, 0, 4, 3),
     SkinnyConfig(128, 128, 0, 8, 3),
 )
-# Per bucket: (gemv candidates, skinny candidates) tried besides cuBLAS. The gemv is the 1-row
-# design (it re-reads nothing but does M dot products per weight tile), the skinny matmul the
-# many-row one; both are timed where either may win. Bounded: start-up compiles and times each.
-GEMV_PER_BUCKET = {1: 6, 2: 3, 4: 1, 8: 1}
-SKINNY_PER_BUCKET = {2: 1, 4: 2, 8: 2, 16: 3, 32: 4, 64: 4}
+_S64_SPLIT3, _S32, _S64, _S128 = SKINNY_CANDIDATES
+# Per bucket, the Triton configs timed against cuBLAS (each a compile at start-up: cold-cache
+# planning is CPU-bound in them). Every gemv config at one row (batch-1 decode, where a few
+# percent matter); elsewhere those that won a Llama-3-8B shape or came within 1% of the winner
+# when every config was timed at every bucket (H100, RESULTS.md session 19 call 6): the gemv
+# lost by 1.16-3.2x at 4 and 8 rows, the 64-row tiles of the skinny matmul by 1.17-2.3x at 64
+# rows, and so on. 99 compile jobs -> 64 for Llama-3-8B.
+BUCKET_CANDIDATES: dict[int, tuple[PlanConfig, ...]] = {
+    1: CANDIDATES,
+    2: (CANDIDATES[1], _S64_SPLIT3),
+    4: (_S64_SPLIT3, _S32),
+    8: (_S64_SPLIT3, _S32),
+    16: (_S64_SPLIT3, _S64),
+    32: (_S64_SPLIT3, _S32, _S128),
+    64: (_S128,),
+}
 TUNED_BUCKETS = BUCKETS
 # A timer: (layers, rows, silu_mul, candidate) -> microseconds for the whole group.
 Timer = Callable[[list[DecodeLinear], int, bool, PlanConfig], float]
@@ -74,10 +84,7 @@ _PLANS: dict[tuple, tuple[PlanConfig, dict[str, float]]] = {}
 
 def candidates(rows: int) -> tuple[PlanConfig, ...]:
     """What bucket `rows` chooses among: cuBLAS (None), then Triton configs."""
-    gemv_c = CANDIDATES[: GEMV_PER_BUCKET.get(rows, 0)]
-    if rows > 2:  # (8, 1024, 4, 3): most bytes in flight, the one a few rows need
-        gemv_c = CANDIDATES[1 : 1 + GEMV_PER_BUCKET.get(rows, 0)]
-    return (None, *gemv_c, *SKINNY_CANDIDATES[: SKINNY_PER_BUCKET.get(rows, 0)])
+    return (None, *BUCKET_CANDIDATES.get(rows, ()))
 
 
 def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> float:
