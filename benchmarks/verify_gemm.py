@@ -63,7 +63,7 @@ def main() -> None:
             line = []
             for m in rows:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                us = time_us(lambda x=x: F.linear(x, w))
+                us = time_us(lambda x=x, w=w: F.linear(x, w))
                 tflops = 2 * m * n * k / us / 1e6
                 results.append({"shape": name, "proj": proj, "n": n, "k": k, "rows": m, "us": us})
                 line.append(f"{m}: {us:7.1f} us {tflops:4.0f} TF/s")
