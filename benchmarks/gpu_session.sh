@@ -310,7 +310,9 @@ runpy.run_path('benchmarks/decode.py', run_name='__main__')" 2>&1 \
   attn16)
     # Issue 23's batch 16 (written in session 18, not yet run): GPU tests with the deeper key
     # pipeline, then the Llama-3-8B batch-16 step per variant (and batch 1 for the winner's
-    # side effects: `BATCH=1 ... attn16`).
+    # side effects: `BATCH=1 ... attn16`). PROMPT=1024: the serving sweep's contexts (84 +
+    # 1536 tokens: ~850 on average), where batch-16 attention reads ~56 MB a layer and the
+    # sweep's plain TPOT at concurrency 16 sits 0.8 ms above the 128-token decode step.
     T=specserve.attention.triton_paged
     timeout 200 python -c "
 import sys, pytest
@@ -319,8 +321,8 @@ t.NUM_STAGES = 3
 sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_triton_attention.py']))
 " 2>&1 | tail -2
     timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape llama3-8b \
-      --batch "${BATCH:-16}" --prompt-len 256 --step-ms --variants \
-      "base;$T.NUM_STAGES=3;$T.NUM_STAGES=5;$T.PROGRAMS_PER_SM=4;$T.PROGRAMS_PER_SM=4,$T.NUM_STAGES=3;base" \
+      --batch "${BATCH:-16}" --prompt-len "${PROMPT:-256}" --step-ms --variants \
+      "${VARIANTS:-base;$T.NUM_STAGES=3;$T.NUM_STAGES=5;$T.PROGRAMS_PER_SM=4;$T.PROGRAMS_PER_SM=4,$T.NUM_STAGES=3;base}" \
       2>&1 | grep -E "^### |_paged|_combine|^variant|\| [0-9]+ \|" | tee "$OUT/attn16.log"
     ;;
   spec-timeline)
