@@ -66,10 +66,12 @@ def make_engine(
     async_scheduling: bool = False,
     decode_matmul: str = "auto",
     max_num_batched_tokens: int = 8192,
+    max_model_len: int = 1024,
 ) -> object:
     """`max_num_batched_tokens`: the logits headroom the KV sizing reserves scales with it
     (4 x tokens x vocab fp32: 20 GB at 8192 x 151936), so big-vocabulary targets that fill
-    most of the GPU (Qwen3-30B-A3B) pass less."""
+    most of the GPU (Qwen3-30B-A3B) pass less. `max_model_len`: raise it for long prompts (it
+    also sets the attention's split count)."""
     from specserve.config import EngineConfig
     from specserve.engine.engine import LLMEngine
 
@@ -77,7 +79,7 @@ def make_engine(
         model=target,
         dtype="bfloat16",
         load_format="dummy",
-        max_model_len=1024,
+        max_model_len=max_model_len,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         gpu_memory_utilization=0.85,
