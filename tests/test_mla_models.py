@@ -3,8 +3,11 @@ cache and its size."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from specserve import LLM, SamplingParams
 
@@ -72,11 +75,23 @@ def test_structure_loads(mla_ckpt) -> None:  # noqa: F811
     # The shared expert runs as routed expert 8 (models/moe.py), not as its own MLP.
     assert all(x.mlp.shared_experts is None and list(x.mlp.shared_slots) == [8] for x in layers[1:])
     attn = layers[0].self_attn
-    assert hasattr(attn, "q_a_proj") and not hasattr(attn, "q_proj")
+    # q_a_proj (48 rows) and kv_a_proj_with_mqa (32 + 8) stacked in one matmul, as stored
+    assert attn.qkv_a_sizes == (48, 40) and hasattr(attn, "q_b_proj")
+    stored = load_file(os.path.join(mla_ckpt("deepseek_v3"), "model.safetensors"))
+    fused = attn.fused_qkv_a_proj.weight
+    assert torch.equal(fused[:48], stored["model.layers.0.self_attn.q_a_proj.weight"].float())
+    kv_a = stored["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].float()
+    assert torch.equal(fused[48:], kv_a)
     m = yarn_mscale(4.0, 0.8)
     assert attn.scale == pytest.approx((16 + 8) ** -0.5 * m * m)
     plain, _ = load_model(mla_ckpt("deepseek_v3_no_q_lora"), torch.float32, "cpu", 256)
-    assert hasattr(plain.model.layers[0].self_attn, "q_proj")
+    attn = plain.model.layers[0].self_attn
+    # q_proj: 4 heads x (16 + 8)
+    assert not hasattr(attn, "q_b_proj") and attn.qkv_a_sizes[1] == 40
+    stored = load_file(os.path.join(mla_ckpt("deepseek_v3_no_q_lora"), "model.safetensors"))
+    q = stored["model.layers.0.self_attn.q_proj.weight"].float()
+    assert attn.qkv_a_sizes[0] == q.shape[0]
+    assert torch.equal(attn.fused_qkv_a_proj.weight[: q.shape[0]], q)
 
 
 def test_latent_kv_cache_and_its_size(mla_ckpt) -> None:  # noqa: F811

@@ -254,17 +254,16 @@ def test_mla_model_bf16_graph_equals_eager_gpu(tmp_path) -> None:
     assert outs[True, True] == outs[False, True]
     assert outs[True, False] == outs[False, False]
 
-    # The two input projections as norm_forward runs them: the norm inside their gemvs.
+    # The fused input projection (q_a_proj + kv_a_proj_with_mqa) as norm_forward runs it: the
+    # norm inside its gemv.
     layer = llm.engine.runner.model.model.layers[1]
     norm, attn = layer.input_layernorm, layer.self_attn
     x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
     res = torch.randn_like(x)
-    a, b = attn.q_a_proj, attn.kv_a_proj_with_mqa
+    lin = attn.fused_qkv_a_proj
     # config() is None where the plan left a row count to cuBLAS: force the Triton gemv then.
-    q_in, h = a.run_norm(x, norm.weight, norm.eps, res, a.config(x) or gemv.DEFAULT_CONFIG)
-    kv_a, _ = b.run_norm(h, norm.weight, norm.eps, None, b.config(x) or gemv.DEFAULT_CONFIG)
+    got, h = lin.run_norm(x, norm.weight, norm.eps, res, lin.config(x) or gemv.DEFAULT_CONFIG)
     normed, h_ref = norm(x, res)
     torch.testing.assert_close(h, h_ref)
-    for got, lin in ((q_in, a), (kv_a, b)):
-        want = torch.nn.functional.linear(normed, lin.weight)
-        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    want = torch.nn.functional.linear(normed, lin.weight)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)

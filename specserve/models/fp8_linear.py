@@ -9,8 +9,9 @@ loader's strict accounting covers both), and forward runs ops/fp8_matmul.py (W8A
 Stay dequantized (dense, model dtype), whatever the mode:
   - layers whose weight is read as a tensor, not through forward (MLA's kv_b_proj: absorbed
     into W_UK / W_UV); they carry `keep_dense = True`;
-  - fused projections (qkv_proj, gate_up_proj) unless every part is fp8 and each starts on a
-    scale-block row boundary (then the parts' scales stack like their weights);
+  - fused projections (qkv_proj, gate_up_proj, MLA's fused_qkv_a_proj) unless every part is
+    fp8 and each starts on a scale-block row boundary (then the parts' scales stack like their
+    weights);
   - MoE experts (StackedExperts: the fused MoE kernels read bf16 weights);
   - the drafter of `speculative_config` (it loads through its own path).
 Fp8Linear is not an nn.Linear: the decode-matmul planner (ops/gemv.py `use_decode_gemv_`)
@@ -29,6 +30,7 @@ from specserve.models.loader import (
     SCALE_SUFFIX,
     ModelLoadError,
     checkpoint_names,
+    fused_parts,
     fused_rows,
     stacked_target,
 )
@@ -97,17 +99,8 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, block={list(self.block)}"
 
 
-def _fused_parts(module_name: str) -> tuple[bool, int] | None:
-    """(is qkv, part count) for a fused projection's module name, None for a plain one."""
-    if module_name.endswith(".qkv_proj"):
-        return True, 3
-    if module_name.endswith(".gate_up_proj"):
-        return False, 2
-    return None
-
-
-def _aligned(parent: nn.Module, qkv: bool, parts: int, bn: int) -> bool:
-    return all(fused_rows(parent, qkv, i)[0] % bn == 0 for i in range(parts))
+def _aligned(parent: nn.Module, fused: str, parts: int, bn: int) -> bool:
+    return all(fused_rows(parent, fused, i)[0] % bn == 0 for i in range(parts))
 
 
 def keep_fp8_linears_(
@@ -139,12 +132,13 @@ def keep_fp8_linears_(
         linear = modules[mod_name]
         if type(linear) is not nn.Linear or getattr(linear, "keep_dense", False):
             continue
-        fused = _fused_parts(mod_name) if None not in parts else None
-        if fused is not None:
-            parent = modules[mod_name.rsplit(".", 1)[0]]
-            if len(parts) != fused[1] or not _aligned(parent, *fused, block[0]):
-                continue
         parent_name, _, attr = mod_name.rpartition(".")
+        sizes = fused_parts(modules[parent_name], attr) if None not in parts else None
+        if sizes is not None and (
+            len(parts) != len(sizes)
+            or not _aligned(modules[parent_name], attr, len(sizes), block[0])
+        ):
+            continue
         setattr(modules[parent_name], attr, Fp8Linear.replacing(linear, block))
         kept.update(parts.values())
     return kept.__contains__

@@ -12,14 +12,24 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-# (fused parameter, HF name part, shard index): q/k/v and gate/up live in one matmul each.
+# (fused parameter, HF name part, shard index): q/k/v and gate/up live in one matmul each, and
+# MLA's two input projections (q_a_proj or its q_proj, and kv_a_proj_with_mqa) in one.
 STACKED_PARAMS = [
     (".qkv_proj", ".q_proj", 0),
     (".qkv_proj", ".k_proj", 1),
     (".qkv_proj", ".v_proj", 2),
     (".gate_up_proj", ".gate_proj", 0),
     (".gate_up_proj", ".up_proj", 1),
+    (".fused_qkv_a_proj", ".q_a_proj", 0),
+    (".fused_qkv_a_proj", ".q_proj", 0),
+    (".fused_qkv_a_proj", ".kv_a_proj_with_mqa", 1),
 ]
+# A fused projection's parts (row counts, in order) from the module that owns it.
+FUSED_PARTS: dict[str, Any] = {
+    "qkv_proj": lambda m: (m.q_size, m.kv_size, m.kv_size),
+    "gate_up_proj": lambda m: (m.intermediate_size, m.intermediate_size),
+    "fused_qkv_a_proj": lambda m: m.qkv_a_sizes,
+}
 
 
 # Checkpoint tensors that no model reads: caches some exporters save next to the weights.
@@ -161,21 +171,27 @@ def stacked_target(name: str, params: dict[str, torch.Tensor]) -> tuple[str, int
     return name, None
 
 
-def fused_rows(module: nn.Module, qkv: bool, shard: int) -> tuple[int, int]:
-    """(first row, row count) of shard `shard` in a fused qkv_proj / gate_up_proj."""
-    if qkv:
-        q, kv = module.q_size, module.kv_size
-        return [(0, q), (q, kv), (q + kv, kv)][shard]
-    n = module.intermediate_size
-    return shard * n, n
+def fused_parts(module: nn.Module, fused: str) -> tuple[int, ...] | None:
+    """The row counts of fused projection `fused` (its attribute name in `module`, which
+    owns it), or None for a projection that is not fused."""
+    parts = FUSED_PARTS.get(fused)
+    return None if parts is None else tuple(parts(module))
+
+
+def fused_rows(module: nn.Module, fused: str, shard: int) -> tuple[int, int]:
+    """(first row, row count) of shard `shard` of fused projection `fused` in `module`."""
+    sizes = fused_parts(module, fused)
+    assert sizes is not None, fused
+    return sum(sizes[:shard]), sizes[shard]
 
 
 def _fused_slice(
     param: nn.Parameter, name: str, shard: int, module: nn.Module, rows: int = 1
 ) -> torch.Tensor:
-    """The shard's rows of a fused parameter; `rows` > 1: of its block scale, one row per
-    `rows` weight rows (the fp8 layer was only kept where each shard starts on a block)."""
-    start, size = fused_rows(module, ".qkv_proj." in name, shard)
+    """The shard's rows of fused parameter `name` (`<module>.<projection>.<tensor>`); `rows` >
+    1: of its block scale, one row per `rows` weight rows (the fp8 layer was only kept where
+    each shard starts on a block)."""
+    start, size = fused_rows(module, name.rsplit(".", 2)[-2], shard)
     return param.data.narrow(0, start // rows, -(-size // rows))
 
 
@@ -243,11 +259,12 @@ def load_weights(
     missing = []
     for pname in params:
         want = [pname]
+        owner, _, leaf = pname.rpartition(".")
+        parent, _, proj = owner.rpartition(".")
+        parts = fused_parts(modules[parent], proj) if leaf in _FUSED_SUFFIXES else None
         # (A kept fp8 projection's scale fills like its weight: models/fp8_linear.py.)
-        if pname.endswith(tuple(f"qkv_proj.{s}" for s in _FUSED_SUFFIXES)):
-            want = [f"{pname}#{i}" for i in range(3)]
-        elif pname.endswith(tuple(f"gate_up_proj.{s}" for s in _FUSED_SUFFIXES)):
-            want = [f"{pname}#{i}" for i in range(2)]
+        if parts is not None:
+            want = [f"{pname}#{i}" for i in range(len(parts))]
         elif pname.endswith((".experts.w13", ".experts.w2")):
             want = _expert_keys(pname, params[pname].shape[0])
         if any(w not in loaded for w in want) and not pname.startswith(allow_missing):

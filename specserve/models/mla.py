@@ -3,6 +3,8 @@ modeling_deepseek_v3.py / modeling_glm4_moe_lite.py define it:
 
     q          = q_proj(x)  or  q_b_proj(q_a_layernorm(q_a_proj(x)))      [T, H, nope + R]
     c, k_pe    = kv_a_proj_with_mqa(x) split [L, R];  c = kv_a_layernorm(c)
+    (q_a_proj or q_proj and kv_a_proj_with_mqa read the same x: they run as one matmul,
+    `fused_qkv_a_proj`, as vLLM's; the loader stacks the two checkpoint tensors into it)
     k[h], v[h] = kv_b_proj(c) split per head [nope, v];  k[h] = [k_nope[h]; k_pe]
 
 The cache holds c and the rotated k_pe per token (L + R values, not H * (nope + R + v)). The
@@ -32,8 +34,6 @@ from specserve.models.layers import (
     norm_linear,
     yarn_mscale,
 )
-from specserve.ops import gemv as gemv_ops
-from specserve.ops.gemv import DecodeLinear
 
 # transformers builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps.
 _LORA_NORM_EPS = 1e-6
@@ -93,27 +93,33 @@ class MLAAttention(KVCacheLayer):
         self.m = m
         H, qk = m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
         bias = m.attention_bias
-        if m.q_lora_rank is None:
-            self.q_proj = nn.Linear(m.hidden_size, H * qk, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(m.hidden_size, m.q_lora_rank, bias=bias)
+        # (q_proj's rows [H * qk] or q_a_proj's [q_lora_rank], kv_a_proj_with_mqa's [L + R]):
+        # one launch instead of two at decode, and no re-read of the normed input (GLM-4.7-Flash
+        # on an H100: the two gemvs took 3.9 + 3.6 us a layer, RESULTS.md session 12).
+        self.qkv_a_sizes = (
+            H * qk if m.q_lora_rank is None else m.q_lora_rank,
+            m.kv_lora_rank + m.qk_rope_head_dim,
+        )
+        if bias and m.q_lora_rank is None:
+            # transformers gives kv_a_proj_with_mqa a bias there but q_proj none: half a fused
+            # bias (no such checkpoint is published; DeepSeek-V2-Lite has no attention bias)
+            raise ValueError(
+                "config.json: attention_bias with q_lora_rank null is not supported (the fused "
+                "q_proj + kv_a_proj_with_mqa would have a bias on one part only)"
+            )
+        self.fused_qkv_a_proj = nn.Linear(m.hidden_size, sum(self.qkv_a_sizes), bias=bias)
+        if m.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, _LORA_NORM_EPS)
             self.q_b_proj = nn.Linear(m.q_lora_rank, H * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
-            m.hidden_size, m.kv_lora_rank + m.qk_rope_head_dim, bias=bias
-        )
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, _LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), False)
         # NOTE: read as a tensor (absorbed(): W_UK / W_UV), never called: an fp8 checkpoint's
         # kv_b_proj stays dequantized (models/fp8_linear.py).
         self.kv_b_proj.keep_dense = True
         self.o_proj = nn.Linear(H * m.v_head_dim, m.hidden_size, bias=bias)
-        # norm_forward / forward run these with an RMSNorm fused in: the decode plan times that
-        for lin in (self.kv_a_proj_with_mqa, getattr(self, "q_proj", None)):
-            if lin is not None:
-                feeds_from_norm(lin)
+        # norm_forward / _attend run these with an RMSNorm fused in: the decode plan times that
+        feeds_from_norm(self.fused_qkv_a_proj)
         if m.q_lora_rank is not None:
-            feeds_from_norm(self.q_a_proj)
             feeds_from_norm(self.q_b_proj)
         self.rope = rope
         self.scale = m.scale
@@ -148,8 +154,7 @@ class MLAAttention(KVCacheLayer):
         x: torch.Tensor,
         ctx: ForwardContext,
     ) -> torch.Tensor:
-        a = self.q_proj if self.m.q_lora_rank is None else self.q_a_proj
-        return self._attend(positions, a(x), self.kv_a_proj_with_mqa(x), ctx)
+        return self._attend(positions, self.fused_qkv_a_proj(x), ctx)
 
     def norm_forward(
         self,
@@ -162,35 +167,23 @@ class MLAAttention(KVCacheLayer):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual). Where the decode plan runs both input
-        projections (q_a / q_proj and kv_a_proj_with_mqa) in Triton, the norm runs inside their
-        gemvs (`gemv_norm`): the first adds the residual, the second reads that sum; no
-        separate norm launch."""
-        a, b = self.q_proj if self.m.q_lora_rank is None else self.q_a_proj, self.kv_a_proj_with_mqa
-        fusable = isinstance(norm, RMSNorm) and gemv_ops.FUSE_NORM
-        if fusable and isinstance(a, DecodeLinear) and isinstance(b, DecodeLinear):
-            cfg_a, cfg_b = a.config(x), b.config(x)
-            if cfg_a is not None and cfg_b is not None:
-                q_in, h = a.run_norm(x, norm.weight, norm.eps, residual, cfg_a)
-                kv_a, _ = b.run_norm(h, norm.weight, norm.eps, None, cfg_b)
-                return self._attend(positions, q_in, kv_a, ctx), h
-        if residual is None:
-            x, residual = norm(x), x
-        else:
-            x, residual = norm(x, residual)
-        return self(positions, x, ctx), residual
+        """(self(norm(x + residual)), x + residual): where the decode plan runs the fused input
+        projection in Triton, the norm runs inside its gemv (`norm_linear`)."""
+        qkv_a, residual = norm_linear(norm, self.fused_qkv_a_proj, x, residual)
+        return self._attend(positions, qkv_a, ctx), residual
 
     def _attend(
         self,
         # [num_tokens]
         positions: torch.Tensor,
-        # [num_tokens, q_lora_rank] (q_a_proj's output) or [num_tokens, H * (nope + R)] (q_proj's)
-        q_in: torch.Tensor,
-        # [num_tokens, L + R]: kv_a_proj_with_mqa's output
-        kv_a: torch.Tensor,
+        # [num_tokens, sum(qkv_a_sizes)]: fused_qkv_a_proj's output, q_a_proj's (or q_proj's)
+        # columns then kv_a_proj_with_mqa's
+        qkv_a: torch.Tensor,
         ctx: ForwardContext,
     ) -> torch.Tensor:
         m = self.m
+        # [T, q_lora_rank or H * (nope + R)], [T, L + R]: views
+        q_in, kv_a = qkv_a.split(self.qkv_a_sizes, dim=-1)
         T, H = q_in.shape[0], m.num_heads
         q = q_in
         if m.q_lora_rank is not None:
