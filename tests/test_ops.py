@@ -175,6 +175,11 @@ def test_gemv_norm(request, device: str, m: int, with_residual: bool, silu_mul: 
             normed, _ = fused.rms_norm(x, nw, 1e-5, res)
             unfused = gemv_silu_mul_ref(normed, w, b) if silu_mul else gemv_ref(normed, w, b)
             _close(y, unfused, dtype)
+        if res is None:  # x as a view of rows with a longer stride, read in place
+            wide = torch.cat([x, rand(m, 24)], dim=1)
+            y, h = gemv_norm(wide[:, :k], w, b, nw, 1e-5, None, (8, 512, 4, 3), silu_mul)
+            _close(y, gemv_norm_ref(x, w, b, nw, 1e-5, None, silu_mul)[0], dtype)
+            assert h.data_ptr() == wide.data_ptr() and h.stride(0) == k + 24
 
 
 @pytest.mark.parametrize("device", modes)
