@@ -42,6 +42,8 @@
 #   bash benchmarks/gpu_session.sh remeasure      # batch 1 of issues 18 / 21 / 22 with session
 #                                                 # 14's corrected step timing (two calls:
 #                                                 # PART=moe, then PART=mla)
+#   bash benchmarks/gpu_session.sh mla-check      # GPU tests of MLA's fused_qkv_a_proj (session
+#                                                 # 19), then `PART=mla ... remeasure`
 #   bash benchmarks/gpu_session.sh coldplan       # decode_matmul=auto's planning from an
 #                                                 # empty Triton cache, threads vs serial
 #   bash benchmarks/gpu_session.sh b16            # Llama-3-8B batch-16 timeline (issue 23)
@@ -288,6 +290,14 @@ early_meta=1,fuse_kv=1;" 2>&1 | grep -v tokenizer | tee "$OUT/next_sweep.log" | 
       timeout 560 python benchmarks/mla_decode.py --quick --budget-s 400 2>&1 \
         | tee "$OUT/mla_decode.log" | tail -30
     fi
+    ;;
+  mla-check)
+    # Session 19's fused_qkv_a_proj (MLA's q_a + kv_a in one matmul) and the strided q_in
+    # (written without a GPU): the MLA / fp8 / multi-layer MTP / fused-norm GPU tests. Then
+    # `PART=mla bash benchmarks/gpu_session.sh remeasure` against session 16's 3.57 ms.
+    timeout 560 python -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_triton.py \
+      tests/test_fp8_checkpoint.py tests/test_multi_layer_mtp_gpu.py tests/test_ops.py \
+      tests/test_skinny.py -k "mla or fp8 or mtp or norm" 2>&1 | tee "$OUT/mla_check.log" | tail -8
     ;;
   coldplan)
     # decode_matmul=auto's start-up planning from an empty Triton cache (a fresh machine), the
