@@ -25,7 +25,7 @@ STACKED_PARAMS = [
     (".fused_qkv_a_proj", ".kv_a_proj_with_mqa", 1),
 ]
 # A fused projection's parts (row counts, in order) from the module that owns it.
-FUSED_PARTS: dict[str, Any] = {
+FUSED_PARTS: dict[str, Callable[[Any], tuple[int, ...]]] = {
     "qkv_proj": lambda m: (m.q_size, m.kv_size, m.kv_size),
     "gate_up_proj": lambda m: (m.intermediate_size, m.intermediate_size),
     "fused_qkv_a_proj": lambda m: m.qkv_a_sizes,
