@@ -155,6 +155,10 @@ def test_plan_picks_the_fastest_candidate() -> None:
     assert all(len(candidates(b)) <= 7 and candidates(b)[0] is None for b in BUCKETS)
     assert not any(isinstance(c, SkinnyConfig) for c in candidates(1))
     assert all(isinstance(c, SkinnyConfig) for c in candidates(32)[1:])
+    # Every bucket has its list; one row (batch-1 decode) times every gemv config.
+    from specserve.ops.gemv_plan import BUCKET_CANDIDATES, CANDIDATES
+
+    assert set(BUCKET_CANDIDATES) == set(BUCKETS) and candidates(1)[1:] == CANDIDATES
 
     model = nn.Sequential(MLP(32, 48), nn.Linear(32, 80), nn.Linear(80, 32)).half()
     calls = []
