@@ -174,6 +174,11 @@ def test_late_compiles_are_logged(monkeypatch: pytest.MonkeyPatch, caplog: Any) 
     assert "after the warm-up" in logged[0]
     assert len(calls) == 3  # the earlier hook still sees every compile
     assert warmup.late_compiles[-1] in logged[0]
+    # Another engine's start-up (its plan timing, capture, warm-up) compiles without a warning.
+    with caplog.at_level(logging.WARNING, logger="specserve"), warmup.engine_startup():
+        compiled("specserve.ops.gemv", "_gemv_kernel", manual=False)
+    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 1
+    assert len(calls) == 4
 
 
 def test_describe_compile_names_the_specialization() -> None:

@@ -98,30 +98,12 @@ class LLMEngine:
             if spec is not None
             else None
         )
-        # Decode matmuls (before graph capture): `triton` always, `auto` where timed faster.
-        self.decode_matmul_plan: list[dict] = []
-        models = [m for m in (self.model, getattr(self.speculator, "model", None)) if m is not None]
-        if config.decode_matmul == "triton" and device.type == "cuda":
-            from specserve.ops.gemv import use_decode_gemv_
+        from specserve.worker.warmup import engine_startup
 
-            for m in models:
-                use_decode_gemv_(m)
-        elif config.decode_matmul == "auto" and device.type == "cuda":
-            from specserve.ops.gemv_plan import tune_decode_gemv_
-
-            self.decode_matmul_plan = tune_decode_gemv_(models)
-        num_blocks = self._num_kv_blocks()
-        self._fit_max_model_len(num_blocks)
-        self.runner = ModelRunner(
-            config, self.model, self.max_model_len, num_blocks, self.speculator
-        )
-        self.runner.eos_token_ids = frozenset(self.eos_token_ids)
-        # Every step shape once, before the first request (no compile on the serving path).
-        self.warmup_report = None
-        if config.warmup:
-            from specserve.worker.warmup import warm_up
-
-            self.warmup_report = warm_up(self.runner, config.max_num_batched_tokens)
+        # Its Triton compiles (plan timing, graph capture, warm-up) are start-up, not the
+        # serving stalls warmup.watch_late_compiles reports (an engine built after another).
+        with engine_startup():
+            num_blocks = self._prepare_device(config, device)
         self.kv = KVCacheManager(num_blocks, config.block_size, self.max_model_len)
         self.scheduler = Scheduler(
             self.kv,
@@ -198,6 +180,35 @@ class LLMEngine:
             self.max_model_len = cap
 
     # ---- requests ------------------------------------------------------------------------
+    def _prepare_device(self, config: EngineConfig, device: torch.device) -> int:
+        """The decode-matmul plan, the KV pool's size, the runner (CUDA graphs) and the warm-up;
+        returns the number of KV blocks."""
+        # Decode matmuls (before graph capture): `triton` always, `auto` where timed faster.
+        self.decode_matmul_plan: list[dict] = []
+        models = [m for m in (self.model, getattr(self.speculator, "model", None)) if m is not None]
+        if config.decode_matmul == "triton" and device.type == "cuda":
+            from specserve.ops.gemv import use_decode_gemv_
+
+            for m in models:
+                use_decode_gemv_(m)
+        elif config.decode_matmul == "auto" and device.type == "cuda":
+            from specserve.ops.gemv_plan import tune_decode_gemv_
+
+            self.decode_matmul_plan = tune_decode_gemv_(models)
+        num_blocks = self._num_kv_blocks()
+        self._fit_max_model_len(num_blocks)
+        self.runner = ModelRunner(
+            config, self.model, self.max_model_len, num_blocks, self.speculator
+        )
+        self.runner.eos_token_ids = frozenset(self.eos_token_ids)
+        # Every step shape once, before the first request (no compile on the serving path).
+        self.warmup_report = None
+        if config.warmup:
+            from specserve.worker.warmup import warm_up
+
+            self.warmup_report = warm_up(self.runner, config.max_num_batched_tokens)
+        return num_blocks
+
     def tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

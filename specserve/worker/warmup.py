@@ -29,9 +29,11 @@ them; nothing reaches the engine's scheduler, stats or outputs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +183,21 @@ def warm_up(runner: ModelRunner, max_num_batched_tokens: int) -> WarmupReport:
 
 # What watch_late_compiles logged in this process (describe_compile's text), oldest first.
 late_compiles: list[str] = []
+# Engines being built in this process (engine_startup): their compiles are start-up work.
+_starting = 0
+
+
+@contextlib.contextmanager
+def engine_startup() -> Iterator[None]:
+    """Compiles inside are an engine's start-up (its plan timing, graph capture, warm-up), not
+    serving stalls: a second engine built in a process whose first one already watches (a
+    notebook's new LLM, a benchmark's next variant) logs none of its own."""
+    global _starting
+    _starting += 1
+    try:
+        yield
+    finally:
+        _starting -= 1
 
 
 def describe_compile(kw: dict) -> str:
@@ -219,7 +236,8 @@ def watch_late_compiles() -> None:
 
     def hook(**kw: object) -> object:
         fn = kw["fn"]
-        if str(getattr(fn, "module", "")).startswith("specserve.") and not kw["is_manual_warmup"]:
+        ours = str(getattr(fn, "module", "")).startswith("specserve.")
+        if ours and not kw["is_manual_warmup"] and not _starting:
             what = describe_compile(kw)
             late_compiles.append(what)
             logger.warning(
