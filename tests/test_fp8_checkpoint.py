@@ -191,6 +191,8 @@ def test_fp8_kept_8bit_matches_dequantized(ckpts: tuple[str, str, str]) -> None:
     # Every quantized linear but MLA's kv_b_proj (read as W_UK / W_UV) and the experts.
     assert any(n.endswith("self_attn.o_proj") for n in fp8)
     assert any(n.endswith("mlp.gate_up_proj") for n in fp8)
+    # MLA's fused q_a + kv_a projection (48 + 40 rows: both parts start on a 16-row block)
+    assert any(n.endswith("self_attn.fused_qkv_a_proj") for n in fp8)
     assert not any("kv_b_proj" in n or "experts" in n for n in fp8)  # shared ones: fused
     assert not any(isinstance(m, Fp8Linear) for m in deq.modules())
     stored = load_file(os.path.join(ckpts[1], "model.safetensors"))
@@ -200,6 +202,13 @@ def test_fp8_kept_8bit_matches_dequantized(ckpts: tuple[str, str, str]) -> None:
         fp8[name].weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8)
     )
     assert torch.equal(fp8[name].weight_scale_inv, stored[f"{name}.weight_scale_inv"])
+    # ... and the fused one holds its two parts' bytes and scales, stacked
+    attn = name.removesuffix("o_proj")
+    fused = fp8[f"{attn}fused_qkv_a_proj"]
+    for what in ("weight", "weight_scale_inv"):
+        parts = [stored[f"{attn}{p}.{what}"] for p in ("q_a_proj", "kv_a_proj_with_mqa")]
+        got, want = getattr(fused, what), torch.cat(parts)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert kept_tokens == deq_tokens
 
 
