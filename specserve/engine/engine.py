@@ -179,7 +179,6 @@ class LLMEngine:
             )
             self.max_model_len = cap
 
-    # ---- requests ------------------------------------------------------------------------
     def _prepare_device(self, config: EngineConfig, device: torch.device) -> int:
         """The decode-matmul plan, the KV pool's size, the runner (CUDA graphs) and the warm-up;
         returns the number of KV blocks."""
@@ -209,6 +208,7 @@ class LLMEngine:
             self.warmup_report = warm_up(self.runner, config.max_num_batched_tokens)
         return num_blocks
 
+    # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

@@ -282,14 +282,7 @@ def gemv_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gemv(rms_norm(x + residual)), x + residual) in one kernel (semantics:
     `gemv_norm_ref`); without a residual the second is x itself."""
-    # With a residual, x, it and the sum written back share one row stride (stride_xm);
-    # without, x may be a view of rows with a longer stride (MLA's q_in: fused_qkv_a_proj's
-    # first columns), read in place.
-    if residual is not None:
-        x, residual = x.contiguous(), residual.contiguous()
-    elif x.stride(-1) != 1:
-        x = x.contiguous()
-    res_out = torch.empty_like(x) if residual is not None else x
+    x, residual, res_out = skinny.norm_operands(x, residual)
     y = _launch(x, w, b, config, silu_mul, (residual, res_out, norm_weight, eps))
     return y, res_out
 

@@ -338,6 +338,23 @@ def skinny_matmul(
     return _launch(x, w, b, config, silu_mul, None, counters)
 
 
+def norm_operands(
+    # [M, K]: the hidden state before the norm
+    x: torch.Tensor,
+    # [M, K] or None
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(x, residual, the new residual's buffer) as the norm-fused kernels (skinny_norm,
+    gemv.gemv_norm) take them. With a residual, x, it and the sum written back share one row
+    stride (stride_xm); without, x may be a view of rows with a longer stride (MLA's q_in:
+    fused_qkv_a_proj's first columns), read in place, and is itself the new residual."""
+    if residual is not None:
+        x, residual = x.contiguous(), residual.contiguous()
+        return x, residual, torch.empty_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x, None, x
+
+
 def skinny_norm(
     # [M, K]: the hidden state before the norm
     x: torch.Tensor,
@@ -355,14 +372,7 @@ def skinny_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(skinny_matmul(rms_norm(x + residual)), x + residual) in one kernel (semantics:
     gemv_norm_ref, up to x * g rounded to the weight dtype before the MMA)."""
-    # With a residual, x, it and the sum written back share one row stride (stride_xm);
-    # without, x may be a view of rows with a longer stride (MLA's q_in: fused_qkv_a_proj's
-    # first columns), read in place.
-    if residual is not None:
-        x, residual = x.contiguous(), residual.contiguous()
-    elif x.stride(-1) != 1:
-        x = x.contiguous()
-    res_out = torch.empty_like(x) if residual is not None else x
+    x, residual, res_out = norm_operands(x, residual)
     y = _launch(x, w, b, config, silu_mul, (residual, res_out, norm_weight, eps), counters)
     return y, res_out
 
