@@ -285,6 +285,20 @@ def test_split_choice() -> None:
     assert _num_splits(40, 4096, cpu) == 2
 
 
+def test_key_loop_pipeline_depth_choice() -> None:
+    """Decode / verification tiles walking a request's whole key range take the deep key
+    pipeline; split launches (batch 1) and prefill tiles keep 2 stages."""
+    pytest.importorskip("triton")
+    from specserve.attention import triton_paged as tp
+
+    decode = tp._launch_config(4, 1, 128, torch.bfloat16)  # Llama-3-8B decode: 16 rows
+    verify = tp._launch_config(4, 5, 128, torch.bfloat16)  # K = 4 verification: 32 rows
+    prefill = tp._launch_config(4, 512, 128, torch.bfloat16)  # 128 rows
+    assert decode.stages(1) == verify.stages(1) == tp.NUM_STAGES == 5
+    assert decode.stages(16) == verify.stages(2) == 2
+    assert prefill.stages(1) == 2
+
+
 def test_split_count_same_for_graph_and_eager() -> None:
     """A captured graph (padded batch in `uniform_batch(bg, bg)`, max_model_len) and the eager
     step it stands for (the real batch, in the runner's `eager_rows`) choose the same split

@@ -584,6 +584,12 @@ class _LaunchConfig:
     block_m: int  # rows per program: BLOCK_Q query tokens x GROUP heads (padded to a power of 2)
     block_n: int  # key positions per KV tile
     num_warps: int
+    num_stages: int  # the key loop's software pipeline depth when keys are not split
+
+    def stages(self, num_splits: int) -> int:
+        """The launch's pipeline depth: split programs walk a few key tiles each, where the
+        deep pipeline only costs (batch 1, RESULTS.md session 20)."""
+        return self.num_stages if num_splits == 1 else 2
 
 
 def _launch_config(
@@ -604,7 +610,11 @@ def _launch_config(
     rows = triton.next_power_of_2(group * max(max_query_len, 1))
     block_m = max(min(max(rows, 16), max_m), triton.next_power_of_2(group))
     num_warps = 8 if block_m >= 128 or dtype == torch.float32 else 4
-    return _LaunchConfig(block_m, block_n, num_warps)
+    # Decode and verification tiles (<= 32 rows) walk a request's whole key range once the
+    # batch fills the SMs (no key splits: batch 16+); prefill tiles keep the shallow pipeline
+    # they were measured with.
+    num_stages = NUM_STAGES if block_m <= 32 else 2
+    return _LaunchConfig(block_m, block_n, num_warps, num_stages)
 
 
 def paged_attention(
@@ -726,7 +736,7 @@ def paged_attention(
         sinks_ptr=sinks if sinks is not None else q,
         HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
-        num_stages=NUM_STAGES,
+        num_stages=cfg.stages(num_splits),
         EARLY_META=kw["PDL"] and pdl.EARLY_METADATA,
         FUSE_KV=new_kv is not None,
         # Without PDL nothing waits: early or not is the same (the interpreter tests this path).
@@ -825,12 +835,14 @@ def _num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> in
 # 5.76 ms a graph with 4 splits instead of 1; benchmarks/RESULTS.md).
 MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 16
-# The key loop's software pipeline (sm_90 compile, tests/test_pdl.py): at 2 the next tile's K
-# and V copies start after this tile's dots and its page ids load in the iteration; at 3 (and
-# 4) the page ids load an iteration earlier (one dependent round trip less a tile); at 5 the K
-# and V buffers double (72 KB of shared memory). A program walks one tile at batch 1 (key
-# splits) and several at batch 16+: an experiment for those (session 18, not yet measured).
-NUM_STAGES = 2
+# The key loop's software pipeline of decode / verification tiles (sm_90 compile,
+# tests/test_pdl.py): at 2 the next tile's K and V copies start after this tile's dots and its
+# page ids load in the iteration; at 3 (and 4) the page ids load an iteration earlier; at 5 the
+# K and V tiles are double-buffered (72 KB of shared memory at head_dim 128). Llama-3-8B batch
+# 16 at 1024-token contexts (H100, benchmarks/RESULTS.md session 20): attention 41.9 -> 33.0 us
+# a layer, step 7085 -> 6764 us with 5 (3: 7014); batch 1 (16 splits) 5417 -> 5439 us, so
+# split launches keep 2.
+NUM_STAGES = 5
 # Programs an SM is given before keys stop being split. 1: a batch of 16 requests x 8 KV heads
 # fills the H100's 132 SMs once and walks each request's keys in one program (experiment:
 # larger values split such batches too; benchmarks/RESULTS.md session 18).
