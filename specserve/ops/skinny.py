@@ -16,7 +16,9 @@ graph replays). No second kernel.
 Epilogues as the gemv: bias, SiLU-and-mul (W is gate_up's [2N, K]: the [M, 2N] intermediate is
 never written) and a prologue-free RMSNorm (+ residual add): W @ (x * g * rstd) = rstd * (W @
 (x * g)), so the K loop feeds x * g (rounded to the weight dtype for the MMA) and accumulates
-sum(x^2) per row; the merge sums those too and scales by rstd. PDL as the gemv: the first weight
+x^2 elementwise, summed per row once after the loop; the merge sums those too and scales by
+rstd. The loop's only plain loads (the norm weight and residual tiles; the pipeliner copies x^T
+and the weights ahead itself) are issued a K step before their use. PDL as the gemv: the first weight
 tile is requested before waiting for the previous kernel, the successor is triggered after the
 weight stream.
 """
@@ -107,18 +109,43 @@ if triton is not None:
         return w, w_up
 
     @triton.jit
+    def _norm_weight_tile(norm_w_ptr, k, k_end, NORM: tl.constexpr, BLOCK_M: tl.constexpr):
+        """[BLOCK_K, BLOCK_M]: the RMSNorm weight at columns k, each repeated over the rows (x^T's
+        layout: no conversion; as a [BLOCK_K] vector it crossed shared memory every K step), or
+        0 without NORM. The kernel loads it a K step ahead of its use: a plain load in the loop
+        (not one the pipeliner copies ahead) was an L2 round trip every step."""
+        g = 0.0
+        if NORM:
+            rows = tl.arange(0, BLOCK_M)
+            g_ptr = norm_w_ptr + k[:, None] + 0 * rows[None, :]
+            g = tl.load(g_ptr, mask=(k < k_end)[:, None], other=0.0)
+        return g
+
+    @triton.jit
+    def _residual_tile(res_ptr, k, k_end, M, stride_xm, HAS_RES: tl.constexpr,
+                       BLOCK_M: tl.constexpr):  # fmt: skip
+        """[BLOCK_K, BLOCK_M]: the residual rows' columns k, transposed as x^T, or 0 without
+        HAS_RES. Loaded a K step ahead of its use, as `_norm_weight_tile`."""
+        r = 0.0
+        if HAS_RES:
+            rows = tl.arange(0, BLOCK_M)
+            ok = (k < k_end)[:, None] & (rows < M)[None, :]
+            r = tl.load(res_ptr + rows[None, :] * stride_xm + k[:, None], mask=ok, other=0.0)
+        return r
+
+    @triton.jit
     def _skinny_tile(
         acc,
         acc_up,
         sum_sq,
         w,
         w_up,
+        g,
+        r,
         k,
         k_end,
         x_ptr,
-        res_ptr,
         res_out_ptr,
-        norm_w_ptr,
         M,
         stride_xm,
         write_res,
@@ -128,7 +155,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        """acc[, acc_up] += tile @ x[:, k]^T (x normed per NORM); sum_sq += sum(x[:, k]^2)."""
+        """acc[, acc_up] += tile @ x[:, k]^T (x times the norm weight tile g per NORM); sum_sq
+        += x[:, k]^2 elementwise ([BLOCK_K, BLOCK_M]: the kernel sums it over K once, after the
+        loop: a cross-warp sum every K step put barriers into the pipelined loop)."""
         rows = tl.arange(0, BLOCK_M)
         k_ok = k < k_end
         ok = k_ok[:, None] & (rows < M)[None, :]
@@ -136,14 +165,12 @@ if triton is not None:
         offs = rows[None, :] * stride_xm + k[:, None]
         xt = tl.load(x_ptr + offs, mask=ok, other=0.0)
         if HAS_RES:
-            r = tl.load(res_ptr + offs, mask=ok, other=0.0)
             xt = (xt.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(res_out_ptr + offs, xt, mask=ok & write_res)
         if NORM:
             xf = xt.to(tl.float32)
-            sum_sq += tl.sum(xf * xf, axis=0)
-            g = tl.load(norm_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            xt = xf * g[:, None]
+            sum_sq += xf * xf
+            xt = xf * g.to(tl.float32)
         xt = xt.to(w.dtype)
         acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
         if SILU_MUL:
@@ -232,24 +259,34 @@ if triton is not None:
         k = k_start + tl.arange(0, BLOCK_K)
         if PRELOAD:  # weights never depend on the previous kernel
             w, w_up = _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL, W_EVICT)
+        g = _norm_weight_tile(norm_w_ptr, k, k_end, NORM, BLOCK_M)  # a constant too
         pdl.wait(PDL)
+        r = _residual_tile(res_ptr, k, k_end, M, stride_xm, HAS_RES, BLOCK_M)
         if not PRELOAD:
             w, w_up = _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL, W_EVICT)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_K if NORM else 1, BLOCK_M], dtype=tl.float32)
         write_res = pid_n == 0
         acc, acc_up, sum_sq = _skinny_tile(
-            acc, acc_up, sum_sq, w, w_up, k, k_end, x_ptr, res_ptr, res_out_ptr, norm_w_ptr, M,
-            stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M, DOT_PRECISION,
+            acc, acc_up, sum_sq, w, w_up, g, r, k, k_end, x_ptr, res_out_ptr, M, stride_xm,
+            write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M, DOT_PRECISION,
         )  # fmt: skip
+        # The norm weight and residual tiles a K step ahead (the pipeliner copies only x^T and
+        # the weights ahead; these were an L2 round trip every step).
+        g = _norm_weight_tile(norm_w_ptr, k + BLOCK_K, k_end, NORM, BLOCK_M)
+        r = _residual_tile(res_ptr, k + BLOCK_K, k_end, M, stride_xm, HAS_RES, BLOCK_M)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             w, w_up = _weight_tiles(w_row, up_row, k, n_ok, k_end, SILU_MUL, W_EVICT)
+            g_next = _norm_weight_tile(norm_w_ptr, k + BLOCK_K, k_end, NORM, BLOCK_M)
+            r_next = _residual_tile(res_ptr, k + BLOCK_K, k_end, M, stride_xm, HAS_RES, BLOCK_M)
             acc, acc_up, sum_sq = _skinny_tile(
-                acc, acc_up, sum_sq, w, w_up, k, k_end, x_ptr, res_ptr, res_out_ptr, norm_w_ptr,
-                M, stride_xm, write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M, DOT_PRECISION,
+                acc, acc_up, sum_sq, w, w_up, g, r, k, k_end, x_ptr, res_out_ptr, M, stride_xm,
+                write_res, SILU_MUL, NORM, HAS_RES, BLOCK_M, DOT_PRECISION,
             )  # fmt: skip
+            g, r = g_next, r_next
+        sum_sq = tl.sum(sum_sq, axis=0)  # [BLOCK_M]: this program's K range
         # After the weight stream: the successor takes no SM slots from this grid's later waves.
         pdl.trigger(PDL)
         if split_k == 1:
