@@ -51,6 +51,8 @@
 #                                                 # and splits (NUM_STAGES, PROGRAMS_PER_SM)
 #   bash benchmarks/gpu_session.sh spec-timeline  # EAGLE-3 K=4 steps at batch 1 / 16 / 64
 #                                                 # traced, kernel by kernel (issue 23)
+#   bash benchmarks/gpu_session.sh skinny-norm    # the norm-fed skinny loop: GPU tests, plan
+#                                                 # TB/s per shape, batch 1 / 16, EAGLE-3 K=4
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -343,6 +345,29 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
         --spec-k 4 --rows 30 2>&1 | grep -v -i "warn\|tokenizer" | tee "$OUT/spec_timeline_b$b.log" \
         | tail -45
     done
+    ;;
+  skinny-norm)
+    # Session 20's norm-fed skinny K loop (no same-step loads; written without a GPU): its GPU
+    # tests, the decode plan's timing of each shape at each row bucket as TB/s (session 20 call
+    # 7, before it: norm-fed qkv 2.15, gate_up 2.0-2.4 TB/s at 4-16 rows, unfused down / lm_head
+    # 2.7-2.95), batch 1 / 16, then the EAGLE-3 K=4 step ratios.
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_skinny.py 2>&1 | tail -2
+    timeout 240 python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 \
+      | grep -v -i "warn\|tokenizer" > "$OUT/decode.log"
+    grep -E "^ *(1|16) " "$OUT/decode.log" | head -8
+    python - "$OUT/decode.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+for r in rows:
+    for p in r.get("specserve_async_gemv", {}).get("decode_matmul_plan", []):
+        n, k = p["shape"]
+        gb = n * k * 2 * p["layers"] / 1e3
+        us = {c[:34]: f"{gb / t:.2f}" for c, t in p["us"].items()}
+        tag = ("silu " if p["silu_mul"] else "") + ("norm" if p["norm_fed"] else "")
+        print(f"B={r['batch']} {p['shape']} M={p['rows']} {tag:9} -> {p['choice'][:34]} TB/s {us}")
+PY
+    timeout $((585 - SECONDS)) python benchmarks/spec_step.py --ks 4 --batches 1,16,64 \
+      --modes fused --async-scheduling 2>&1 | tee "$OUT/spec_step.log" | tail -12
     ;;
   ncu)
     # ncu replays each profiled kernel with the L2 flushed (its default cache control): the
