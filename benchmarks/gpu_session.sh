@@ -361,8 +361,8 @@ rows = json.load(open(sys.argv[1]))["rows"]
 for r in rows:
     for p in r.get("specserve_async_gemv", {}).get("decode_matmul_plan", []):
         n, k = p["shape"]
-        gb = n * k * 2 * p["layers"] / 1e3
-        us = {c[:34]: f"{gb / t:.2f}" for c, t in p["us"].items()}
+        mb = n * k * 2 * p["layers"] / 1e6  # MB / us = TB/s
+        us = {c[:34]: f"{mb / t:.2f}" for c, t in p["us"].items()}
         tag = ("silu " if p["silu_mul"] else "") + ("norm" if p["norm_fed"] else "")
         print(f"B={r['batch']} {p['shape']} M={p['rows']} {tag:9} -> {p['choice'][:34]} TB/s {us}")
 PY
