@@ -320,9 +320,10 @@ runpy.run_path('benchmarks/decode.py', run_name='__main__')" 2>&1 \
       2>&1 | grep -v Warning | tee "$OUT/timeline_b16.log" | tail -60
     ;;
   attn16)
-    # Issue 23's batch 16 (written in session 18, not yet run): GPU tests with the deeper key
-    # pipeline, then the Llama-3-8B batch-16 step per variant (and batch 1 for the winner's
-    # side effects: `BATCH=1 ... attn16`). PROMPT=1024: the serving sweep's contexts (84 +
+    # Issue 23's batch 16 (session 20 ran it with PROMPT=1024: NUM_STAGES=5 became the default
+    # for unsplit launches): GPU tests with the key pipeline at 3, then the Llama-3-8B batch-16
+    # step per variant (and batch 1 for side effects: `BATCH=1 ... attn16`). Not yet run:
+    # VARIANTS="base;$T.PROGRAMS_PER_SM=4" on top of the 5-stage default. PROMPT=1024: the serving sweep's contexts (84 +
     # 1536 tokens: ~850 on average), where batch-16 attention reads ~56 MB a layer and the
     # sweep's plain TPOT at concurrency 16 sits 0.8 ms above the 128-token decode step.
     T=specserve.attention.triton_paged
