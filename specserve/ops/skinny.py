@@ -17,10 +17,10 @@ Epilogues as the gemv: bias, SiLU-and-mul (W is gate_up's [2N, K]: the [M, 2N] i
 never written) and a prologue-free RMSNorm (+ residual add): W @ (x * g * rstd) = rstd * (W @
 (x * g)), so the K loop feeds x * g (rounded to the weight dtype for the MMA) and accumulates
 x^2 elementwise, summed per row once after the loop; the merge sums those too and scales by
-rstd. The loop's only plain loads (the norm weight and residual tiles; the pipeliner copies x^T
-and the weights ahead itself) are issued a K step before their use. PDL as the gemv: the first weight
-tile is requested before waiting for the previous kernel, the successor is triggered after the
-weight stream.
+rstd. The loop's only plain loads (the norm weight and residual tiles; the pipeliner copies
+x^T and the weights ahead itself) are issued a K step before their use. PDL as the gemv: the
+first weight tile is requested before waiting for the previous kernel, the successor is
+triggered after the weight stream.
 """
 
 from __future__ import annotations
