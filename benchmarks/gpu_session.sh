@@ -9,7 +9,6 @@
 #                                          # (sync/async/auto), PTD vs EAGLE-3 draft cost K=2..8
 #   bash benchmarks/gpu_session.sh splits  # graph == eager at max_model_len 4096 (split-KV),
 #                                          # batch-1 decode per MIN_KEYS_PER_SPLIT
-#   bash benchmarks/gpu_session.sh pdl     # PDL / split GPU tests, batch-1 decode per PDL variant
 #   bash benchmarks/gpu_session.sh fuse    # fused norm + gemv GPU tests, decode per variant
 #   bash benchmarks/gpu_session.sh overlap # decode per gemv PDL overlap variant (no tests)
 #   bash benchmarks/gpu_session.sh check   # every GPU test of the engine, attention and ops
@@ -123,14 +122,6 @@ case "${1:-}" in
       -k "equals_eager or split" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_splits.log" | tail -6
     python benchmarks/decode.py --sweep "split=1024;split=256;split=64;split=1024" 2>&1 \
       | grep -v tokenizer | tee "$OUT/split_sweep.log" | tail -6
-    ;;
-  pdl)
-    timeout 300 python -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_attention.py \
-      tests/test_ops.py -k "equals_eager or split or pdl or decode_linear or decode_matmul or \
-      matches_transformers" -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests_pdl.log" | tail -8
-    python benchmarks/decode.py --sweep \
-      "pdl=0;pdl=1,prefetch=0;pdl=1;pdl=1,early=1;pdl=0,split=1024;pdl=1" 2>&1 \
-      | grep -v tokenizer | tee "$OUT/pdl_sweep.log" | tail -9
     ;;
   fuse)
     timeout 300 python -m pytest -q -m gpu tests/test_gpu.py tests/test_ops.py \
@@ -386,7 +377,8 @@ PY
     done
     ;;
   *)
-    echo "usage: $0 tests|e2e|ptd|speed|recheck|splits|pdl|fuse|overlap|check|decode|next-tests|next-sweep|final-kernels|final-engine|final-tests|confirm|moe|moe-decode|step|timelines|warmup|serve-plain|serve-eagle3|mla-prefill|oss|serve-long|serve-short|verify|remeasure|ncu" >&2
+    echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu" >&2
     exit 2
     ;;
 esac
