@@ -253,6 +253,21 @@ def _skip_no_interpret() -> None:
         pytest.skip("ahead-of-time compile needs the compiler, not the interpreter")
 
 
+# The skinny kernel's sm_90 compiles: argument types beside test_pdl.TYPES' defaults, and the
+# arguments Triton specializes as multiples of 16 at run time.
+_SM90_TYPES = {"ws_ptr": "*fp32", "ss_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32"}
+_SM90_TYPES |= {"norm_w_ptr": "*bf16", "res_out_ptr": "*bf16"}
+_SM90_DIV16 = ("x_ptr", "w_ptr", "ws_ptr", "stride_xm", "stride_wn", "K", "k_split")
+
+
+def _sm90_consts(cfg, bm: int, silu: bool, norm: bool, bias: bool, pdl: bool = True) -> dict:
+    """The skinny kernel's constexprs for `cfg` at row tile bm (the residual with the norm)."""
+    return dict(
+        HAS_BIAS=bias, SILU_MUL=silu, NORM=norm, HAS_RES=norm, BLOCK_M=bm,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32", PDL=pdl, PRELOAD=pdl,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("silu_norm", [(False, False), (True, True)])
 def test_skinny_compiles_sm90_with_pdl(silu_norm: tuple[bool, bool]) -> None:
     """The kernel compiles for sm_90 with PDL at every row tile (the preload before the wait,
@@ -264,15 +279,10 @@ def test_skinny_compiles_sm90_with_pdl(silu_norm: tuple[bool, bool]) -> None:
     from .test_pdl import compile_sm90
 
     silu, norm = silu_norm
-    types = {"ws_ptr": "*fp32", "ss_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32"}
-    types |= {"norm_w_ptr": "*bf16", "res_out_ptr": "*bf16"}
-    div = ("x_ptr", "w_ptr", "ws_ptr", "stride_xm", "stride_wn", "K", "k_split")
+    types, div = _SM90_TYPES, _SM90_DIV16
 
     def consts(bm: int, cfg, pdl: bool = True) -> dict:
-        return dict(
-            HAS_BIAS=True, SILU_MUL=silu, NORM=norm, HAS_RES=norm, BLOCK_M=bm,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32", PDL=pdl, PRELOAD=pdl,
-        )  # fmt: skip
+        return _sm90_consts(cfg, bm, silu, norm, True, pdl)
 
     cfg0 = CONFIGS[0]
     for bm in ROW_TILES if not silu else (64,):
@@ -304,16 +314,12 @@ def test_norm_loop_waits_on_no_load() -> None:
 
     from .test_pdl import compile_sm90
 
-    types = {"ws_ptr": "*fp32", "ss_ptr": "*fp32", "counter_ptr": "*i32", "eps": "fp32"}
-    types |= {"norm_w_ptr": "*bf16", "res_out_ptr": "*bf16"}
-    div = ("x_ptr", "w_ptr", "ws_ptr", "stride_xm", "stride_wn", "K", "k_split")
     cfg = SkinnyConfig(64, 128, 3, 4, 3)
-    consts = dict(
-        HAS_BIAS=False, SILU_MUL=False, NORM=True, HAS_RES=True, BLOCK_M=16,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32", PDL=True, PRELOAD=True,
-    )  # fmt: skip
+    consts = _sm90_consts(cfg, 16, silu=False, norm=True, bias=False)
     out: list = []
-    compile_sm90(_skinny_kernel, consts, cfg.num_warps, cfg.num_stages, types, div, out)
+    compile_sm90(
+        _skinny_kernel, consts, cfg.num_warps, cfg.num_stages, _SM90_TYPES, _SM90_DIV16, out
+    )
     ttgir = out[0].asm["ttgir"]
     loop = ttgir[ttgir.index("scf.for") :]
     loop = loop[: loop.index("scf.yield")]
