@@ -343,20 +343,29 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
     # tests, the decode plan's timing of each shape at each row bucket as TB/s (session 20 call
     # 7, before it: norm-fed qkv 2.15, gate_up 2.0-2.4 TB/s at 4-16 rows, unfused down / lm_head
     # 2.7-2.95), batch 1 / 16, then the EAGLE-3 K=4 step ratios.
-    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_skinny.py 2>&1 | tail -2
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_skinny.py \
+      tests/test_plan_compile.py 2>&1 | tail -2
     timeout 240 python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 \
       | grep -v -i "warn\|tokenizer" > "$OUT/decode.log"
     grep -E "^ *(1|16) " "$OUT/decode.log" | head -8
     python - "$OUT/decode.json" <<'PY'
-import json, sys
+import json, re, sys
 rows = json.load(open(sys.argv[1]))["rows"]
-for r in rows:
+
+
+def label(c: str) -> str:  # SkinnyConfig(block_n=64, ..., split_k=3, ...) -> S64s3; NormFirst: NF
+    m = re.search(r"block_n=(\d+), block_k=\d+, split_k=(\d+)", c)
+    s = f"S{m[1]}" + (f"s{m[2]}" if m[2] != "0" else "") if m else c
+    return ("NF:" if c.startswith("NormFirst") else "") + s
+
+
+for r in rows[-1:]:  # the batch-16 engine's plan covers every bucket
     for p in r.get("specserve_async_gemv", {}).get("decode_matmul_plan", []):
         n, k = p["shape"]
         mb = n * k * 2 * p["layers"] / 1e6  # MB / us = TB/s
-        us = {c[:34]: f"{mb / t:.2f}" for c, t in p["us"].items()}
+        us = " ".join(f"{label(c)} {mb / t:.2f}" for c, t in p["us"].items())
         tag = ("silu " if p["silu_mul"] else "") + ("norm" if p["norm_fed"] else "")
-        print(f"B={r['batch']} {p['shape']} M={p['rows']} {tag:9} -> {p['choice'][:34]} TB/s {us}")
+        print(f"{p['shape']} M={p['rows']} {tag:9} -> {label(p['choice'])}: TB/s {us}")
 PY
     timeout $((585 - SECONDS)) python benchmarks/spec_step.py --ks 4 --batches 1,16,64 \
       --modes fused --async-scheduling 2>&1 | tee "$OUT/spec_step.log" | tail -12

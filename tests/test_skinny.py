@@ -198,6 +198,22 @@ def test_plan_picks_the_fastest_candidate() -> None:
         times = iter([100.0, 100.0 * later] + [200.0] * 8)
         pick = fastest([lin], 16, False, lambda *_, it=times: next(it))[0]
         assert pick == candidates(16)[want]
+    # A norm-fed layer's buckets with skinny configs also time each after a separate norm
+    # kernel (NormFirst, last: fused wins near ties), and the plan takes it where it is fastest.
+    from specserve.ops.gemv import NormFirst
+
+    assert candidates(1, norm_fed=True) == candidates(1)
+    for b in BUCKETS[1:]:
+        fused = [c for c in candidates(b) if isinstance(c, SkinnyConfig)]
+        assert candidates(b, norm_fed=True) == candidates(b) + tuple(NormFirst(c) for c in fused)
+    normed = DecodeLinear.sharing(nn.Linear(32, 48).half())
+    normed.norm_fed = True
+    assert len(candidates(8, norm_fed=True)) == 5
+    times = iter([100.0, 90.0, 95.0, 92.0, 80.0])
+    pick = fastest([normed], 8, False, lambda *_, it=times: next(it))[0]
+    assert pick == NormFirst(candidates(8)[2])
+    times = iter([100.0, 90.0, 95.0, 89.0, 99.0])  # a near tie: the fused kernel stays
+    assert fastest([normed], 8, False, lambda *_, it=times: next(it))[0] == candidates(8)[1]
     # An injected timer caches nothing: a second engine's real timing would not see fakes.
     from specserve.ops import gemv_plan
 
@@ -210,7 +226,8 @@ def test_decode_linear_dispatch(request, device: str) -> None:
     without the norm prologue, and both give F.linear's result."""
     if device == "cpu":
         request.getfixturevalue("interpreter")
-    from specserve.ops.gemv import gemv_norm_ref, planned_matmul, planned_matmul_norm
+    from specserve import ops
+    from specserve.ops.gemv import NormFirst, gemv_norm_ref, planned_matmul, planned_matmul_norm
     from specserve.ops.skinny import SkinnyConfig
 
     g = torch.Generator().manual_seed(5)
@@ -218,11 +235,20 @@ def test_decode_linear_dispatch(request, device: str) -> None:
     x = torch.randn(6, 72, generator=g).to(dtype=dtype, device=device)
     w = (torch.randn(40, 72, generator=g) / 8).to(dtype=dtype, device=device)
     nw = torch.randn(72, generator=g).to(dtype=dtype, device=device)
-    for cfg in ((8, 32, 4, 2), SkinnyConfig(16, 32, 2, 4, 2)):
+    skinny_cfg = SkinnyConfig(16, 32, 2, 4, 2)
+    for cfg in ((8, 32, 4, 2), skinny_cfg, NormFirst(skinny_cfg)):
         _close(planned_matmul(x, w, None, cfg), F.linear(x.float(), w.float()), dtype)
         y, h = planned_matmul_norm(x, w, None, nw, 1e-5, x, cfg)
         _close(y, gemv_norm_ref(x, w, None, nw, 1e-5, x)[0], dtype)
         assert torch.equal(h, x + x)
+        # No residual (a first layer): x itself is the residual passed on.
+        y, h = planned_matmul_norm(x, w, None, nw, 1e-5, None, cfg)
+        _close(y, gemv_norm_ref(x, w, None, nw, 1e-5, None)[0], dtype)
+        assert torch.equal(h, x)
+    # NormFirst is the norm kernel, then the unfused skinny matmul of its config: exactly.
+    normed = ops.rms_norm(x, nw, 1e-5, x)[0]
+    y = planned_matmul_norm(x, w, None, nw, 1e-5, x, NormFirst(skinny_cfg))[0]
+    assert torch.equal(y, planned_matmul(normed, w, None, skinny_cfg))
 
 
 @pytest.mark.gpu

@@ -20,7 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.ops import plan_compile
-from specserve.ops.gemv import BUCKETS, Config, DecodeLinear, PlanConfig, use_decode_gemv_
+from specserve.ops.gemv import (
+    BUCKETS,
+    Config,
+    DecodeLinear,
+    NormFirst,
+    PlanConfig,
+    use_decode_gemv_,
+)
 from specserve.ops.skinny import SkinnyConfig
 
 logger = logging.getLogger("specserve")
@@ -85,9 +92,12 @@ Timer = Callable[[list[DecodeLinear], int, bool, PlanConfig], float]
 _PLANS: dict[tuple, tuple[PlanConfig, dict[str, float]]] = {}
 
 
-def candidates(rows: int) -> tuple[PlanConfig, ...]:
-    """What bucket `rows` chooses among: cuBLAS (None), then Triton configs."""
-    return (None, *BUCKET_CANDIDATES.get(rows, ()))
+def candidates(rows: int, norm_fed: bool = False) -> tuple[PlanConfig, ...]:
+    """What bucket `rows` chooses among: cuBLAS (None), then Triton configs; for a norm-fed
+    layer, then each skinny config again after a separate norm kernel (NormFirst)."""
+    triton_cfgs = BUCKET_CANDIDATES.get(rows, ())
+    norm_first = tuple(NormFirst(c) for c in triton_cfgs if isinstance(c, SkinnyConfig))
+    return (None, *triton_cfgs, *(norm_first if norm_fed else ()))
 
 
 def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> float:
@@ -128,14 +138,20 @@ def graph_timer(layers: list[DecodeLinear], m: int, silu_mul: bool, cfg: PlanCon
 
 
 def _candidate(
-    layers: list[DecodeLinear], m: int, silu_mul: bool, cfg: PlanConfig
+    layers: list[DecodeLinear],
+    m: int,
+    silu_mul: bool,
+    cfg: PlanConfig,
+    norm_fed: bool | None = None,
 ) -> Callable[[], None]:
-    """`cfg` for `m` rows over `layers`' weights, as graph_timer times it."""
+    """`cfg` for `m` rows over `layers`' weights, as graph_timer times it; `norm_fed` (None:
+    the layers') whether through the norm as norm_linear runs them."""
     from specserve import ops
 
     w0 = layers[0].weight
     x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype)
-    res = torch.randn_like(x) if layers[0].norm_fed else None
+    norm_fed = layers[0].norm_fed if norm_fed is None else norm_fed
+    res = torch.randn_like(x) if norm_fed else None
     g = torch.ones(w0.shape[1], device=w0.device, dtype=w0.dtype)
 
     def run() -> None:
@@ -167,7 +183,7 @@ def fastest(
 ) -> tuple[PlanConfig, dict[str, float]]:
     """The fastest of bucket `m`'s candidates over `layers`' weights (near ties, within
     TIE_MARGIN of the best: the first, cuBLAS before Triton), and every candidate's time."""
-    cands = candidates(m)
+    cands = candidates(m, layers[0].norm_fed)
     us = [timer(layers, m, silu_mul, c) for c in cands]
     best = min(us)
     choice = next(c for c, t in zip(cands, us) if t <= best * (1 + TIE_MARGIN))
@@ -206,7 +222,7 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
             layers,
             silu_mul,
             b,
-            (layers[0].weight.device, group, len(layers), silu_mul, b, candidates(b)),
+            (layers[0].weight.device, group, len(layers), silu_mul, b, candidates(b, group[4])),
         )
         for group, layers in groups.items()
         if group[1] in (torch.bfloat16, torch.float16)
@@ -218,7 +234,8 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
     todo = [t for t in tasks if timer is None and t[4] not in _PLANS]
 
     def jobs_of(lin: DecodeLinear, silu_mul: bool, b: int) -> list[plan_compile.Job]:
-        return [plan_compile.job(lin, b, silu_mul, c) for c in candidates(b) if c is not None]
+        cands = candidates(b, lin.norm_fed)
+        return [plan_compile.job(lin, b, silu_mul, c) for c in cands if c is not None]
 
     compiles = plan_compile.Compiles(
         {j: layers[0] for _, layers, silu, b, _ in todo for j in jobs_of(layers[0], silu, b)},

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.ops import skinny
-from specserve.ops.gemv import DecodeLinear, PlanConfig
+from specserve.ops.gemv import DecodeLinear, NormFirst, PlanConfig
 from specserve.ops.jit import compile_only
 
 logger = logging.getLogger("specserve")
@@ -51,7 +51,11 @@ PARALLEL = True
 
 
 def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
-    """The compiled kernel candidate `cfg` launches for `rows` rows over `layer`'s weight."""
+    """The compiled kernel candidate `cfg` launches for `rows` rows over `layer`'s weight
+    (NormFirst: its skinny matmul without the norm, the kernel an unfused layer compiles)."""
+    norm_fed = layer.norm_fed
+    if isinstance(cfg, NormFirst):
+        cfg, norm_fed = cfg.cfg, False
     n, k = layer.weight.shape
     n = n // 2 if silu_mul else n
     one_split = False
@@ -59,9 +63,7 @@ def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
         sms = skinny.num_sms(layer.weight.device) if layer.weight.is_cuda else 132
         one_split = skinny.resolve_split(cfg, n, k, sms)[0] == 1
     dtype, bias = layer.weight.dtype, layer.bias is not None
-    return Job(
-        dtype, bias, layer.norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0, one_split
-    )
+    return Job(dtype, bias, norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0, one_split)
 
 
 class Compiles:
@@ -83,7 +85,10 @@ class Compiles:
         # The inputs are made here, before any timing: a thread drawing random numbers while
         # the timing captures a graph breaks the capture (the generator's offset is captured).
         with torch.inference_mode():
-            runs = {j: _candidate([layer], j.rows, j.silu_mul, j.cfg) for j, layer in jobs.items()}
+            runs = {
+                j: _candidate([layer], j.rows, j.silu_mul, j.cfg, j.norm_fed)
+                for j, layer in jobs.items()
+            }
         pool = ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1, 16))
         self.futures = {j: pool.submit(compile_one, run) for j, run in runs.items()}
         pool.shutdown(wait=False)  # its threads finish the queue and exit
