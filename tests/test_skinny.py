@@ -198,21 +198,22 @@ def test_plan_picks_the_fastest_candidate() -> None:
         times = iter([100.0, 100.0 * later] + [200.0] * 8)
         pick = fastest([lin], 16, False, lambda *_, it=times: next(it))[0]
         assert pick == candidates(16)[want]
-    # A norm-fed layer's buckets with skinny configs also time each after a separate norm
-    # kernel (NormFirst, last: fused wins near ties), and the plan takes it where it is fastest.
+    # A norm-fed layer's buckets with a NORM_FIRST config also time it after a separate norm
+    # kernel (NormFirst, last: fused wins near ties), and the plan takes it where fastest.
     from specserve.ops.gemv import NormFirst
+    from specserve.ops.gemv_plan import NORM_FIRST
 
-    assert candidates(1, norm_fed=True) == candidates(1)
-    for b in BUCKETS[1:]:
-        fused = [c for c in candidates(b) if isinstance(c, SkinnyConfig)]
-        assert candidates(b, norm_fed=True) == candidates(b) + tuple(NormFirst(c) for c in fused)
+    for b in BUCKETS:
+        extra = tuple(NormFirst(c) for c in candidates(b) if c in NORM_FIRST)
+        assert candidates(b, norm_fed=True) == candidates(b) + extra
+        assert bool(extra) == (4 <= b <= 32), b
     normed = DecodeLinear.sharing(nn.Linear(32, 48).half())
     normed.norm_fed = True
-    assert len(candidates(8, norm_fed=True)) == 5
-    times = iter([100.0, 90.0, 95.0, 92.0, 80.0])
-    pick = fastest([normed], 8, False, lambda *_, it=times: next(it))[0]
-    assert pick == NormFirst(candidates(8)[2])
-    times = iter([100.0, 90.0, 95.0, 89.0, 99.0])  # a near tie: the fused kernel stays
+    s32 = next(c for c in candidates(8) if c in NORM_FIRST)
+    assert candidates(8, norm_fed=True)[-1] == NormFirst(s32)
+    times = iter([100.0, 90.0, 95.0, 80.0])
+    assert fastest([normed], 8, False, lambda *_, it=times: next(it))[0] == NormFirst(s32)
+    times = iter([100.0, 90.0, 95.0, 89.0])  # a near tie: the fused kernel stays
     assert fastest([normed], 8, False, lambda *_, it=times: next(it))[0] == candidates(8)[1]
     # An injected timer caches nothing: a second engine's real timing would not see fakes.
     from specserve.ops import gemv_plan

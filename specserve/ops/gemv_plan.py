@@ -92,12 +92,21 @@ Timer = Callable[[list[DecodeLinear], int, bool, PlanConfig], float]
 _PLANS: dict[tuple, tuple[PlanConfig, dict[str, float]]] = {}
 
 
+# Skinny configs a norm-fed layer also times after a separate norm kernel (NormFirst), in the
+# buckets that have them. H100, Llama-3-8B, every skinny config both ways (RESULTS.md session 21
+# call 2): NormFirst S32 won gate_up + SiLU at 4 and 8 rows (2.82 / 2.80 TB/s vs fused 2.70 /
+# 2.66, cuBLAS 2.64 / 2.72) and came within 2% of cuBLAS at 16 and 32; NormFirst of the
+# 64- and 128-wide tiles never won, nor any NormFirst on qkv. All of them took the cold-cache
+# plan from 69 compile jobs (14.4 s) to 81 (19.7 s).
+NORM_FIRST: tuple[SkinnyConfig, ...] = (_S32,)
+
+
 def candidates(rows: int, norm_fed: bool = False) -> tuple[PlanConfig, ...]:
     """What bucket `rows` chooses among: cuBLAS (None), then Triton configs; for a norm-fed
-    layer, then each skinny config again after a separate norm kernel (NormFirst)."""
+    layer, then those of NORM_FIRST after a separate norm kernel (NormFirst)."""
     triton_cfgs = BUCKET_CANDIDATES.get(rows, ())
-    norm_first = tuple(NormFirst(c) for c in triton_cfgs if isinstance(c, SkinnyConfig))
-    return (None, *triton_cfgs, *(norm_first if norm_fed else ()))
+    norm_first = tuple(NormFirst(c) for c in triton_cfgs if c in NORM_FIRST) if norm_fed else ()
+    return (None, *triton_cfgs, *norm_first)
 
 
 def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> float:
