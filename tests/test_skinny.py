@@ -275,6 +275,41 @@ def test_skinny_llama8b_shapes_gpu(m: int) -> None:
                 _close(skinny_matmul(x, w, None, cfg, silu_mul=True), gemv_silu_mul_ref(x, w), bf)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_norm_first_graph_equals_eager_gpu() -> None:
+    """A norm-fed gate_up planned NormFirst (the norm kernel, then the unfused skinny matmul
+    with the SiLU epilogue) through norm_linear, as a decoder layer calls it: a captured graph
+    gives eager's output bit for bit, both close to the torch reference, the residual exact."""
+    from torch import nn
+
+    from specserve.models.layers import RMSNorm, norm_linear
+    from specserve.ops.gemv import BUCKETS, DecodeLinear, NormFirst, gemv_silu_mul_ref
+    from specserve.ops.gemv_plan import NORM_FIRST
+
+    torch.manual_seed(3)
+    bf = torch.bfloat16
+    lin = nn.Linear(1024, 2 * 1536, bias=False, device="cuda", dtype=bf).requires_grad_(False)
+    lin = DecodeLinear.sharing(lin)
+    lin.norm_fed = True
+    lin.silu_plan = {b: NormFirst(NORM_FIRST[0]) for b in BUCKETS}
+    norm = RMSNorm(1024, eps=1e-6).to(device="cuda", dtype=bf)
+    nn.init.normal_(norm.weight, 1.0, 0.1)
+    for m in (4, 8, 12):
+        x = torch.randn(m, 1024, device="cuda", dtype=bf)
+        res = torch.randn_like(x)
+        with torch.inference_mode():
+            eager, h = norm_linear(norm, lin, x, res, silu_mul=True)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = norm_linear(norm, lin, x, res, silu_mul=True)
+            g.replay()
+        assert torch.equal(out[0], eager) and torch.equal(out[1], h)
+        assert torch.equal(h, x + res)
+        normed = norm(x + res)
+        _close(eager, gemv_silu_mul_ref(normed, lin.weight), bf)
+
+
 def _skip_no_interpret() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("ahead-of-time compile needs the compiler, not the interpreter")
