@@ -67,10 +67,9 @@ _S64_SPLIT3, _S32, _S64, _S128 = SKINNY_CANDIDATES
 # percent matter); elsewhere those that won a Llama-3-8B shape or came within 1% of the winner
 # when every config was timed at every bucket (H100, RESULTS.md session 19 call 6): the gemv
 # lost by 1.16-3.2x at 4 and 8 rows, the 64-row tiles of the skinny matmul by 1.17-2.3x at 64
-# rows, and so on. 99 compile jobs -> 64 for Llama-3-8B. S32 at 16 rows came back (session 20):
-# those timings predate the norm-fed skinny loop's fix, under which S32 ran norm-fed shapes at
-# 0.95-1.25 TB/s (2.9 unfused): a few more compile jobs (one a shape class at 16 rows, 69 for
-# Llama-3-8B) until a GPU run shows whether it wins there.
+# rows, and so on. 99 compile jobs -> 64 for Llama-3-8B. S32 at 16 rows came back (session 20)
+# after the norm-fed loop's fix: fused it won no Llama-3-8B shape there (session 21 call 1), but
+# behind a separate norm (NormFirst below) it came within 2% of cuBLAS on gate_up + SiLU.
 BUCKET_CANDIDATES: dict[int, tuple[PlanConfig, ...]] = {
     1: CANDIDATES,
     2: (CANDIDATES[1], _S64_SPLIT3),
