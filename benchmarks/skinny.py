@@ -13,6 +13,7 @@ fused epilogue. Under 3 minutes on an H100 (compiles included).
     python benchmarks/skinny.py --rows 16,64 --weights o,down
     python benchmarks/skinny.py --sweep --rows 4,16   # a wide config grid (tiles, splits,
                                                       # stages) instead of skinny.CONFIGS
+    python benchmarks/skinny.py --configs "64,128,2,4,3;32,128,4,4,3"   # these, all ranked
 """
 
 from __future__ import annotations
@@ -62,8 +63,17 @@ def main() -> None:
     ap.add_argument("--rows", default="2,4,8,16,32,64")
     ap.add_argument("--weights", default=",".join([*SHAPES, "gate_up+silu"]))
     ap.add_argument("--sweep", action="store_true", help="time sweep_configs(), not CONFIGS")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="skinny configs to time instead, block_n,block_k,split_k,num_warps,num_stages "
+        "each, ';'-separated",
+    )
     args = ap.parse_args()
     configs = sweep_configs() if args.sweep else CONFIGS
+    if args.configs:
+        configs = [SkinnyConfig(*map(int, c.split(","))) for c in args.configs.split(";")]
+    ranked = args.sweep or bool(args.configs)
     ms = [int(m) for m in args.rows.split(",")]
     names = args.weights.split(",")
     t0 = time.perf_counter()
@@ -122,8 +132,8 @@ def main() -> None:
                 }
             )
             print(f"{name} M={m}: cuBLAS {cublas:.1f} us, best {best} {times[best]:.1f} us")
-            if args.sweep:
-                for c in sorted(times, key=times.get)[1:5]:
+            if ranked:
+                for c in sorted(times, key=times.get)[1 : 5 if args.sweep else None]:
                     print(f"    {tuple(c)} {times[c]:.1f} us")
         del ws
     result = {
