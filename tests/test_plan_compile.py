@@ -31,6 +31,11 @@ def test_one_job_per_compiled_kernel() -> None:
     assert job(o, 1, False, gemv) == job(down, 1, False, gemv) == job(wide, 1, False, gemv)
     assert job(o, 16, False, auto) == job(down, 16, False, auto)
     assert job(o, 16, False, auto) != job(wide, 16, False, auto)  # 5 splits vs 1
+    # Every split count above one is one compiled kernel; one split is another.
+    split = [SkinnyConfig(64, 128, s, 4, 3) for s in (1, 2, 3, 4)]
+    assert job(o, 16, False, auto) == job(o, 16, False, split[1]) == job(o, 16, False, split[3])
+    assert job(o, 16, False, split[0]) != job(o, 16, False, split[2])
+    assert job(wide, 16, False, auto) == job(o, 16, False, split[0])
     assert job(o, 16, False, auto) != job(o, 32, False, auto)
     assert job(wide, 16, False, auto) != job(wide, 16, True, auto)
     assert job(o, 1, False, gemv) != job(_layer(4096, 4096, bias=True), 1, False, gemv)
@@ -53,21 +58,23 @@ def test_compiles_ahead_exactly_what_runs_gpu(caplog: pytest.LogCaptureFixture) 
         dev = torch.cuda.current_device()
         return sum(len(k.device_caches[dev][0]) for k in (_gemv_kernel, _skinny_kernel))
 
-    jobs = {}
-    for cfg in [(8, 512, 4, 4), SkinnyConfig(64, 128, 3, 4, 3), SkinnyConfig(32, 128, 0, 4, 3)]:
+    jobs, runs = {}, []
+    # The 3- and 4-split configs share a job (the split count is a launch argument).
+    cfgs = [(8, 512, 4, 4), SkinnyConfig(64, 128, 3, 4, 3), SkinnyConfig(32, 128, 0, 4, 3)]
+    for cfg in [*cfgs, SkinnyConfig(64, 128, 4, 4, 3)]:
         for rows in (2, 8):
             lin = _layer(384, 1024, "cuda", bias=True)
             nn.init.normal_(lin.weight, std=0.02)
             nn.init.normal_(lin.bias, std=0.02)
             jobs[plan_compile.job(lin, rows, False, cfg)] = lin
+            runs.append((lin, rows, cfg))
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
     jobs[next(iter(jobs))].run(x[:2], (8, 512, 4, 4))  # the device's caches exist before
     with caplog.at_level(logging.INFO, logger="specserve"):
         plan_compile.Compiles(jobs, lin.weight.device).close()
     assert any("6 candidates compiled" in r.getMessage() for r in caplog.records)
     before = compiled()
-    for j, lin in jobs.items():
-        rows, cfg = j.rows, j.cfg
+    for lin, rows, cfg in runs:
         with torch.inference_mode():
             y = lin.run(x[:rows], cfg)
         ref = F.linear(x[:rows], lin.weight, lin.bias)

@@ -53,29 +53,39 @@ CANDIDATES: tuple[Config, ...] = (
 )
 # Skinny-matmul configs tried (at the buckets below). From a 48-config sweep on the H100
 # (benchmarks/skinny.py --sweep, Llama-3-8B shapes, 4 and 16 rows; RESULTS.md session 10): 3
-# stages beat 4-6, and a fixed split of 3 wins on the o and down projections (fewer, longer K
-# ranges than "two programs per SM"); wide tiles at 32-64 rows.
+# stages beat 4-6, and fixed splits beat "two programs per SM" on the o and down projections;
+# wide tiles at 32-64 rows. Which fixed split wins depends on the shape (session 21 call 4,
+# 4-16 rows, unfused, us a weight: qkv 2 splits 20.2-20.3 vs 3 splits 23.5-23.7, o and down 4
+# splits 14.0-14.2 / 42.0-42.4 vs 14.3-14.6 / 43.0-43.4, gate_up + SiLU 1 split 82.5-83.8 vs
+# S32's 84.6-85.1 and cuBLAS 89.7-94.0), so the 64-wide tile is timed at 1, 2 and 4 splits. The
+# split count is a launch argument: every count above one runs one compiled kernel
+# (plan_compile.job).
 SKINNY_CANDIDATES: tuple[SkinnyConfig, ...] = (
     SkinnyConfig(64, 128, 3, 4, 3),
     SkinnyConfig(32, 128, 0, 4, 3),
-    SkinnyConfig(64, 128, 0, 4, 3),
     SkinnyConfig(128, 128, 0, 8, 3),
+    SkinnyConfig(64, 128, 2, 4, 3),
+    SkinnyConfig(64, 128, 4, 4, 3),
+    SkinnyConfig(64, 128, 1, 4, 3),
 )
-_S64_SPLIT3, _S32, _S64, _S128 = SKINNY_CANDIDATES
+_S64_SPLIT3, _S32, _S128, _S64_SPLIT2, _S64_SPLIT4, _S64_SPLIT1 = SKINNY_CANDIDATES
+_S64_SPLITS = (_S64_SPLIT2, _S64_SPLIT4, _S64_SPLIT1)
 # Per bucket, the Triton configs timed against cuBLAS (each a compile at start-up: cold-cache
 # planning is CPU-bound in them). Every gemv config at one row (batch-1 decode, where a few
 # percent matter); elsewhere those that won a Llama-3-8B shape or came within 1% of the winner
 # when every config was timed at every bucket (H100, RESULTS.md session 19 call 6): the gemv
 # lost by 1.16-3.2x at 4 and 8 rows, the 64-row tiles of the skinny matmul by 1.17-2.3x at 64
-# rows, and so on. 99 compile jobs -> 64 for Llama-3-8B. S32 at 16 rows came back (session 20)
-# after the norm-fed loop's fix: fused it won no Llama-3-8B shape there (session 21 call 1), but
-# behind a separate norm (NormFirst below) it came within 2% of cuBLAS on gate_up + SiLU.
+# rows, and so on. 99 compile jobs -> 64 for Llama-3-8B. At 2-16 rows (one 16-row tile) the
+# 64-wide tile at 1 / 2 / 4 splits replaced its fixed 3 splits (session 21 call 4); 32 rows,
+# not timed that way, keep it. S32 came back at 16 rows (session 20) after the norm-fed loop's
+# fix: fused it won no Llama-3-8B shape there (session 21 call 1), but behind a separate norm
+# (NormFirst below) it came within 2% of cuBLAS on gate_up + SiLU.
 BUCKET_CANDIDATES: dict[int, tuple[PlanConfig, ...]] = {
     1: CANDIDATES,
-    2: (CANDIDATES[1], _S64_SPLIT3),
-    4: (_S64_SPLIT3, _S32),
-    8: (_S64_SPLIT3, _S32),
-    16: (_S64_SPLIT3, _S64, _S32),
+    2: (CANDIDATES[1], *_S64_SPLITS),
+    4: (*_S64_SPLITS, _S32),
+    8: (*_S64_SPLITS, _S32),
+    16: (*_S64_SPLITS, _S32),
     32: (_S64_SPLIT3, _S32, _S128),
     64: (_S128,),
 }
@@ -96,8 +106,9 @@ _PLANS: dict[tuple, tuple[PlanConfig, dict[str, float]]] = {}
 # call 2): NormFirst S32 won gate_up + SiLU at 4 and 8 rows (2.82 / 2.80 TB/s vs fused 2.70 /
 # 2.66, cuBLAS 2.64 / 2.72) and came within 2% of cuBLAS at 16 and 32; NormFirst of the
 # 64- and 128-wide tiles never won, nor any NormFirst on qkv. All of them took the cold-cache
-# plan from 69 compile jobs (14.4 s) to 81 (19.7 s).
-NORM_FIRST: tuple[SkinnyConfig, ...] = (_S32,)
+# plan from 69 compile jobs (14.4 s) to 81 (19.7 s). The 64-wide tile at one split streamed
+# gate_up + SiLU fastest of all unfused (session 21 call 4).
+NORM_FIRST: tuple[SkinnyConfig, ...] = (_S32, _S64_SPLIT1)
 
 
 def candidates(rows: int, norm_fed: bool = False) -> tuple[PlanConfig, ...]:

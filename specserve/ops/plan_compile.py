@@ -62,6 +62,9 @@ def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
     if isinstance(cfg, skinny.SkinnyConfig):
         sms = skinny.num_sms(layer.weight.device) if layer.weight.is_cuda else 132
         one_split = skinny.resolve_split(cfg, n, k, sms)[0] == 1
+        # The split count and K range are launch arguments (specialized only as 1 or not):
+        # every count above one runs the same compiled kernel, compiled once at 2.
+        cfg = cfg._replace(split_k=1 if one_split else 2)
     dtype, bias = layer.weight.dtype, layer.bias is not None
     return Job(dtype, bias, norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0, one_split)
 
