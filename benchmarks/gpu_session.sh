@@ -353,10 +353,9 @@ import json, re, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 
 
-def label(c: str) -> str:  # SkinnyConfig(block_n=64, ..., split_k=3, ...) -> S64s3; NormFirst: NF
+def label(c: str) -> str:  # SkinnyConfig(block_n=64, ..., split_k=3, ...) -> S64s3
     m = re.search(r"block_n=(\d+), block_k=\d+, split_k=(\d+)", c)
-    s = f"S{m[1]}" + (f"s{m[2]}" if m[2] != "0" else "") if m else c
-    return ("NF:" if c.startswith("NormFirst") else "") + s
+    return f"S{m[1]}" + (f"s{m[2]}" if m[2] != "0" else "") if m else c
 
 
 for r in rows[-1:]:  # the batch-16 engine's plan covers every bucket

@@ -16,8 +16,6 @@ decode step.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
@@ -344,22 +342,8 @@ def _launch(
 # Decode row counts a plan is made for: the M <= 8 gemv's buckets, then the skinny matmul's row
 # tiles (ops/skinny.py) up to 64 rows: verification batches are B x (K + 1) rows.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-
-
-class NormFirst(NamedTuple):
-    """A plan entry for a norm-fed layer (models/layers.norm_linear): the RMSNorm and residual
-    add as their own kernel, then the skinny matmul `cfg` without the norm in its K loop. The
-    fused loop modifies its activation operand in registers each K step (norm weight, scale,
-    rounding, a shared-memory store before the MMA); at 4-16 rows on Llama-3-8B's gate_up it
-    streamed 2.6-2.7 TB/s where the unfused loop streamed the lm_head at 2.9 (H100,
-    benchmarks/RESULTS.md session 21 call 1), so the plan times both."""
-
-    cfg: skinny.SkinnyConfig
-
-
-# A plan entry: a gemv launch config, a skinny-matmul config (norm-fused for a norm-fed layer),
-# NormFirst, or None (F.linear, cuBLAS).
-PlanConfig = Config | skinny.SkinnyConfig | NormFirst | None
+# A plan entry: a gemv launch config, a skinny-matmul config, or None (F.linear, cuBLAS).
+PlanConfig = Config | skinny.SkinnyConfig | None
 
 
 def bucket(m: int) -> int:
@@ -389,14 +373,12 @@ def planned_matmul(
     x: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
-    cfg: Config | skinny.SkinnyConfig | NormFirst,
+    cfg: Config | skinny.SkinnyConfig,
     silu_mul: bool = False,
     # the skinny matmul's split counters (DecodeLinear.counters) or None
     counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """gemv or skinny_matmul, whichever `cfg` is a launch config of (NormFirst's matmul)."""
-    if isinstance(cfg, NormFirst):
-        cfg = cfg.cfg
+    """gemv or skinny_matmul, whichever `cfg` is a launch config of."""
     if isinstance(cfg, skinny.SkinnyConfig):
         return skinny.skinny_matmul(x, w, b, cfg, silu_mul, counters)
     return gemv(x, w, b, config=cfg, silu_mul=silu_mul)
@@ -411,18 +393,11 @@ def planned_matmul_norm(
     eps: float,
     # [M, K] or None
     residual: torch.Tensor | None,
-    cfg: Config | skinny.SkinnyConfig | NormFirst,
+    cfg: Config | skinny.SkinnyConfig,
     silu_mul: bool = False,
     counters: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """gemv_norm or skinny_norm, whichever `cfg` is a launch config of; NormFirst: the norm
-    kernel, then its skinny_matmul."""
-    if isinstance(cfg, NormFirst):
-        from specserve import ops
-
-        h, res_out = ops.rms_norm(x, norm_weight, eps, residual)
-        y = skinny.skinny_matmul(h, w, b, cfg.cfg, silu_mul, counters)
-        return y, x if res_out is None else res_out
+    """gemv_norm or skinny_norm, whichever `cfg` is a launch config of."""
     if isinstance(cfg, skinny.SkinnyConfig):
         return skinny.skinny_norm(x, w, b, norm_weight, eps, residual, cfg, silu_mul, counters)
     return gemv_norm(x, w, b, norm_weight, eps, residual, cfg, silu_mul)
@@ -483,7 +458,7 @@ class DecodeLinear(nn.Linear):
         return (self.silu_plan if silu_mul else self.plan)[bucket(plan_rows(x.shape[0]))]
 
     def run(
-        self, x: torch.Tensor, cfg: Config | skinny.SkinnyConfig | NormFirst, silu_mul: bool = False
+        self, x: torch.Tensor, cfg: Config | skinny.SkinnyConfig, silu_mul: bool = False
     ) -> torch.Tensor:
         """This layer's product with `x` by the planned kernel `cfg` (silu_mul: gate_up's)."""
         return planned_matmul(x, self.weight, self.bias, cfg, silu_mul, self.counters)
@@ -494,7 +469,7 @@ class DecodeLinear(nn.Linear):
         norm_weight: torch.Tensor,
         eps: float,
         residual: torch.Tensor | None,
-        cfg: Config | skinny.SkinnyConfig | NormFirst,
+        cfg: Config | skinny.SkinnyConfig,
         silu_mul: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """planned_matmul_norm with this layer's weights."""

@@ -20,14 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.ops import plan_compile
-from specserve.ops.gemv import (
-    BUCKETS,
-    Config,
-    DecodeLinear,
-    NormFirst,
-    PlanConfig,
-    use_decode_gemv_,
-)
+from specserve.ops.gemv import BUCKETS, Config, DecodeLinear, PlanConfig, use_decode_gemv_
 from specserve.ops.skinny import SkinnyConfig
 
 logger = logging.getLogger("specserve")
@@ -77,9 +70,8 @@ _S64_SPLITS = (_S64_SPLIT2, _S64_SPLIT4, _S64_SPLIT1)
 # lost by 1.16-3.2x at 4 and 8 rows, the 64-row tiles of the skinny matmul by 1.17-2.3x at 64
 # rows, and so on. 99 compile jobs -> 64 for Llama-3-8B. At 2-16 rows (one 16-row tile) the
 # 64-wide tile at 1 / 2 / 4 splits replaced its fixed 3 splits (session 21 call 4); 32 rows,
-# not timed that way, keep it. S32 came back at 16 rows (session 20) after the norm-fed loop's
-# fix: fused it won no Llama-3-8B shape there (session 21 call 1), but behind a separate norm
-# (NormFirst below) it came within 2% of cuBLAS on gate_up + SiLU.
+# not timed that way, keep it. S32 came back at 16 rows in session 20 (it had lost there only
+# on the norm-fed loop fixed then).
 BUCKET_CANDIDATES: dict[int, tuple[PlanConfig, ...]] = {
     1: CANDIDATES,
     2: (CANDIDATES[1], *_S64_SPLITS),
@@ -96,27 +88,15 @@ Timer = Callable[[list[DecodeLinear], int, bool, PlanConfig], float]
 # Plans timed in this process, reused by later engines: start-up pays the timing once, and two
 # engines of one process (a graph and an eager one in a test, a benchmark's variants) run the
 # same kernels, so their outputs can be compared bit for bit. Key: device, weight group (shape,
-# dtype, bias, gate_up), layer count, SiLU epilogue, rows, candidate set (benchmarks change it).
+# dtype, bias, SiLU gate_up, norm-fed), layer count, SiLU epilogue, rows, candidate set
+# (benchmarks change it).
 # Holds launch configs and timings only, never tensors.
 _PLANS: dict[tuple, tuple[PlanConfig, dict[str, float]]] = {}
 
 
-# Skinny configs a norm-fed layer also times after a separate norm kernel (NormFirst), in the
-# buckets that have them. H100, Llama-3-8B, every skinny config both ways (RESULTS.md session 21
-# call 2): NormFirst S32 won gate_up + SiLU at 4 and 8 rows (2.82 / 2.80 TB/s vs fused 2.70 /
-# 2.66, cuBLAS 2.64 / 2.72) and came within 2% of cuBLAS at 16 and 32; NormFirst of the
-# 64- and 128-wide tiles never won, nor any NormFirst on qkv. All of them took the cold-cache
-# plan from 69 compile jobs (14.4 s) to 81 (19.7 s). The 64-wide tile at one split streamed
-# gate_up + SiLU fastest of all unfused (session 21 call 4).
-NORM_FIRST: tuple[SkinnyConfig, ...] = (_S32, _S64_SPLIT1)
-
-
-def candidates(rows: int, norm_fed: bool = False) -> tuple[PlanConfig, ...]:
-    """What bucket `rows` chooses among: cuBLAS (None), then Triton configs; for a norm-fed
-    layer, then those of NORM_FIRST after a separate norm kernel (NormFirst)."""
-    triton_cfgs = BUCKET_CANDIDATES.get(rows, ())
-    norm_first = tuple(NormFirst(c) for c in triton_cfgs if c in NORM_FIRST) if norm_fed else ()
-    return (None, *triton_cfgs, *norm_first)
+def candidates(rows: int) -> tuple[PlanConfig, ...]:
+    """What bucket `rows` chooses among: cuBLAS (None), then Triton configs."""
+    return (None, *BUCKET_CANDIDATES.get(rows, ()))
 
 
 def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> float:
@@ -157,20 +137,14 @@ def graph_timer(layers: list[DecodeLinear], m: int, silu_mul: bool, cfg: PlanCon
 
 
 def _candidate(
-    layers: list[DecodeLinear],
-    m: int,
-    silu_mul: bool,
-    cfg: PlanConfig,
-    norm_fed: bool | None = None,
+    layers: list[DecodeLinear], m: int, silu_mul: bool, cfg: PlanConfig
 ) -> Callable[[], None]:
-    """`cfg` for `m` rows over `layers`' weights, as graph_timer times it; `norm_fed` (None:
-    the layers') whether through the norm as norm_linear runs them."""
+    """`cfg` for `m` rows over `layers`' weights, as graph_timer times it."""
     from specserve import ops
 
     w0 = layers[0].weight
     x = torch.randn(m, w0.shape[1], device=w0.device, dtype=w0.dtype)
-    norm_fed = layers[0].norm_fed if norm_fed is None else norm_fed
-    res = torch.randn_like(x) if norm_fed else None
+    res = torch.randn_like(x) if layers[0].norm_fed else None
     g = torch.ones(w0.shape[1], device=w0.device, dtype=w0.dtype)
 
     def run() -> None:
@@ -202,7 +176,7 @@ def fastest(
 ) -> tuple[PlanConfig, dict[str, float]]:
     """The fastest of bucket `m`'s candidates over `layers`' weights (near ties, within
     TIE_MARGIN of the best: the first, cuBLAS before Triton), and every candidate's time."""
-    cands = candidates(m, layers[0].norm_fed)
+    cands = candidates(m)
     us = [timer(layers, m, silu_mul, c) for c in cands]
     best = min(us)
     choice = next(c for c, t in zip(cands, us) if t <= best * (1 + TIE_MARGIN))
@@ -220,7 +194,14 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
     t0 = time.perf_counter()
     for m in models:
         use_decode_gemv_(m, config=None)
-    gate_up = {id(mod.gate_up_proj) for m in models for mod in m.modules() if isinstance(mod, MLP)}
+    # An MLP's gate_up runs with its activation: SiLU in the fused epilogue (the SiLU plan),
+    # anything else after the plain product (the plain plan). Only that one is planned.
+    gate_up = {
+        id(mod.gate_up_proj): mod.act == "silu"
+        for m in models
+        for mod in m.modules()
+        if isinstance(mod, MLP)
+    }
     groups: dict[tuple, list[DecodeLinear]] = {}
     for m in models:
         for lin in m.modules():
@@ -230,7 +211,7 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
                     tuple(w.shape),
                     w.dtype,
                     lin.bias is not None,
-                    id(lin) in gate_up,
+                    gate_up.get(id(lin), False),
                     lin.norm_fed,
                 )
                 groups.setdefault(key, []).append(lin)
@@ -241,11 +222,11 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
             layers,
             silu_mul,
             b,
-            (layers[0].weight.device, group, len(layers), silu_mul, b, candidates(b, group[4])),
+            (layers[0].weight.device, group, len(layers), silu_mul, b, candidates(b)),
         )
         for group, layers in groups.items()
         if group[1] in (torch.bfloat16, torch.float16)
-        for silu_mul in ((False, True) if group[3] else (False,))
+        for silu_mul in (group[3],)
         for b in TUNED_BUCKETS
     ]
     # The CUDA plans this process has not timed: their candidates compile in threads while
@@ -253,8 +234,7 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
     todo = [t for t in tasks if timer is None and t[4] not in _PLANS]
 
     def jobs_of(lin: DecodeLinear, silu_mul: bool, b: int) -> list[plan_compile.Job]:
-        cands = candidates(b, lin.norm_fed)
-        return [plan_compile.job(lin, b, silu_mul, c) for c in cands if c is not None]
+        return [plan_compile.job(lin, b, silu_mul, c) for c in candidates(b) if c is not None]
 
     compiles = plan_compile.Compiles(
         {j: layers[0] for _, layers, silu, b, _ in todo for j in jobs_of(layers[0], silu, b)},

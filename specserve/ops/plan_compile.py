@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from specserve.ops import skinny
-from specserve.ops.gemv import DecodeLinear, NormFirst, PlanConfig
+from specserve.ops.gemv import DecodeLinear, PlanConfig
 from specserve.ops.jit import compile_only
 
 logger = logging.getLogger("specserve")
@@ -51,11 +51,7 @@ PARALLEL = True
 
 
 def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
-    """The compiled kernel candidate `cfg` launches for `rows` rows over `layer`'s weight
-    (NormFirst: its skinny matmul without the norm, the kernel an unfused layer compiles)."""
-    norm_fed = layer.norm_fed
-    if isinstance(cfg, NormFirst):
-        cfg, norm_fed = cfg.cfg, False
+    """The compiled kernel candidate `cfg` launches for `rows` rows over `layer`'s weight."""
     n, k = layer.weight.shape
     n = n // 2 if silu_mul else n
     one_split = False
@@ -66,7 +62,9 @@ def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
         # every count above one runs the same compiled kernel, compiled once at 2.
         cfg = cfg._replace(split_k=1 if one_split else 2)
     dtype, bias = layer.weight.dtype, layer.bias is not None
-    return Job(dtype, bias, norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0, one_split)
+    return Job(
+        dtype, bias, layer.norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0, one_split
+    )
 
 
 class Compiles:
@@ -88,10 +86,7 @@ class Compiles:
         # The inputs are made here, before any timing: a thread drawing random numbers while
         # the timing captures a graph breaks the capture (the generator's offset is captured).
         with torch.inference_mode():
-            runs = {
-                j: _candidate([layer], j.rows, j.silu_mul, j.cfg, j.norm_fed)
-                for j, layer in jobs.items()
-            }
+            runs = {j: _candidate([layer], j.rows, j.silu_mul, j.cfg) for j, layer in jobs.items()}
         pool = ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1, 16))
         self.futures = {j: pool.submit(compile_one, run) for j, run in runs.items()}
         pool.shutdown(wait=False)  # its threads finish the queue and exit
