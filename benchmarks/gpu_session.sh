@@ -50,8 +50,8 @@
 #                                                 # and splits (NUM_STAGES, PROGRAMS_PER_SM)
 #   bash benchmarks/gpu_session.sh spec-timeline  # EAGLE-3 K=4 steps at batch 1 / 16 / 64
 #                                                 # traced, kernel by kernel (issue 23)
-#   bash benchmarks/gpu_session.sh skinny-norm    # the norm-fed skinny loop: GPU tests, plan
-#                                                 # TB/s per shape, batch 1 / 16, EAGLE-3 K=4
+#   bash benchmarks/gpu_session.sh skinny-norm    # the decode plan: GPU tests, its TB/s per
+#                                                 # shape, batch 1 / 16, EAGLE-3 K=4
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -339,10 +339,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
     done
     ;;
   skinny-norm)
-    # Session 20's norm-fed skinny K loop (no same-step loads; written without a GPU): its GPU
-    # tests, the decode plan's timing of each shape at each row bucket as TB/s (session 20 call
-    # 7, before it: norm-fed qkv 2.15, gate_up 2.0-2.4 TB/s at 4-16 rows, unfused down / lm_head
-    # 2.7-2.95), batch 1 / 16, then the EAGLE-3 K=4 step ratios.
+    # The decode plan (issue 23): the skinny / plan GPU tests, decode.py at batch 1 / 16 with
+    # each shape's candidates at each row bucket as TB/s (RESULTS.md session 21: norm-fed qkv
+    # 2.3, gate_up + SiLU 2.8-2.9, down 2.8, lm_head 3.0 at 2-16 rows), then the EAGLE-3 K=4
+    # step ratios.
     timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_skinny.py \
       tests/test_plan_compile.py 2>&1 | tail -2
     timeout 240 python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 \

@@ -71,8 +71,8 @@ _S64_SPLITS = (_S64_SPLIT2, _S64_SPLIT4, _S64_SPLIT1)
 # rows, and so on. 99 compile jobs -> 64 for Llama-3-8B. At 2-16 rows (one 16-row tile) the
 # 64-wide tile is also timed at 1 / 2 / 4 splits (session 21 call 4), its fixed 3 splits last
 # (no compile of its own; it won no Llama-3-8B shape there, but the MoE and MLA targets'
-# projections were not timed that way); 32 rows, not timed that way either, keep 3 only. S32 came back at 16 rows in session 20 (it had lost there only
-# on the norm-fed loop fixed then).
+# projections were not timed that way); 32 rows, not timed that way either, keep 3 only. S32
+# came back at 16 rows in session 20 (it had lost there only on the norm-fed loop fixed then).
 BUCKET_CANDIDATES: dict[int, tuple[PlanConfig, ...]] = {
     1: CANDIDATES,
     2: (CANDIDATES[1], *_S64_SPLITS, _S64_SPLIT3),
@@ -216,18 +216,18 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
                     lin.norm_fed,
                 )
                 groups.setdefault(key, []).append(lin)
-    # (group, its layers, silu_mul, rows bucket, _PLANS key): every plan to make
+    # (group, its layers, silu_mul, rows bucket, _PLANS key): every plan to make; a SiLU
+    # gate_up's with the fused epilogue
     tasks = [
         (
             group,
             layers,
-            silu_mul,
+            group[3],
             b,
-            (layers[0].weight.device, group, len(layers), silu_mul, b, candidates(b)),
+            (layers[0].weight.device, group, len(layers), group[3], b, candidates(b)),
         )
         for group, layers in groups.items()
         if group[1] in (torch.bfloat16, torch.float16)
-        for silu_mul in (group[3],)
         for b in TUNED_BUCKETS
     ]
     # The CUDA plans this process has not timed: their candidates compile in threads while
