@@ -1,4 +1,4 @@
-"""Skinny matmul (decode batches: M <= 8 rows) as a Triton kernel, with its torch reference.
+"""The decode gemv (batches of M <= 8 rows) as a Triton kernel, with its torch reference.
 
 Decode is a stream of weight reads: y[M, N] = x[M, K] @ W[N, K]^T (+ b) with M tiny reads N x K
 weights once. Each program owns BLOCK_N output columns and walks K in BLOCK_K tiles, so every

@@ -11,7 +11,8 @@ tile's K is split over SPLIT_K programs. Each writes its fp32 partial to a works
 itself in on a per-tile arrival counter; the last to arrive sums the partials in split order
 (deterministic: which program merges varies, what it computes does not; graph == eager bit for
 bit), runs the epilogue and resets the counter (the buffer stays zero between launches and
-graph replays). No second kernel.
+graph replays). No second kernel. The best split count depends on the shape (Llama-3-8B at
+2-16 rows: qkv 2, o and down 4, gate_up + SiLU 1): decode_matmul="auto" times several.
 
 Epilogues as the gemv: bias, SiLU-and-mul (W is gate_up's [2N, K]: the [M, 2N] intermediate is
 never written) and a prologue-free RMSNorm (+ residual add): W @ (x * g * rstd) = rstd * (W @
