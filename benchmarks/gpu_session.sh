@@ -51,7 +51,7 @@
 #   bash benchmarks/gpu_session.sh spec-timeline  # EAGLE-3 K=4 steps at batch 1 / 16 / 64
 #                                                 # traced, kernel by kernel (issue 23)
 #   bash benchmarks/gpu_session.sh skinny-norm    # the decode plan: GPU tests, its TB/s per
-#                                                 # shape, batch 1 / 16, EAGLE-3 K=4
+#                                                 # shape, batch 1 / 16, EAGLE-3 K=3 / 4
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -341,7 +341,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
   skinny-norm)
     # The decode plan (issue 23): the skinny / plan GPU tests, decode.py at batch 1 / 16 with
     # each shape's candidates at each row bucket as TB/s (RESULTS.md session 21: norm-fed qkv
-    # 2.3, gate_up + SiLU 2.8-2.9, down 2.8, lm_head 3.0 at 2-16 rows), then the EAGLE-3 K=4
+    # 2.3, gate_up + SiLU 2.8-2.9, down 2.8, lm_head 3.0 at 2-16 rows), then the EAGLE-3 K=3 / 4
     # step ratios.
     timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_skinny.py \
       tests/test_plan_compile.py 2>&1 | tail -2
@@ -366,7 +366,7 @@ for r in rows[-1:]:  # the batch-16 engine's plan covers every bucket
         tag = ("silu " if p["silu_mul"] else "") + ("norm" if p["norm_fed"] else "")
         print(f"{p['shape']} M={p['rows']} {tag:9} -> {label(p['choice'])}: TB/s {us}")
 PY
-    timeout $((585 - SECONDS)) python benchmarks/spec_step.py --ks 4 --batches 1,16,64 \
+    timeout $((585 - SECONDS)) python benchmarks/spec_step.py --ks 3,4 --batches 1,16,64 \
       --modes fused --async-scheduling 2>&1 | tee "$OUT/spec_step.log" | tail -12
     ;;
   ncu)
