@@ -39,10 +39,9 @@ class Job(NamedTuple):
     norm_fed: bool
     rows: int
     silu_mul: bool
-    cfg: PlanConfig
+    cfg: PlanConfig  # a skinny config's split_k: 1, or 2 for any count above one (`job`)
     n_div16: bool  # N a multiple of 16
     k_div16: bool
-    one_split: bool  # the skinny matmul's split count is 1
 
 
 # Compile in a thread pool ahead of the timing (False: each candidate at its first timing). A
@@ -54,7 +53,6 @@ def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
     """The compiled kernel candidate `cfg` launches for `rows` rows over `layer`'s weight."""
     n, k = layer.weight.shape
     n = n // 2 if silu_mul else n
-    one_split = False
     if isinstance(cfg, skinny.SkinnyConfig):
         sms = skinny.num_sms(layer.weight.device) if layer.weight.is_cuda else 132
         one_split = skinny.resolve_split(cfg, n, k, sms)[0] == 1
@@ -62,9 +60,7 @@ def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
         # every count above one runs the same compiled kernel, compiled once at 2.
         cfg = cfg._replace(split_k=1 if one_split else 2)
     dtype, bias = layer.weight.dtype, layer.bias is not None
-    return Job(
-        dtype, bias, layer.norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0, one_split
-    )
+    return Job(dtype, bias, layer.norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0)
 
 
 class Compiles:
