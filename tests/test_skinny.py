@@ -205,6 +205,24 @@ def test_plan_picks_the_fastest_candidate() -> None:
         times = iter([100.0, 100.0 * later] + [200.0] * 8)
         pick = fastest([lin], 16, False, lambda *_, it=times: next(it))[0]
         assert pick == candidates(16)[want]
+    # At one row, a tie goes to a gemv config holding the whole row when the weight is not
+    # norm-fed (it preloads everything during attention), to the earlier one when it is; a
+    # clear win by another config still wins.
+    from specserve.ops.gemv_plan import whole_row_wins_ties
+
+    one = candidates(1)
+    lin = DecodeLinear.sharing(nn.Linear(4096, 64, bias=False, device="meta"))
+    whole = next(i for i, c in enumerate(one) if c is not None and c[1] >= 4096)
+    assert whole > 2 and not whole_row_wins_ties(lin, None)
+    for norm_fed, clear, want in ((False, False, whole), (True, False, 1), (False, True, 2)):
+        lin.norm_fed = norm_fed
+        us = [200.0] * len(one)
+        us[1] = us[whole] = 100.0
+        if clear:
+            us[2] = 100.0 * (1 - 2 * TIE_MARGIN)
+        times = iter(us)
+        pick = fastest([lin], 1, False, lambda *_, it=times: next(it))[0]
+        assert pick == one[want], (norm_fed, clear)
     # An injected timer caches nothing: a second engine's real timing would not see fakes.
     from specserve.ops import gemv_plan
 

@@ -176,12 +176,28 @@ def fastest(
     layers: list[DecodeLinear], m: int, silu_mul: bool, timer: Timer = graph_timer
 ) -> tuple[PlanConfig, dict[str, float]]:
     """The fastest of bucket `m`'s candidates over `layers`' weights (near ties, within
-    TIE_MARGIN of the best: the first, cuBLAS before Triton), and every candidate's time."""
+    TIE_MARGIN of the best: a whole-row gemv config where `whole_row_wins_ties`, else the
+    first, cuBLAS before Triton), and every candidate's time."""
     cands = candidates(m)
     us = [timer(layers, m, silu_mul, c) for c in cands]
     best = min(us)
-    choice = next(c for c, t in zip(cands, us) if t <= best * (1 + TIE_MARGIN))
-    return choice, {str(c): t for c, t in zip(cands, us)}
+    ties = [c for c, t in zip(cands, us) if t <= best * (1 + TIE_MARGIN)]
+    whole = [c for c in ties if whole_row_wins_ties(layers[0], c)]
+    return (whole or ties)[0], {str(c): t for c, t in zip(cands, us)}
+
+
+def whole_row_wins_ties(lin: DecodeLinear, cfg: PlanConfig) -> bool:
+    """Whether `cfg` is a gemv config whose one K tile holds a whole weight row, for a weight
+    that is not norm-fed: such a program requests all its bytes before the PDL wait, during
+    the previous kernel, which the plan's back-to-back timing cannot credit (each call's
+    preload lands in the previous call's weight stream). In the step a weight that is not
+    norm-fed follows a latency-bound kernel (the o projection follows attention and its
+    merge), where that preload is free: gpt-oss-20b's o projection, whose configs tie in the
+    plan (231-233 us for 24 layers), took 6.68 us a layer with (4, 2048, 4, 2) and 5.74 with
+    (2, 4096, 4, 1), attention and merge 0.2 us slower (H100, RESULTS.md session 22). A
+    norm-fed weight follows the previous layer's weight stream: there it lost (qkv 10.76 ->
+    12.78 us), so only a clear win picks it."""
+    return type(cfg) is tuple and not lin.norm_fed and cfg[1] >= lin.weight.shape[1]
 
 
 @torch.inference_mode()
