@@ -199,3 +199,42 @@ def test_attention_key_loop_pipeline_depth(stages: int) -> None:
     depth = {kind: int(n) for n, _, kind in bufs}
     assert ("i32" in depth) == (stages >= 3)
     assert depth["bf16"] == (2 if stages >= 5 else 1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_attention_first_key_tile_before_the_wait(head_dim: int) -> None:
+    """EARLY_KV (pdl.early_kv): a split launch also requests its first key tile's keys and
+    values (16-byte loads, K and V) before the PDL wait; the qkv projection feeding attention
+    with heads of at most EARLY_KV_MAX_HEAD_DIM triggers at its start (DecodeLinear copies the
+    flag), none with bigger heads or with every gemv triggering early."""
+    from specserve.attention import triton_paged as tp
+    from specserve.models.layers import Attention, RotaryEmbedding
+    from specserve.ops import pdl
+    from specserve.ops.gemv import DecodeLinear
+
+    names = tp._paged_attention_kernel.arg_names
+    aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
+    attn = dict(GROUP=8, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=2, BLOCK_N=64)
+    attn.update(USE_WINDOW=True, DOT_PRECISION="tf32", SPLITS=16, PDL=True, EARLY_META=True)
+    attn.update(FUSE_KV=True, QK_NORM=False, PAGE_EARLY=True, HAS_SINKS=True)
+    before = []
+    for early in (False, True):
+        ptx = compile_sm90(
+            tp._paged_attention_kernel, dict(attn, EARLY_KV=early), 4, 2,
+            {"q_eps": "fp32", "k_eps": "fp32"}, aligned,
+        )  # fmt: skip
+        lines = ptx.splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        before.append(sum("ld.global" in line for line in lines[:wait]))
+    assert before[1] - before[0] == 2 * 64 * head_dim * 2 // 16 // 128
+
+    rope = RotaryEmbedding(head_dim, 64, 10000.0, None)
+    small = Attention(512, 8, 1, head_dim, rope, 1e-6)
+    assert small.qkv_proj.early_trigger == pdl.early_kv(head_dim) == (head_dim <= 64)
+    assert DecodeLinear.sharing(small.qkv_proj).early_trigger == (head_dim <= 64)
+    assert not getattr(small.o_proj, "early_trigger", False)
+    pdl.GEMV_EARLY_TRIGGER = True
+    try:
+        assert not pdl.early_kv(head_dim)
+    finally:
+        pdl.GEMV_EARLY_TRIGGER = False

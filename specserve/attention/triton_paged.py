@@ -343,6 +343,7 @@ def _paged_attention_kernel(
     QK_NORM: tl.constexpr,
     PAGE_EARLY: tl.constexpr,
     EARLY_ROPE: tl.constexpr = False,
+    EARLY_KV: tl.constexpr = False,
 ):
     # QK_NORM (with FUSE_KV): q and k arrive un-normed too; the per-head RMSNorm runs in the
     # RoPE tiles (no qk-norm launch), q_norm_w / k_norm_w [HEAD_DIM].
@@ -370,7 +371,8 @@ def _paged_attention_kernel(
     pos = tl.load(positions_ptr + tok, mask=row_valid, other=-1).to(tl.int32)
     kv_end = tl.max(pos, axis=0) + 1
     # Keys past seq_len were never written; past the table's width they have no page.
-    kv_end = tl.minimum(kv_end, tl.load(seq_lens_ptr + req))
+    seq_len = tl.load(seq_lens_ptr + req)
+    kv_end = tl.minimum(kv_end, seq_len)
     kv_end = tl.minimum(kv_end, max_blocks_per_req * BLOCK_SIZE)
     if USE_WINDOW:
         win_start = tl.maximum(pos - sliding_window + 1, 0)
@@ -391,6 +393,16 @@ def _paged_attention_kernel(
         # first K / V loads wait on no block-table round trip after the wait.
         kpos0 = kv_begin + tl.arange(0, BLOCK_N)
         page0 = tl.load(bt_row + kpos0 // BLOCK_SIZE, mask=kpos0 < kv_end, other=0)
+        if EARLY_KV:
+            # EARLY_KV (pdl.early_kv): the first tile's keys and values from before this step
+            # (positions < seq_len - q_len, complete before this kernel starts: pdl.py) load
+            # before the wait too; this step's own keys load after the cache write below.
+            old_end = seq_len - q_len
+            ok0 = ((kpos0 < kv_end) & (kpos0 < old_end))[:, None]
+            off0 = page0.to(tl.int64) * stride_cb + (kpos0 % BLOCK_SIZE) * stride_cs
+            off0 = (off0 + kv_head * stride_ch)[:, None] + d[None, :]
+            k0 = tl.load(k_cache_ptr + off0, mask=ok0, other=0.0)
+            v0 = tl.load(v_cache_ptr + off0, mask=ok0, other=0.0)
     q_c, q_s, k_c, k_s = None, None, None, None
     if FUSE_KV:  # the new tokens: positions, slots (metadata), RoPE table rows (constants)
         tq = q_off + tl.arange(0, BLOCK_Q)
@@ -451,8 +463,16 @@ def _paged_attention_kernel(
             page = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
         kv_off = page * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_off = kv_off[:, None] + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
+        if EARLY_KV:  # the first tile: only this step's keys are left to load
+            late = (kmask & ((kpos >= old_end) | (start != kv_begin)))[:, None]
+            k = tl.load(k_cache_ptr + kv_off, mask=late, other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=late, other=0.0)
+            if start == kv_begin:
+                k = tl.where(late, k, k0)
+                v = tl.where(late, v, v0)
+        else:
+            k = tl.load(k_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (kpos[None, :] <= pos[:, None]) & kmask[None, :]
@@ -742,6 +762,11 @@ def paged_attention(
         # Without PDL nothing waits: early or not is the same (the interpreter tests this path).
         PAGE_EARLY=PRELOAD_FIRST_PAGE and (pdl.EARLY_METADATA or not kw["PDL"]),
         EARLY_ROPE=EARLY_ROPE_ROWS and (pdl.EARLY_METADATA or not kw["PDL"]),
+        # Split launches (batch 1-ish: a tile or two a program) only, with the page ids early.
+        # (without PDL nothing waits: the same kernel, which the interpreter tests)
+        EARLY_KV=num_splits > 1
+        and PRELOAD_FIRST_PAGE
+        and (pdl.early_kv(head_dim) if kw["PDL"] else head_dim <= pdl.EARLY_KV_MAX_HEAD_DIM),
         **_qk_norm_args(qk_norm, q),
         **kw,
     )

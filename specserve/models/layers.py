@@ -12,6 +12,7 @@ from torch import nn
 from specserve import ops
 from specserve.attention.backend import ForwardContext
 from specserve.ops import gemv as gemv_ops
+from specserve.ops import pdl
 from specserve.ops.gemv import DecodeLinear
 
 
@@ -178,6 +179,9 @@ class Attention(KVCacheLayer):
         self.qkv_proj = nn.Linear(
             input_size or hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias
         )
+        # Where the attention loads its first key tile before its PDL wait (small heads), the
+        # qkv gemv lets it launch at the gemv's start, so those loads overlap the projection.
+        self.qkv_proj.early_trigger = pdl.early_kv(head_dim)
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None

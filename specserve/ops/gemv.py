@@ -257,12 +257,13 @@ def gemv(
     b: torch.Tensor | None = None,
     config: tuple[int, int, int, int] = DEFAULT_CONFIG,
     silu_mul: bool = False,
+    early_trigger: bool = False,
 ) -> torch.Tensor:
     """y = x @ w.T (+ b) for decode-sized M, with the Triton kernel (semantics: `gemv_ref`);
     `silu_mul`: [M, N/2] = silu(gate) * up of that product (semantics: `gemv_silu_mul_ref`).
     A fixed launch config, not autotuning: graph capture and the interpreter both need one."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return _launch(x, w, b, config, silu_mul, None)
+    return _launch(x, w, b, config, silu_mul, None, early_trigger)
 
 
 def gemv_norm(
@@ -279,11 +280,13 @@ def gemv_norm(
     residual: torch.Tensor | None,
     config: tuple[int, int, int, int] = DEFAULT_CONFIG,
     silu_mul: bool = False,
+    early_trigger: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gemv(rms_norm(x + residual)), x + residual) in one kernel (semantics:
     `gemv_norm_ref`); without a residual the second is x itself."""
     x, residual, res_out = skinny.norm_operands(x, residual)
-    y = _launch(x, w, b, config, silu_mul, (residual, res_out, norm_weight, eps))
+    norm = (residual, res_out, norm_weight, eps)
+    y = _launch(x, w, b, config, silu_mul, norm, early_trigger)
     return y, res_out
 
 
@@ -295,6 +298,8 @@ def _launch(
     silu_mul: bool,
     # (residual or None, residual out, norm weight, eps), or None: no norm
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,
+    # the successor may launch at this kernel's start (DecodeLinear.early_trigger)
+    early_trigger: bool = False,
 ) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
@@ -331,7 +336,7 @@ def _launch(
         num_warps=num_warps,
         num_stages=num_stages,
         # Both only mean something under PDL (they are the overlap it buys).
-        EARLY_TRIGGER=kw["PDL"] and pdl.GEMV_EARLY_TRIGGER,
+        EARLY_TRIGGER=kw["PDL"] and (pdl.GEMV_EARLY_TRIGGER or early_trigger),
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
         W_EVICT=l2.weight_eviction(),
         **kw,
@@ -377,11 +382,13 @@ def planned_matmul(
     silu_mul: bool = False,
     # the skinny matmul's split counters (DecodeLinear.counters) or None
     counters: torch.Tensor | None = None,
+    early_trigger: bool = False,
 ) -> torch.Tensor:
-    """gemv or skinny_matmul, whichever `cfg` is a launch config of."""
+    """gemv or skinny_matmul, whichever `cfg` is a launch config of (`early_trigger`: the
+    gemv's)."""
     if isinstance(cfg, skinny.SkinnyConfig):
         return skinny.skinny_matmul(x, w, b, cfg, silu_mul, counters)
-    return gemv(x, w, b, config=cfg, silu_mul=silu_mul)
+    return gemv(x, w, b, config=cfg, silu_mul=silu_mul, early_trigger=early_trigger)
 
 
 def planned_matmul_norm(
@@ -396,11 +403,13 @@ def planned_matmul_norm(
     cfg: Config | skinny.SkinnyConfig,
     silu_mul: bool = False,
     counters: torch.Tensor | None = None,
+    early_trigger: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """gemv_norm or skinny_norm, whichever `cfg` is a launch config of."""
+    """gemv_norm or skinny_norm, whichever `cfg` is a launch config of (`early_trigger`: the
+    gemv's)."""
     if isinstance(cfg, skinny.SkinnyConfig):
         return skinny.skinny_norm(x, w, b, norm_weight, eps, residual, cfg, silu_mul, counters)
-    return gemv_norm(x, w, b, norm_weight, eps, residual, cfg, silu_mul)
+    return gemv_norm(x, w, b, norm_weight, eps, residual, cfg, silu_mul, early_trigger)
 
 
 class DecodeLinear(nn.Linear):
@@ -419,6 +428,9 @@ class DecodeLinear(nn.Linear):
     # The model feeds this layer through norm_linear (models/layers.feeds_from_norm): the plan
     # times the norm-fused kernels for it.
     norm_fed: bool = False
+    # The gemv lets the next kernel launch at its start (pdl.early_kv: the attention this layer
+    # feeds loads its first key tile meanwhile).
+    early_trigger: bool = False
 
     @classmethod
     def sharing(cls, linear: nn.Linear, config: Config | None = DEFAULT_CONFIG) -> DecodeLinear:
@@ -431,6 +443,7 @@ class DecodeLinear(nn.Linear):
         new.plan = default_plan(config)
         new.silu_plan = default_plan(config)
         new.norm_fed = getattr(linear, "norm_fed", False)
+        new.early_trigger = getattr(linear, "early_trigger", False)
         w = linear.weight
         # Column tiles of the narrowest skinny config (block_n 16), allocated outside any capture
         new.counters = (
@@ -461,7 +474,8 @@ class DecodeLinear(nn.Linear):
         self, x: torch.Tensor, cfg: Config | skinny.SkinnyConfig, silu_mul: bool = False
     ) -> torch.Tensor:
         """This layer's product with `x` by the planned kernel `cfg` (silu_mul: gate_up's)."""
-        return planned_matmul(x, self.weight, self.bias, cfg, silu_mul, self.counters)
+        w, b, counters = self.weight, self.bias, self.counters
+        return planned_matmul(x, w, b, cfg, silu_mul, counters, self.early_trigger)
 
     def run_norm(
         self,
@@ -475,7 +489,7 @@ class DecodeLinear(nn.Linear):
         """planned_matmul_norm with this layer's weights."""
         w, b = self.weight, self.bias
         return planned_matmul_norm(
-            x, w, b, norm_weight, eps, residual, cfg, silu_mul, self.counters
+            x, w, b, norm_weight, eps, residual, cfg, silu_mul, self.counters, self.early_trigger
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,16 @@ a first PDL kernel after a plain launch starts after that launch completed). So 
 attention or RoPE kernel starts, the metadata's writers have finished and their writes are
 visible; only q and the KV cache, written by the kernels right before, need the wait.
 
+EARLY_KV (`early_kv`) relaxes it for the KV cache's older keys: an attention kernel with small
+heads loads its first key tile's keys from before this step (positions < seq_len - q_len)
+before the wait, and the qkv gemv before it triggers at its start. Those keys were written by
+an earlier step's (or draft step's) attention kernel of the same layer, at least a layer of
+kernels back, and every layer has a kernel that triggers only after its wait (the o
+projection's gemv; the MoE down kernel; torch and cuBLAS launches), whose start means its
+predecessor, and so everything before that, has finished: the writer is complete when the
+attention kernel starts. Keys written this step (positions >= seq_len - q_len, by this kernel
+or a KV-write kernel just before it) load after the wait, as before.
+
 `ENABLED`, `GEMV_PRELOAD`, `GEMV_EARLY_TRIGGER` and `EARLY_METADATA` are switches for
 benchmarks and tests (`benchmarks/decode.py --sweep "pdl=0;pdl=1"`).
 """
@@ -76,6 +86,21 @@ GEMV_EARLY_TRIGGER = False  # the decode matmul lets its successor launch at its
 # slots, cos/sin) before waiting for the previous kernel: batch-1 decode 5.817 -> 5.773 ms a
 # step on the H100 (benchmarks/RESULTS.md, session 6 call 1).
 EARLY_METADATA = True
+# Attention over heads of at most this size (split launches: batch-1-like decode) also loads
+# its first key tile's older keys and values before the wait (triton_paged EARLY_KV), and the
+# qkv projection feeding it lets it launch at the projection's start (`early_kv`) so those
+# loads run during the projection. H100 (RESULTS.md session 22): gpt-oss-120b (head_dim 64)
+# batch 1 2.39 -> 2.35 ms a step; Qwen3-30B-A3B (head_dim 128, a tile twice the registers)
+# was slower with it (device-busy 2875 -> 2984 us a step), so 64.
+EARLY_KV_MAX_HEAD_DIM = 64
+
+
+def early_kv(head_dim: int) -> bool:
+    """Whether attention with `head_dim` preloads its first key tile (and its qkv projection
+    triggers at its start): EARLY_KV_MAX_HEAD_DIM, with the early metadata it extends. Not
+    with GEMV_EARLY_TRIGGER: its o projection would no longer trigger after its wait, which
+    is what makes the older keys safe to read early (above)."""
+    return EARLY_METADATA and not GEMV_EARLY_TRIGGER and head_dim <= EARLY_KV_MAX_HEAD_DIM
 
 
 @functools.cache
