@@ -43,6 +43,12 @@ def test_one_job_per_compiled_kernel() -> None:
     assert job(o, 1, False, gemv) != job(down, 1, False, gemv)
     assert job(o, 16, False, auto) != job(down, 16, False, auto)
     assert job(_layer(4100, 4096), 1, False, gemv) != job(o, 1, False, gemv)  # N % 16
+    # A qkv gemv triggering early (pdl.early_kv) is its own compile; the skinny matmul has
+    # no such switch.
+    qkv = _layer(4096, 4096)
+    qkv.norm_fed = qkv.early_trigger = True
+    assert job(qkv, 1, False, gemv) != job(o, 1, False, gemv)
+    assert job(qkv, 16, False, auto) == job(o, 16, False, auto)
 
 
 @pytest.mark.gpu

@@ -42,6 +42,7 @@ class Job(NamedTuple):
     cfg: PlanConfig  # a skinny config's split_k: 1, or 2 for any count above one (`job`)
     n_div16: bool  # N a multiple of 16
     k_div16: bool
+    early_trigger: bool = False  # a gemv's DecodeLinear.early_trigger (a constexpr of it)
 
 
 # Compile in a thread pool ahead of the timing (False: each candidate at its first timing). A
@@ -60,7 +61,8 @@ def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
         # every count above one runs the same compiled kernel, compiled once at 2.
         cfg = cfg._replace(split_k=1 if one_split else 2)
     dtype, bias = layer.weight.dtype, layer.bias is not None
-    return Job(dtype, bias, layer.norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0)
+    early = layer.early_trigger and not isinstance(cfg, skinny.SkinnyConfig)
+    return Job(dtype, bias, layer.norm_fed, rows, silu_mul, cfg, n % 16 == 0, k % 16 == 0, early)
 
 
 class Compiles:
