@@ -238,3 +238,25 @@ def test_attention_first_key_tile_before_the_wait(head_dim: int) -> None:
         assert not pdl.early_kv(head_dim)
     finally:
         pdl.GEMV_EARLY_TRIGGER = False
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_attention_qk_norm_weights_before_the_wait(early: bool) -> None:
+    """EARLY_NORM_W (triton_paged.EARLY_QK_NORM_WEIGHTS): Qwen3's fused q / k norm weights and
+    their rotate-half partners (four 16-bit loads a thread) load before the PDL wait, none
+    after it; without it all four after."""
+    from specserve.attention import triton_paged as tp
+
+    names = tp._paged_attention_kernel.arg_names
+    aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
+    attn = dict(GROUP=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=2, BLOCK_N=64)
+    attn.update(USE_WINDOW=False, DOT_PRECISION="tf32", SPLITS=16, PDL=True, EARLY_META=True)
+    attn.update(FUSE_KV=True, QK_NORM=True, PAGE_EARLY=True, EARLY_ROPE=True)
+    attn.update(HAS_SINKS=False, EARLY_NORM_W=early)
+    ptx = compile_sm90(
+        tp._paged_attention_kernel, attn, 4, 2, {"q_eps": "fp32", "k_eps": "fp32"}, aligned
+    )
+    lines = ptx.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    b16 = [("ld.global" in line and "b16" in line) for line in lines]
+    assert (sum(b16[:wait]), sum(b16[wait:])) == ((4, 0) if early else (0, 4))

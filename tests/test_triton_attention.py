@@ -607,8 +607,16 @@ def test_fused_kv_write_interpreter(interpreter: None, window: int | None, split
 
 
 @needs_interpreter
+@pytest.mark.parametrize("early_weights", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_qk_norm_interpreter(interpreter: None, dtype: torch.dtype) -> None:
+def test_fused_qk_norm_interpreter(
+    interpreter: None, dtype: torch.dtype, early_weights: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """early_weights: triton_paged.EARLY_QK_NORM_WEIGHTS (the norm weights loaded with the
+    metadata): the same bits."""
+    from specserve.attention import triton_paged
+
+    monkeypatch.setattr(triton_paged, "EARLY_QK_NORM_WEIGHTS", early_weights)
     _check_fused_kv_write("cpu", dtype, (4, 2), 16, None, 2, qk_norm=True)
     with pytest.raises(ValueError, match="qk_norm is fused only with new_kv"):
         from specserve.attention.triton_paged import paged_attention

@@ -344,6 +344,7 @@ def _paged_attention_kernel(
     PAGE_EARLY: tl.constexpr,
     EARLY_ROPE: tl.constexpr = False,
     EARLY_KV: tl.constexpr = False,
+    EARLY_NORM_W: tl.constexpr = False,
 ):
     # QK_NORM (with FUSE_KV): q and k arrive un-normed too; the per-head RMSNorm runs in the
     # RoPE tiles (no qk-norm launch), q_norm_w / k_norm_w [HEAD_DIM].
@@ -413,6 +414,10 @@ def _paged_attention_kernel(
         if EARLY_ROPE:  # before the wait with the metadata: one round trip less after it
             q_c, q_s = _rope_trig(pos, row_valid, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
             k_c, k_s = _rope_trig(t_pos, t_ok, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
+    q_nw, k_nw = None, None
+    if EARLY_NORM_W:  # QK_NORM's weights (parameters) too: EARLY_QK_NORM_WEIGHTS
+        q_nw = _norm_weights(q_norm_w_ptr, HEAD_DIM)
+        k_nw = _norm_weights(k_norm_w_ptr, HEAD_DIM)
     pdl.wait(PDL and EARLY_META)
     if q_off >= q_len:  # a q-block past its request's queries (all rows invalid above)
         return
@@ -421,7 +426,7 @@ def _paged_attention_kernel(
     if FUSE_KV:  # q arrives unrotated: RoPE here, rounded as the RoPE kernel rounds
         q = _rope_tile(
             q_row, row_valid, pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM, q_norm_w_ptr, q_eps,
-            QK_NORM, q_c, q_s,
+            QK_NORM, q_c, q_s, q_nw,
         )  # fmt: skip
         q = q.to(q_ptr.dtype.element_ty)
     else:
@@ -441,7 +446,7 @@ def _paged_attention_kernel(
         k_row = k_new_ptr + t_tok[:, None] * stride_knt + kv_head * stride_knh
         k_rot = _rope_tile(
             k_row, mine, t_pos, cos_ptr, sin_ptr, stride_cos, HEAD_DIM, k_norm_w_ptr, k_eps,
-            QK_NORM, k_c, k_s,
+            QK_NORM, k_c, k_s, k_nw,
         )  # fmt: skip
         v_new = tl.load(
             v_new_ptr + t_tok[:, None] * stride_vnt + kv_head * stride_vnh + d[None, :],
@@ -540,11 +545,13 @@ def _rope_tile(
     NORM: tl.constexpr,
     c=None,
     s=None,
+    nw=None,
 ):
     """[rows, HEAD_DIM] fp32 rotate-half RoPE of the vectors at row_ptr [rows, 1] (positions
     pos [rows]): x1 * c - x2 * s, x2 * c + x1 * s, as the RoPE kernels compute it; each half's
     partner is a second load of the same row (cos/sin rows are cat(c, c), cat(s, s)); c, s:
-    the rows' `_rope_trig`, loaded already, or None.
+    the rows' `_rope_trig`, loaded already, or None; nw: `_norm_weights`, loaded already, or
+    None.
     NORM: each row RMS-normed over HEAD_DIM first (Qwen3's q_norm / k_norm, weight at
     norm_w_ptr), rounded as the qk-norm kernel rounds (to the row dtype after the scale and
     after the weight), so the rotation sees the values that kernel would have stored."""
@@ -556,14 +563,25 @@ def _rope_tile(
     if NORM:
         dt = row_ptr.dtype.element_ty
         inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        w = tl.load(norm_w_ptr + d).to(tl.float32)[None, :]
-        wp = tl.load(norm_w_ptr + partner).to(tl.float32)[None, :]
+        if nw is None:
+            nw = _norm_weights(norm_w_ptr, HEAD_DIM)
+        w, wp = nw
         x = (w * (x * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         xp = (wp * (xp * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     if c is None:
         c, s = _rope_trig(pos, row_ok, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
     first_half = (d < HEAD_DIM // 2)[None, :]
     return tl.where(first_half, x * c - xp * s, x * c + xp * s)
+
+
+@triton.jit
+def _norm_weights(norm_w_ptr, HEAD_DIM: tl.constexpr):
+    """(w, w of each element's rotate-half partner) [1, HEAD_DIM] fp32: a per-head RMSNorm
+    weight as `_rope_tile` applies it."""
+    d = tl.arange(0, HEAD_DIM)
+    partner = (d + HEAD_DIM // 2) % HEAD_DIM
+    w = tl.load(norm_w_ptr + d).to(tl.float32)[None, :]
+    return w, tl.load(norm_w_ptr + partner).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -762,6 +780,9 @@ def paged_attention(
         # Without PDL nothing waits: early or not is the same (the interpreter tests this path).
         PAGE_EARLY=PRELOAD_FIRST_PAGE and (pdl.EARLY_METADATA or not kw["PDL"]),
         EARLY_ROPE=EARLY_ROPE_ROWS and (pdl.EARLY_METADATA or not kw["PDL"]),
+        EARLY_NORM_W=qk_norm is not None
+        and EARLY_QK_NORM_WEIGHTS
+        and (pdl.EARLY_METADATA or not kw["PDL"]),
         # Split launches (batch 1-ish: a tile or two a program) only, with the page ids early.
         # (without PDL nothing waits: the same kernel, which the interpreter tests)
         EARLY_KV=num_splits > 1
@@ -825,6 +846,13 @@ PRELOAD_FIRST_PAGE = True
 # before the wait too (the new keys' positions are metadata): after it, their cos / sin no
 # longer wait on a positions round trip.
 EARLY_ROPE_ROWS = True
+# Experiment (off until measured; `bash benchmarks/gpu_session.sh qknorm`): with the qk-norm
+# fused (Qwen3), its q / k weights load before the wait too. In the sm_90 SASS of Qwen3's
+# decode attention, both weights and their rotate-half partners load after the wait, each
+# behind a barrier of the norm's reductions: four dependent L2 round trips after the wait
+# (RESULTS.md session 22: this step's keys are written 2.4 us after q is ready at
+# Qwen3-30B-A3B, 0.3 us at gpt-oss-20b, which has no qk-norm).
+EARLY_QK_NORM_WEIGHTS = False
 
 
 def split_count(
