@@ -52,9 +52,9 @@
 #                                                 # traced, kernel by kernel (issue 23)
 #   bash benchmarks/gpu_session.sh skinny-norm    # the decode plan: GPU tests, its TB/s per
 #                                                 # shape, batch 1 / 16, EAGLE-3 K=3 / 4
-#   bash benchmarks/gpu_session.sh qknorm         # Qwen3's qk-norm weights before the PDL wait
-#                                                 # (triton_paged.EARLY_QK_NORM_WEIGHTS): GPU
-#                                                 # tests with it, step A/B (issue 18)
+#   bash benchmarks/gpu_session.sh early-params   # attention parameters before the PDL wait
+#                                                 # (triton_paged.EARLY_ATTN_PARAMS): GPU tests
+#                                                 # with it, step A/B (issues 18, 22)
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -387,20 +387,23 @@ PY
       grep -E "^  _moe|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occ|Theoretical Occ|Grid Size|Block Size|Waves Per SM|Stall Long|L2 Hit|One or More|No Eligible|Issued Warp|Warp Cycles Per Issued" "$f" | head -120
     done
     ;;
-  qknorm)
-    # Session 22's switch (off): Qwen3's fused qk-norm weights loaded before the PDL wait.
-    # The GPU tests of the fused path with it on, then the step A/B, then batch 1 of issue 18.
+  early-params)
+    # Session 22's switch (off): the attention's own parameters (Qwen3's fused qk-norm
+    # weights, gpt-oss's sinks) loaded before the PDL wait. The GPU tests of the fused path
+    # and the sinks with it on, then the step A/B on both shapes.
     T=specserve.attention.triton_paged
-    timeout 150 python -c "import $T as t, sys, pytest; t.EARLY_QK_NORM_WEIGHTS = True; \
-      sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/test_triton_attention.py', '-k', 'fused']))" \
-      2>&1 | tail -3
-    timeout 260 python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b --step-ms \
-      --variants "base;$T.EARLY_QK_NORM_WEIGHTS=True;base;$T.EARLY_QK_NORM_WEIGHTS=True" \
-      2>&1 | tee "$OUT/qknorm.log" | grep -E "^###|attention|\|"
+    timeout 200 python -c "import $T as t, sys, pytest; t.EARLY_ATTN_PARAMS = True; \
+      sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/test_triton_attention.py', \
+      'tests/test_triton_sinks.py', '-k', 'fused or sinks']))" 2>&1 | tail -3
+    for S in qwen3-30b-a3b gpt-oss-20b; do
+      timeout 200 python benchmarks/timeline_sweep.py --shape $S --step-ms \
+        --variants "base;$T.EARLY_ATTN_PARAMS=True;base;$T.EARLY_ATTN_PARAMS=True" \
+        2>&1 | tee "$OUT/early_params_$S.log" | grep -E "^###|attention|\|"
+    done
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu qknorm" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params" >&2
     exit 2
     ;;
 esac

@@ -240,23 +240,29 @@ def test_attention_first_key_tile_before_the_wait(head_dim: int) -> None:
         pdl.GEMV_EARLY_TRIGGER = False
 
 
-@pytest.mark.parametrize("early", [False, True])
-def test_attention_qk_norm_weights_before_the_wait(early: bool) -> None:
-    """EARLY_NORM_W (triton_paged.EARLY_QK_NORM_WEIGHTS): Qwen3's fused q / k norm weights and
-    their rotate-half partners (four 16-bit loads a thread) load before the PDL wait, none
-    after it; without it all four after."""
+@pytest.mark.parametrize("model", ["qwen3", "gpt-oss"])
+def test_attention_params_before_the_wait(model: str) -> None:
+    """EARLY_PARAMS (triton_paged.EARLY_ATTN_PARAMS): the layer's own parameters load before
+    the PDL wait, the same loads fewer after it: Qwen3's fused q / k norm weights and their
+    rotate-half partners (four 16-bit loads a thread), gpt-oss's sink logits (two)."""
     from specserve.attention import triton_paged as tp
 
     names = tp._paged_attention_kernel.arg_names
     aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
-    attn = dict(GROUP=8, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=2, BLOCK_N=64)
-    attn.update(USE_WINDOW=False, DOT_PRECISION="tf32", SPLITS=16, PDL=True, EARLY_META=True)
-    attn.update(FUSE_KV=True, QK_NORM=True, PAGE_EARLY=True, EARLY_ROPE=True)
-    attn.update(HAS_SINKS=False, EARLY_NORM_W=early)
-    ptx = compile_sm90(
-        tp._paged_attention_kernel, attn, 4, 2, {"q_eps": "fp32", "k_eps": "fp32"}, aligned
-    )
-    lines = ptx.splitlines()
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    b16 = [("ld.global" in line and "b16" in line) for line in lines]
-    assert (sum(b16[:wait]), sum(b16[wait:])) == ((4, 0) if early else (0, 4))
+    qwen3 = model == "qwen3"
+    attn = dict(GROUP=8, HEAD_DIM=128 if qwen3 else 64, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=2)
+    attn.update(BLOCK_N=64, USE_WINDOW=not qwen3, DOT_PRECISION="tf32", SPLITS=16, PDL=True)
+    attn.update(EARLY_META=True, FUSE_KV=True, QK_NORM=qwen3, PAGE_EARLY=True, EARLY_ROPE=True)
+    attn.update(HAS_SINKS=not qwen3)
+    counts = []
+    for early in (False, True):
+        ptx = compile_sm90(
+            tp._paged_attention_kernel, dict(attn, EARLY_PARAMS=early), 4, 2,
+            {"q_eps": "fp32", "k_eps": "fp32"}, aligned,
+        )  # fmt: skip
+        lines = ptx.splitlines()
+        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+        b16 = [("ld.global" in line and "b16" in line) for line in lines]
+        counts.append((sum(b16[:wait]), sum(b16[wait:])))
+    moved = 4 if qwen3 else 2
+    assert counts[0][0] == 0 and counts[1] == (moved, counts[0][1] - moved)

@@ -612,11 +612,11 @@ def test_fused_kv_write_interpreter(interpreter: None, window: int | None, split
 def test_fused_qk_norm_interpreter(
     interpreter: None, dtype: torch.dtype, early_weights: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """early_weights: triton_paged.EARLY_QK_NORM_WEIGHTS (the norm weights loaded with the
+    """early_weights: triton_paged.EARLY_ATTN_PARAMS (the norm weights loaded with the
     metadata): the same bits."""
     from specserve.attention import triton_paged
 
-    monkeypatch.setattr(triton_paged, "EARLY_QK_NORM_WEIGHTS", early_weights)
+    monkeypatch.setattr(triton_paged, "EARLY_ATTN_PARAMS", early_weights)
     _check_fused_kv_write("cpu", dtype, (4, 2), 16, None, 2, qk_norm=True)
     with pytest.raises(ValueError, match="qk_norm is fused only with new_kv"):
         from specserve.attention.triton_paged import paged_attention

@@ -69,12 +69,20 @@ def compare_sinks(
         (torch.bfloat16, None, 2),
     ],
 )
+@pytest.mark.parametrize("early_params", [False, True])
 def test_sinks_interpreter(
     interpreter: None,  # noqa: F811
     dtype: torch.dtype,
     window: int | None,
     splits: int,
+    early_params: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """early_params: triton_paged.EARLY_ATTN_PARAMS (the sink logits loaded with the
+    metadata)."""
+    from specserve.attention import triton_paged
+
+    monkeypatch.setattr(triton_paged, "EARLY_ATTN_PARAMS", early_params)
     reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
     compare_sinks(reqs, (4, 2), 16, window, dtype, "cpu", splits)
 

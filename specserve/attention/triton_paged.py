@@ -344,7 +344,7 @@ def _paged_attention_kernel(
     PAGE_EARLY: tl.constexpr,
     EARLY_ROPE: tl.constexpr = False,
     EARLY_KV: tl.constexpr = False,
-    EARLY_NORM_W: tl.constexpr = False,
+    EARLY_PARAMS: tl.constexpr = False,
 ):
     # QK_NORM (with FUSE_KV): q and k arrive un-normed too; the per-head RMSNorm runs in the
     # RoPE tiles (no qk-norm launch), q_norm_w / k_norm_w [HEAD_DIM].
@@ -414,10 +414,13 @@ def _paged_attention_kernel(
         if EARLY_ROPE:  # before the wait with the metadata: one round trip less after it
             q_c, q_s = _rope_trig(pos, row_valid, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
             k_c, k_s = _rope_trig(t_pos, t_ok, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
-    q_nw, k_nw = None, None
-    if EARLY_NORM_W:  # QK_NORM's weights (parameters) too: EARLY_QK_NORM_WEIGHTS
-        q_nw = _norm_weights(q_norm_w_ptr, HEAD_DIM)
-        k_nw = _norm_weights(k_norm_w_ptr, HEAD_DIM)
+    q_nw, k_nw, sink = None, None, None
+    if EARLY_PARAMS:  # the layer's own parameters too (EARLY_ATTN_PARAMS)
+        if QK_NORM:
+            q_nw = _norm_weights(q_norm_w_ptr, HEAD_DIM)
+            k_nw = _norm_weights(k_norm_w_ptr, HEAD_DIM)
+        if HAS_SINKS:
+            sink = _sink_logits(sinks_ptr, head, row_valid)
     pdl.wait(PDL and EARLY_META)
     if q_off >= q_len:  # a q-block past its request's queries (all rows invalid above)
         return
@@ -498,11 +501,13 @@ def _paged_attention_kernel(
         if split == 0:
             # The head's sink logit joins the denominator once (split 0's partial state; the
             # merge sums l over splits): exp(sink) more mass, no value. Log2 domain, unscaled.
-            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0).to(tl.float32)
-            sink = sink * 1.4426950408889634
-            m_new = tl.maximum(m_i, sink)
+            if EARLY_PARAMS:
+                sink_l2 = sink
+            else:
+                sink_l2 = _sink_logits(sinks_ptr, head, row_valid)
+            m_new = tl.maximum(m_i, sink_l2)
             alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+            l_i = l_i * alpha + tl.math.exp2(sink_l2 - m_new)
             acc = acc * alpha[:, None]
             m_i = m_new
 
@@ -572,6 +577,13 @@ def _rope_tile(
         c, s = _rope_trig(pos, row_ok, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
     first_half = (d < HEAD_DIM // 2)[None, :]
     return tl.where(first_half, x * c - xp * s, x * c + xp * s)
+
+
+@triton.jit
+def _sink_logits(sinks_ptr, head, row_ok):
+    """[rows] fp32 sink logits of the rows' heads, log2 domain (as the scores)."""
+    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+    return sink * 1.4426950408889634
 
 
 @triton.jit
@@ -780,9 +792,7 @@ def paged_attention(
         # Without PDL nothing waits: early or not is the same (the interpreter tests this path).
         PAGE_EARLY=PRELOAD_FIRST_PAGE and (pdl.EARLY_METADATA or not kw["PDL"]),
         EARLY_ROPE=EARLY_ROPE_ROWS and (pdl.EARLY_METADATA or not kw["PDL"]),
-        EARLY_NORM_W=qk_norm is not None
-        and EARLY_QK_NORM_WEIGHTS
-        and (pdl.EARLY_METADATA or not kw["PDL"]),
+        EARLY_PARAMS=EARLY_ATTN_PARAMS and (pdl.EARLY_METADATA or not kw["PDL"]),
         # Split launches (batch 1-ish: a tile or two a program) only, with the page ids early.
         # (without PDL nothing waits: the same kernel, which the interpreter tests)
         EARLY_KV=num_splits > 1
@@ -846,13 +856,14 @@ PRELOAD_FIRST_PAGE = True
 # before the wait too (the new keys' positions are metadata): after it, their cos / sin no
 # longer wait on a positions round trip.
 EARLY_ROPE_ROWS = True
-# Experiment (off until measured; `bash benchmarks/gpu_session.sh qknorm`): with the qk-norm
-# fused (Qwen3), its q / k weights load before the wait too. In the sm_90 SASS of Qwen3's
-# decode attention, both weights and their rotate-half partners load after the wait, each
-# behind a barrier of the norm's reductions: four dependent L2 round trips after the wait
-# (RESULTS.md session 22: this step's keys are written 2.4 us after q is ready at
-# Qwen3-30B-A3B, 0.3 us at gpt-oss-20b, which has no qk-norm).
-EARLY_QK_NORM_WEIGHTS = False
+# Experiment (off until measured; `bash benchmarks/gpu_session.sh early-params`): the layer's
+# own parameters load before the wait too, with the metadata (the PDL rule allows weights):
+# the fused qk-norm's q / k weights (Qwen3) and the sink logits (gpt-oss). In the sm_90 SASS
+# of Qwen3's decode attention both norm weights and their rotate-half partners load after the
+# wait, each behind a barrier of the norm's reductions: four dependent L2 round trips (RESULTS.md
+# session 22: this step's keys are written 2.4 us after q is ready at Qwen3-30B-A3B, 0.3 us at
+# gpt-oss-20b, which has no qk-norm); split 0's sinks load after its key loop.
+EARLY_ATTN_PARAMS = False
 
 
 def split_count(
