@@ -201,31 +201,35 @@ def test_attention_key_loop_pipeline_depth(stages: int) -> None:
     assert depth["bf16"] == (2 if stages >= 5 else 1)
 
 
+def _loads_around_wait(attn: dict, load: str) -> tuple[int, int]:
+    """(before, after) the PDL wait: PTX lines of `load` loads in the decode attention kernel
+    compiled for sm_90 with the constexprs `attn` (a split launch, 4 warps, 2 stages)."""
+    from specserve.attention import triton_paged as tp
+
+    names = tp._paged_attention_kernel.arg_names
+    aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
+    types = {"q_eps": "fp32", "k_eps": "fp32"}
+    ptx = compile_sm90(tp._paged_attention_kernel, attn, 4, 2, types, aligned)
+    lines = ptx.splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    hits = ["ld.global" in line and load in line for line in lines]
+    return sum(hits[:wait]), sum(hits[wait:])
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_attention_first_key_tile_before_the_wait(head_dim: int) -> None:
     """EARLY_KV (pdl.early_kv): a split launch also requests its first key tile's keys and
     values (16-byte loads, K and V) before the PDL wait; the qkv projection feeding attention
     with heads of at most EARLY_KV_MAX_HEAD_DIM triggers at its start (DecodeLinear copies the
     flag), none with bigger heads or with every gemv triggering early."""
-    from specserve.attention import triton_paged as tp
     from specserve.models.layers import Attention, RotaryEmbedding
     from specserve.ops import pdl
     from specserve.ops.gemv import DecodeLinear
 
-    names = tp._paged_attention_kernel.arg_names
-    aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
     attn = dict(GROUP=8, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=2, BLOCK_N=64)
     attn.update(USE_WINDOW=True, DOT_PRECISION="tf32", SPLITS=16, PDL=True, EARLY_META=True)
     attn.update(FUSE_KV=True, QK_NORM=False, PAGE_EARLY=True, HAS_SINKS=True)
-    before = []
-    for early in (False, True):
-        ptx = compile_sm90(
-            tp._paged_attention_kernel, dict(attn, EARLY_KV=early), 4, 2,
-            {"q_eps": "fp32", "k_eps": "fp32"}, aligned,
-        )  # fmt: skip
-        lines = ptx.splitlines()
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        before.append(sum("ld.global" in line for line in lines[:wait]))
+    before = [_loads_around_wait(dict(attn, EARLY_KV=e), "")[0] for e in (False, True)]
     assert before[1] - before[0] == 2 * 64 * head_dim * 2 // 16 // 128
 
     rope = RotaryEmbedding(head_dim, 64, 10000.0, None)
@@ -245,24 +249,11 @@ def test_attention_params_before_the_wait(model: str) -> None:
     """EARLY_PARAMS (triton_paged.EARLY_ATTN_PARAMS): the layer's own parameters load before
     the PDL wait, the same loads fewer after it: Qwen3's fused q / k norm weights and their
     rotate-half partners (four 16-bit loads a thread), gpt-oss's sink logits (two)."""
-    from specserve.attention import triton_paged as tp
-
-    names = tp._paged_attention_kernel.arg_names
-    aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
     qwen3 = model == "qwen3"
     attn = dict(GROUP=8, HEAD_DIM=128 if qwen3 else 64, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=2)
     attn.update(BLOCK_N=64, USE_WINDOW=not qwen3, DOT_PRECISION="tf32", SPLITS=16, PDL=True)
     attn.update(EARLY_META=True, FUSE_KV=True, QK_NORM=qwen3, PAGE_EARLY=True, EARLY_ROPE=True)
     attn.update(HAS_SINKS=not qwen3)
-    counts = []
-    for early in (False, True):
-        ptx = compile_sm90(
-            tp._paged_attention_kernel, dict(attn, EARLY_PARAMS=early), 4, 2,
-            {"q_eps": "fp32", "k_eps": "fp32"}, aligned,
-        )  # fmt: skip
-        lines = ptx.splitlines()
-        wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-        b16 = [("ld.global" in line and "b16" in line) for line in lines]
-        counts.append((sum(b16[:wait]), sum(b16[wait:])))
+    off, on = (_loads_around_wait(dict(attn, EARLY_PARAMS=e), "b16") for e in (False, True))
     moved = 4 if qwen3 else 2
-    assert counts[0][0] == 0 and counts[1] == (moved, counts[0][1] - moved)
+    assert off[0] == 0 and on == (moved, off[1] - moved)
