@@ -738,6 +738,10 @@ def paged_attention(
     else:
         fused, fused_strides = (q, q, q, q, q), (0, 0, 0, 0, 0)  # unused
     kw = pdl.launch_kwargs(q.device)
+    # Loads before the PDL wait. Without PDL nothing waits: early or not is the same kernel
+    # (the interpreter tests this path).
+    early = pdl.EARLY_METADATA or not kw["PDL"]
+    early_kv = pdl.early_kv(head_dim) if kw["PDL"] else head_dim <= pdl.EARLY_KV_MAX_HEAD_DIM
     _paged_attention_kernel[grid](
         out,
         q,
@@ -789,15 +793,11 @@ def paged_attention(
         num_stages=cfg.stages(num_splits),
         EARLY_META=kw["PDL"] and pdl.EARLY_METADATA,
         FUSE_KV=new_kv is not None,
-        # Without PDL nothing waits: early or not is the same (the interpreter tests this path).
-        PAGE_EARLY=PRELOAD_FIRST_PAGE and (pdl.EARLY_METADATA or not kw["PDL"]),
-        EARLY_ROPE=EARLY_ROPE_ROWS and (pdl.EARLY_METADATA or not kw["PDL"]),
-        EARLY_PARAMS=EARLY_ATTN_PARAMS and (pdl.EARLY_METADATA or not kw["PDL"]),
+        PAGE_EARLY=PRELOAD_FIRST_PAGE and early,
+        EARLY_ROPE=EARLY_ROPE_ROWS and early,
+        EARLY_PARAMS=EARLY_ATTN_PARAMS and early,
         # Split launches (batch 1-ish: a tile or two a program) only, with the page ids early.
-        # (without PDL nothing waits: the same kernel, which the interpreter tests)
-        EARLY_KV=num_splits > 1
-        and PRELOAD_FIRST_PAGE
-        and (pdl.early_kv(head_dim) if kw["PDL"] else head_dim <= pdl.EARLY_KV_MAX_HEAD_DIM),
+        EARLY_KV=PRELOAD_FIRST_PAGE and num_splits > 1 and early_kv,
         **_qk_norm_args(qk_norm, q),
         **kw,
     )
