@@ -63,8 +63,8 @@ predecessor, and so everything before that, has finished: the writer is complete
 attention kernel starts. Keys written this step (positions >= seq_len - q_len, by this kernel
 or a KV-write kernel just before it) load after the wait, as before.
 
-`ENABLED`, `GEMV_PRELOAD`, `GEMV_EARLY_TRIGGER`, `EARLY_METADATA` and `EARLY_KV_MAX_HEAD_DIM` are switches for
-benchmarks and tests (`benchmarks/decode.py --sweep "pdl=0;pdl=1"`).
+`ENABLED`, `GEMV_PRELOAD`, `GEMV_EARLY_TRIGGER`, `EARLY_METADATA` and `EARLY_KV_MAX_HEAD_DIM`
+are switches for benchmarks and tests (`benchmarks/decode.py --sweep "pdl=0;pdl=1"`).
 """
 
 from __future__ import annotations
