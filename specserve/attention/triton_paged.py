@@ -856,14 +856,15 @@ PRELOAD_FIRST_PAGE = True
 # before the wait too (the new keys' positions are metadata): after it, their cos / sin no
 # longer wait on a positions round trip.
 EARLY_ROPE_ROWS = True
-# Experiment (off until measured; `bash benchmarks/gpu_session.sh early-params`): the layer's
-# own parameters load before the wait too, with the metadata (the PDL rule allows weights):
-# the fused qk-norm's q / k weights (Qwen3) and the sink logits (gpt-oss). In the sm_90 SASS
-# of Qwen3's decode attention both norm weights and their rotate-half partners load after the
-# wait, each behind a barrier of the norm's reductions: four dependent L2 round trips (RESULTS.md
-# session 22: this step's keys are written 2.4 us after q is ready at Qwen3-30B-A3B, 0.3 us at
-# gpt-oss-20b, which has no qk-norm); split 0's sinks load after its key loop.
-EARLY_ATTN_PARAMS = False
+# The layer's own parameters load before the wait too, with the metadata (the PDL rule allows
+# weights): the fused qk-norm's q / k weights (Qwen3) and the sink logits (gpt-oss). In the
+# sm_90 SASS of Qwen3's decode attention both norm weights and their rotate-half partners
+# loaded after the wait, each behind a barrier of the norm's reductions: four dependent L2 round
+# trips; split 0's sinks loaded after its key loop. Measured (H100, RESULTS.md session 23,
+# `bash benchmarks/gpu_session.sh early-params`, two A/B pairs each): step 2862 / 2863 -> 2858 /
+# 2857 us (Qwen3-30B-A3B), 1677 / 1674 -> 1671 / 1670 us (gpt-oss-20b, attention 5.72 -> 5.50
+# us a layer): small, the same sign in every pair.
+EARLY_ATTN_PARAMS = True
 
 
 def split_count(
