@@ -55,9 +55,6 @@
 #   bash benchmarks/gpu_session.sh early-params   # attention parameters before the PDL wait
 #                                                 # (triton_paged.EARLY_ATTN_PARAMS): GPU tests
 #                                                 # with it, step A/B (issues 18, 22)
-#   bash benchmarks/gpu_session.sh verify128      # the skinny matmul's 128-row tile: GPU tests,
-#                                                 # plan TB/s at 64 / 128 rows, EAGLE-3 K=4 at
-#                                                 # batch 16
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -387,21 +384,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
         2>&1 | tee "$OUT/early_params_$S.log" | grep -E "^###|attention|\|"
     done
     ;;
-  verify128)
-    # Issue 23: the skinny matmul's 128-row tile (batch-16 verification at K = 4: 80 rows).
-    # Its GPU tests, the plan's TB/s at bucket 128 (decode.py's batch-16 engine plans every
-    # bucket), then EAGLE-3 K=4 at batch 16 (RESULTS.md session 21: 1.45x a plain step).
-    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_skinny.py 2>&1 | tail -2
-    timeout 240 python benchmarks/decode.py --no-hf --batch-sizes 16 2>&1 \
-      | grep -v -i "warn\|tokenizer" > "$OUT/decode.log"
-    grep -E "^ *16 |planned" "$OUT/decode.log" | head -4
-    python benchmarks/plan_tbs.py "$OUT/decode.json" --rows 64,128
-    timeout $((585 - SECONDS)) python benchmarks/spec_step.py --ks 4 --batches 16 \
-      --modes fused --async-scheduling 2>&1 | tee "$OUT/spec_step.log" | tail -6
-    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params verify128" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params" >&2
     exit 2
     ;;
 esac

@@ -345,8 +345,8 @@ def _launch(
 
 
 # Decode row counts a plan is made for: the M <= 8 gemv's buckets, then the skinny matmul's row
-# tiles (ops/skinny.py) up to 128 rows: verification batches are B x (K + 1) rows.
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# tiles (ops/skinny.py) up to 64 rows: verification batches are B x (K + 1) rows.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # A plan entry: a gemv launch config, a skinny-matmul config, or None (F.linear, cuBLAS).
 PlanConfig = Config | skinny.SkinnyConfig | None
 

@@ -1,4 +1,4 @@
-"""decode_matmul="auto": per weight shape and decode row bucket (1, 2, 4, ..., 128: plain decode
+"""decode_matmul="auto": per weight shape and decode row bucket (1, 2, 4, ..., 64: plain decode
 batches and verification batches of B x (K + 1) rows), the fastest of cuBLAS, the Triton gemv
 (ops/gemv.py) and the Triton skinny matmul (ops/skinny.py), timed on this GPU at engine start.
 
@@ -81,12 +81,6 @@ BUCKET_CANDIDATES: dict[int, tuple[PlanConfig, ...]] = {
     16: (*_S64_SPLITS, _S32, _S64_SPLIT3),
     32: (_S64_SPLIT3, _S32, _S128),
     64: (_S128,),
-    128: (
-        *_S64_SPLITS,
-        SkinnyConfig(64, 64, 2, 8, 4),
-        SkinnyConfig(64, 64, 4, 8, 4),
-        SkinnyConfig(64, 32, 2, 8, 6),
-    ),
 }
 TUNED_BUCKETS = BUCKETS
 # A timer: (layers, rows, silu_mul, candidate) -> microseconds for the whole group.

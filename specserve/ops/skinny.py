@@ -1,6 +1,6 @@
-"""Skinny matmul for 2-128 rows (decode and verification batches: B requests x (K + 1) tokens).
+"""Skinny matmul for 2-64 rows (decode and verification batches: B requests x (K + 1) tokens).
 
-y[M, N] = x[M, K] @ W[N, K]^T (+ b) with M <= 128 is a stream of weight reads, like the M <= 8
+y[M, N] = x[M, K] @ W[N, K]^T (+ b) with M <= 64 is a stream of weight reads, like the M <= 8
 gemv (ops/gemv.py), but with enough rows that the tensor cores should do the multiply. Each
 program owns BLOCK_N output columns and a K range: it multiplies the weight tile by x^T
 (acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T, "swap AB": the weight's N goes in the MMA's large
@@ -40,12 +40,14 @@ try:
 except ImportError:  # CPU-only installs: the reference only
     triton = None
 
-MAX_M = 128
+MAX_M = 64
 # Row tiles: the MMA's small dimension is 16 at least; one tile holds every row, so the weight
-# is read once whatever M is. 128: batch-16 EAGLE-3 verification at K = 4 (80 rows) still reads
-# a weight-streaming amount of bytes per row (80 FLOP a weight byte, a quarter of the H100's
-# ridge), where cuBLAS leaves the stream (issue 23).
-ROW_TILES = (16, 32, 64, 128)
+# is read once whatever M is. A 128-row tile (batch-16 verification at K = 4: 80 rows) lost to
+# cuBLAS on every Llama-3-8B shape (H100, RESULTS.md session 23: best 1.5-2.1 TB/s vs 2.0-2.7,
+# the norm-fed ones spilling): each program reads the whole [128, BLOCK_K] x^T tile per K step,
+# as many bytes as its weight tile or more, so the activation's L2 traffic outgrows the weight
+# stream; cuBLAS's wider tiles read it fewer times.
+ROW_TILES = (16, 32, 64)
 
 
 class SkinnyConfig(NamedTuple):
@@ -372,7 +374,7 @@ def skinny_matmul(
     # [>= N / block_n] int32 zeros (new_counters), or None: a fresh buffer
     counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = x @ w.T (+ b) for 2-128 rows (semantics: `skinny_ref`, F.linear); `silu_mul`:
+    """y = x @ w.T (+ b) for 2-64 rows (semantics: `skinny_ref`, F.linear); `silu_mul`:
     [M, N] = silu(gate) * up (semantics: gemv_silu_mul_ref)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     return _launch(x, w, b, config, silu_mul, None, counters)
