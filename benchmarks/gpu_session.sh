@@ -55,6 +55,9 @@
 #   bash benchmarks/gpu_session.sh early-params   # attention parameters before the PDL wait
 #                                                 # (triton_paged.EARLY_ATTN_PARAMS): GPU tests
 #                                                 # with it, step A/B (issues 18, 22)
+#   bash benchmarks/gpu_session.sh pps            # key splits at batches that fill the SMs
+#                                                 # (PROGRAMS_PER_SM = 4): batch 4 / 16 steps,
+#                                                 # EAGLE-3 K=4 at batch 1 / 16
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -384,9 +387,23 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
         2>&1 | tee "$OUT/early_params_$S.log" | grep -E "^###|attention|\|"
     done
     ;;
+  pps)
+    # Key splits for batches that fill the SMs once (T.PROGRAMS_PER_SM = 4: session 18's 2
+    # splits at batch 16 saved 25-60 us a step, other batches unmeasured): the step at batches
+    # 4 and 16, then plain and EAGLE-3 K = 4 at batches 1 and 16 (verification: 5 / 80 rows).
+    T=specserve.attention.triton_paged
+    for b in ${BATCHES:-4 16}; do
+      timeout 200 python benchmarks/timeline_sweep.py --shape llama3-8b --batch "$b" --step-ms \
+        --variants "base;$T.PROGRAMS_PER_SM=4" 2>&1 | tee "$OUT/pps_b$b.log" \
+        | grep -E "_paged|_combine|^variant|\| [0-9]+ \|"
+    done
+    timeout $((585 - SECONDS)) python benchmarks/ab.py --tail 5 \
+      --variants "base;$T.PROGRAMS_PER_SM=4" -- benchmarks/spec_step.py --ks 4 --batches 1,16 \
+      --modes fused --async-scheduling 2>&1 | tee "$OUT/pps_spec.log"
+    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps" >&2
     exit 2
     ;;
 esac

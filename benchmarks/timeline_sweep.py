@@ -13,18 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
 
-RUNNER = r"""
-import importlib, re, runpy, sys
-for pair in filter(None, re.split(r",(?=[A-Za-z_][\w.]*=)", sys.argv[1])):
-    name, value = pair.split("=", 1)
-    mod, attr = name.rsplit(".", 1)
-    setattr(importlib.import_module(mod), attr, eval(value))
-sys.argv = ["timeline.py"] + sys.argv[2:]
-runpy.run_path("benchmarks/timeline.py", run_name="__main__")
-"""
+sys.path.insert(0, os.path.dirname(__file__))
+from ab import run_variant  # noqa: E402
 
 
 def main() -> None:
@@ -39,11 +31,10 @@ def main() -> None:
     args = ap.parse_args()
     spans = []
     for variant in args.variants.split(";"):
-        sets = "" if variant == "base" else variant
-        cmd = [sys.executable, "-c", RUNNER, sets, "--shape", args.shape, "--batch", args.batch]
-        cmd += ["--prompt-len", args.prompt_len]
-        cmd += ["--step-ms"] if args.step_ms else []
-        out = subprocess.run(cmd, capture_output=True, text=True, env=os.environ).stdout
+        script = ["benchmarks/timeline.py", "--shape", args.shape, "--batch", args.batch]
+        script += ["--prompt-len", args.prompt_len]
+        script += ["--step-ms"] if args.step_ms else []
+        out = run_variant(variant, script)
         print(f"### {variant}\n{out}", flush=True)
         m = re.search(r"span (\d+)\s+busy (\d+)", out)
         step = re.search(r"step (\d+) us \(wall (\d+)\); host waits (\d+)", out)
