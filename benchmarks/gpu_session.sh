@@ -58,6 +58,9 @@
 #   bash benchmarks/gpu_session.sh pps            # key splits at batches that fill the SMs
 #                                                 # (PROGRAMS_PER_SM = 4): batch 4 / 16 steps,
 #                                                 # EAGLE-3 K=4 at batch 1 / 16
+#   bash benchmarks/gpu_session.sh sol            # exposed cost of the latency-bound kernels:
+#                                                 # each skipped in turn (GLM MLA, Qwen3
+#                                                 # attention; outputs garbage, timing only)
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -401,9 +404,25 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
       --variants "base;$T.PROGRAMS_PER_SM=4" -- benchmarks/spec_step.py --ks 4 --batches 1,16 \
       --modes fused --async-scheduling 2>&1 | tee "$OUT/pps_spec.log"
     ;;
+  sol)
+    # What a latency-bound kernel costs the step (its exposed time, net of PDL overlap): each
+    # variant replaces kernels by a launch that does nothing (D), so their outputs are garbage
+    # (never used for anything but this timing; the models' own routing keeps every index in
+    # range). GLM-4.7-Flash's MLA prologue / attention / merge, Qwen3-30B-A3B's attention and
+    # split merge.
+    D="type('D', (), {'__getitem__': lambda self, g: lambda *a, **k: None})()"
+    A=specserve.attention
+    timeout 330 python benchmarks/timeline_sweep.py --shape glm47-flash --step-ms --variants \
+      "base;$A.mla_fused._mla_prologue_kernel=$D;$A.mla_triton._mla_merge_kernel=$D;$A.mla_fused._mla_prologue_kernel=$D,$A.mla_triton._mla_attention_kernel=$D,$A.mla_triton._mla_merge_kernel=$D" \
+      2>&1 | tee "$OUT/sol_glm.log" | grep -E "^###|^variant|\| [0-9]+ \|"
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
+      --step-ms --variants \
+      "base;$A.triton_paged._combine_splits_kernel=$D;$A.triton_paged._paged_attention_kernel=$D,$A.triton_paged._combine_splits_kernel=$D" \
+      2>&1 | tee "$OUT/sol_qwen3.log" | grep -E "^###|^variant|\| [0-9]+ \|"
+    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol" >&2
     exit 2
     ;;
 esac
