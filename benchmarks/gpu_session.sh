@@ -60,7 +60,9 @@
 #                                                 # EAGLE-3 K=4 at batch 1 / 16
 #   bash benchmarks/gpu_session.sh sol            # exposed cost of the latency-bound kernels:
 #                                                 # each skipped in turn (GLM MLA, Qwen3
-#                                                 # attention; outputs garbage, timing only)
+#                                                 # attention; outputs garbage, timing only;
+#                                                 # SOL_SET=kv: the MLA prologue without its
+#                                                 # KV-write program)
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
@@ -412,9 +414,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
     # split merge.
     D="type('D', (), {'__getitem__': lambda self, g: lambda *a, **k: None})()"
     A=specserve.attention
+    # The prologue without its last program (the latent RMSNorm, k_pe RoPE and cache write):
+    # whether that program is the prologue's straggler.
+    P="(lambda K: type('P', (), {'__getitem__': lambda self, g: K[(g[0] - 1,)]})())"
+    P="$P(__import__('$A.mla_fused', fromlist=['x'])._mla_prologue_kernel)"
+    # SOL_SET=kv: only that, twice, GLM alone.
+    KV="base;$A.mla_fused._mla_prologue_kernel=$P;base;$A.mla_fused._mla_prologue_kernel=$P"
+    [ "${SOL_SET:-}" = kv ] && GLM_VARIANTS=$KV GLM_ONLY=1
     timeout 330 python benchmarks/timeline_sweep.py --shape glm47-flash --step-ms --variants \
-      "base;$A.mla_fused._mla_prologue_kernel=$D;$A.mla_triton._mla_merge_kernel=$D;$A.mla_fused._mla_prologue_kernel=$D,$A.mla_triton._mla_attention_kernel=$D,$A.mla_triton._mla_merge_kernel=$D" \
+      "${GLM_VARIANTS:-base;$A.mla_fused._mla_prologue_kernel=$D;$A.mla_triton._mla_merge_kernel=$D;$A.mla_fused._mla_prologue_kernel=$D,$A.mla_triton._mla_attention_kernel=$D,$A.mla_triton._mla_merge_kernel=$D}" \
       2>&1 | tee "$OUT/sol_glm.log" | grep -E "^###|^variant|\| [0-9]+ \|"
+    [ -n "${GLM_ONLY:-}" ] && exit 0
     timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
       --step-ms --variants \
       "base;$A.triton_paged._combine_splits_kernel=$D;$A.triton_paged._paged_attention_kernel=$D,$A.triton_paged._combine_splits_kernel=$D" \
