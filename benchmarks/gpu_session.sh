@@ -421,9 +421,6 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
     # SOL_SET=kv: only that, twice, GLM alone.
     KV="base;$A.mla_fused._mla_prologue_kernel=$P;base;$A.mla_fused._mla_prologue_kernel=$P"
     [ "${SOL_SET:-}" = kv ] && GLM_VARIANTS=$KV GLM_ONLY=1
-    # SOL_SET=early: mla_fused.EARLY_META (a real switch, not a skip), twice.
-    E="$A.mla_fused.EARLY_META=True"
-    [ "${SOL_SET:-}" = early ] && GLM_VARIANTS="base;$E;base;$E" GLM_ONLY=1
     timeout 330 python benchmarks/timeline_sweep.py --shape glm47-flash --step-ms --variants \
       "${GLM_VARIANTS:-base;$A.mla_fused._mla_prologue_kernel=$D;$A.mla_triton._mla_merge_kernel=$D;$A.mla_fused._mla_prologue_kernel=$D,$A.mla_triton._mla_attention_kernel=$D,$A.mla_triton._mla_merge_kernel=$D}" \
       2>&1 | tee "$OUT/sol_glm.log" | grep -E "^###|^variant|\| [0-9]+ \|"

@@ -195,36 +195,6 @@ def test_mla_fused_forward_matches_reference_interpreter(interpreter, interleave
     torch.testing.assert_close(cache[:-1], want_cache[:-1], atol=1e-5, rtol=1e-5)
 
 
-def test_mla_prologue_metadata_before_the_wait() -> None:
-    """EARLY_META (pdl.EARLY_METADATA): the prologue's metadata and constants load before the
-    PDL wait (sm_90 PTX): in the W_UK programs the positions and the two RoPE table rows, in
-    the latent program also the norm weight and the slots; after the wait only q and kv_a."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("ahead-of-time compile needs the compiler, not the interpreter")
-    from specserve.attention import mla_fused as mf
-
-    from .test_pdl import compile_sm90
-
-    names = mf._mla_prologue_kernel.arg_names
-    aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
-    types = {"eps": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "positions_ptr": "*i64"}
-    types |= {"slot_mapping_ptr": "*i64"}
-    glm = dict(NOPE=192, L=512, R=64, BLOCK_NOPE=256, BLOCK_L=64, BLOCK_LALL=512, L_BLOCKS=8)
-    glm.update(PAGE=16, INTERLEAVE=True, BLOCK_T=16, PDL=True)
-    before = []
-    for early in (False, True):
-        ptx = compile_sm90(mf._mla_prologue_kernel, dict(glm, EARLY_META=early), 8, 2, types,
-                           aligned).splitlines()  # fmt: skip
-        waits = [i for i, line in enumerate(ptx) if "griddepcontrol.wait" in line]
-        loads = [i for i, line in enumerate(ptx) if "ld.global" in line]
-        assert len(waits) == 2  # one a branch: the W_UK programs, then the latent program
-        before.append([sum(i < w for i in loads) for w in waits])
-    assert before[1][0] - before[0][0] == 3  # positions, cos, sin
-    assert before[1][1] - before[0][1] == 5  # and the norm weight, the slots
-
-
 @pytest.mark.gpu
 @needs_cuda
 def test_mla_fused_forward_bf16_and_graph_gpu() -> None:

@@ -32,35 +32,14 @@ from specserve.ops import graph_rows, l2, pdl
 FUSE_MAX_TOKENS = 16
 # Set False to run the torch glue + cuBLAS bmm's around the Triton attention (benchmarks).
 ENABLED = True
-# The prologue's metadata (positions, slots), RoPE table rows and norm weight loaded before the
-# PDL wait (with pdl.EARLY_METADATA; its rule), so that after the wait only q and kv_a are left.
-# Off until measured (`benchmarks/timeline_sweep.py --shape glm47-flash`).
-EARLY_META = False
 
 
 @triton.jit
-def _trig_rows(positions_ptr, num_tokens, cos_ptr, sin_ptr, stride_cos, R: tl.constexpr,
-               BLOCK_T: tl.constexpr):  # fmt: skip
-    """([BLOCK_T, R] cos, sin) fp32: the RoPE table rows of the step's tokens (metadata and a
-    constant: loaded before the PDL wait with EARLY_META)."""
-    tt = tl.arange(0, BLOCK_T)
-    pos = tl.load(positions_ptr + tt, mask=tt < num_tokens, other=0)
-    trig = pos.to(tl.int64)[:, None] * stride_cos + tl.arange(0, R)[None, :]
-    ok = (tt < num_tokens)[:, None]
-    return tl.load(cos_ptr + trig, mask=ok, other=0.0), tl.load(sin_ptr + trig, mask=ok, other=0.0)
-
-
-@triton.jit
-def _row(tile, t, BLOCK_T: tl.constexpr):
-    """Row t of a [BLOCK_T, N] tile (a masked sum: t is a loop index, not a constant)."""
-    return tl.sum(tl.where((tl.arange(0, BLOCK_T) == t)[:, None], tile, 0), axis=0)
-
-
-@triton.jit
-def _rope_row(src_ptr, c, s, R: tl.constexpr, INTERLEAVE: tl.constexpr):
-    """[R] fp32 rotate-half RoPE of the vector at src_ptr with its table row (c, s [R]),
-    de-interleaving its (x0, x1), (x2, x3) ... pairs first with INTERLEAVE, as
-    ops.fused.rope_ref computes it."""
+def _rope_row(
+    src_ptr, pos, cos_ptr, sin_ptr, stride_cos, R: tl.constexpr, INTERLEAVE: tl.constexpr
+):
+    """[R] fp32 rotate-half RoPE of the vector at src_ptr (position pos), de-interleaving its
+    (x0, x1), (x2, x3) ... pairs first with INTERLEAVE, as ops.fused.rope_ref computes it."""
     d = tl.arange(0, R)
     partner = (d + R // 2) % R
     if INTERLEAVE:  # de-interleaved channel j holds raw channel 2 (j mod R/2) + (j >= R/2)
@@ -70,6 +49,9 @@ def _rope_row(src_ptr, c, s, R: tl.constexpr, INTERLEAVE: tl.constexpr):
         src, src_p = d, partner
     x = tl.load(src_ptr + src).to(tl.float32)
     xp = tl.load(src_ptr + src_p).to(tl.float32)
+    trig = pos.to(tl.int64) * stride_cos + d
+    c = tl.load(cos_ptr + trig)
+    s = tl.load(sin_ptr + trig)
     return tl.where(d < R // 2, x * c - xp * s, x * c + xp * s)
 
 
@@ -109,17 +91,11 @@ def _mla_prologue_kernel(
     L_BLOCKS: tl.constexpr,
     PAGE: tl.constexpr,
     INTERLEAVE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     PDL: tl.constexpr,
-    EARLY_META: tl.constexpr = False,
     W_EVICT: tl.constexpr = "",  # ops/l2.py's policy for the W_UK tile
 ):
-    # EARLY_META (pdl.EARLY_METADATA): the tokens' positions, slots and RoPE table rows, and the
-    # norm weight, load before the wait (pdl.py says why that is safe); after it only q and
-    # kv_a, the previous kernels' outputs, are left: one round trip with nothing chained behind.
     pid = tl.program_id(0)
     out_ty = kv_ptr.dtype.element_ty
-    tt = tl.arange(0, BLOCK_T)
     if pid < num_heads * L_BLOCKS:
         h = pid // L_BLOCKS
         lb = pid % L_BLOCKS
@@ -135,13 +111,7 @@ def _mla_prologue_kernel(
             eviction_policy=W_EVICT,
         )
         pdl.trigger(PDL)
-        pdl.wait(PDL and not EARLY_META)
-        # The l-block 0 program rotates q_pe too; the others' table loads are masked off.
-        rope_tokens = tl.where(lb == 0, num_tokens, 0)
-        cos_t, sin_t = _trig_rows(
-            positions_ptr, rope_tokens, cos_ptr, sin_ptr, stride_cos, R, BLOCK_T
-        )
-        pdl.wait(PDL and EARLY_META)
+        pdl.wait(PDL)
         d = tl.arange(0, R)
         for t in range(num_tokens):
             q_row = q_ptr + t * stride_qt + h * stride_qh
@@ -151,22 +121,18 @@ def _mla_prologue_kernel(
             dst = t * num_heads + h
             tl.store(q_lat_ptr + dst * L + col, ql.to(out_ty), mask=cm)
             if lb == 0:
-                c, s = _row(cos_t, t, BLOCK_T), _row(sin_t, t, BLOCK_T)
-                rot = _rope_row(q_row + NOPE, c, s, R, INTERLEAVE)
+                pos = tl.load(positions_ptr + t)
+                rot = _rope_row(q_row + NOPE, pos, cos_ptr, sin_ptr, stride_cos, R, INTERLEAVE)
                 # Rounded to q's dtype as the RoPE kernel rounds, then to the cache's.
                 rot = rot.to(q_ptr.dtype.element_ty).to(out_ty)
                 tl.store(q_pe_ptr + dst * R + d, rot)
     else:
         pdl.trigger(PDL)
-        pdl.wait(PDL and not EARLY_META)
+        pdl.wait(PDL)
         dl = tl.arange(0, BLOCK_LALL)
         lm = dl < L
         d = tl.arange(0, R)
         g = tl.load(norm_w_ptr + dl, mask=lm, other=0.0)
-        cos_t, sin_t = _trig_rows(positions_ptr, num_tokens, cos_ptr, sin_ptr, stride_cos, R,
-                                  BLOCK_T)  # fmt: skip
-        slots = tl.load(slot_mapping_ptr + tt, mask=tt < num_tokens, other=-1)
-        pdl.wait(PDL and EARLY_META)
         for t in range(num_tokens):
             row = kv_a_ptr + t * stride_kvat
             x = tl.load(row + dl, mask=lm, other=0.0)
@@ -175,9 +141,10 @@ def _mla_prologue_kernel(
             # ops.rms_norm's rounding: normalize in fp32, round, times the weight, round.
             normed = (xf * rstd).to(x.dtype)
             lat = (normed.to(tl.float32) * g.to(tl.float32)).to(g.dtype)
-            c, s = _row(cos_t, t, BLOCK_T), _row(sin_t, t, BLOCK_T)
-            k_pe = _rope_row(row + L, c, s, R, INTERLEAVE).to(x.dtype)
-            slot = tl.sum(tl.where(tt == t, slots, 0))
+            pos = tl.load(positions_ptr + t)
+            k_pe = _rope_row(row + L, pos, cos_ptr, sin_ptr, stride_cos, R, INTERLEAVE)
+            k_pe = k_pe.to(x.dtype)
+            slot = tl.load(slot_mapping_ptr + t)
             dst = kv_ptr + (slot // PAGE).to(tl.int64) * stride_kvb + (slot % PAGE) * stride_kvs
             tl.store(dst + dl, lat.to(out_ty), mask=lm & (slot >= 0))
             tl.store(dst + L + d, k_pe.to(out_ty), mask=(d < R) & (slot >= 0))
@@ -199,8 +166,6 @@ def mla_prologue(
     """(q_latent [T, H, L], rotated q_pe [T, H, R]) in kv_cache's dtype, this step's latent
     rows written: `mla_prologue_ref` in one launch."""
     T, H, _ = q.shape
-    if T > FUSE_MAX_TOKENS:
-        raise ValueError(f"mla_prologue takes at most {FUSE_MAX_TOKENS} tokens, got {T}")
     L, R = w.w_uk.shape[2], q.shape[2] - w.nope
     q_lat = torch.empty(T, H, L, dtype=kv_cache.dtype, device=q.device)
     q_pe = torch.empty(T, H, R, dtype=kv_cache.dtype, device=q.device)
@@ -223,8 +188,6 @@ def mla_prologue(
         L_BLOCKS=l_blocks,
         PAGE=kv_cache.shape[1],
         INTERLEAVE=w.rope_interleave,
-        BLOCK_T=FUSE_MAX_TOKENS,
-        EARLY_META=pdl.EARLY_METADATA and EARLY_META,
         W_EVICT=l2.weight_eviction(),
         num_warps=8,
         **pdl.launch_kwargs(q.device),
