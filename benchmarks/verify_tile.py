@@ -68,9 +68,9 @@ def tile_matmul(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, cfg: tuple) 
     return ws.to(x.dtype)
 
 
-CONFIGS = [(128, 128, 64, s, 8, st) for s in (1, 2, 4, 8) for st in (3, 4)] + [
-    (128, 256, 64, s, 8, 3) for s in (2, 4, 8)
-]
+CONFIGS = [(128, 128, 64, s, 8, st) for s in (1, 2, 4, 8) for st in (3, 4)]
+CONFIGS += [(128, 256, 64, s, 8, 3) for s in (2, 4, 8)]
+CONFIGS += [(256, 128, 64, s, 8, 3) for s in (1, 2, 4)]
 
 
 def main() -> None:
