@@ -197,7 +197,8 @@ def whole_row_wins_ties(lin: DecodeLinear, cfg: PlanConfig) -> bool:
     (2, 4096, 4, 1), attention and merge 0.2 us slower (H100, RESULTS.md session 22). A
     norm-fed weight follows the previous layer's weight stream: there it lost (qkv 10.76 ->
     12.78 us), so only a clear win picks it."""
-    return type(cfg) is tuple and not lin.norm_fed and cfg[1] >= lin.weight.shape[1]
+    gemv_cfg = cfg is not None and not isinstance(cfg, SkinnyConfig)
+    return gemv_cfg and not lin.norm_fed and cfg[1] >= lin.weight.shape[1]
 
 
 @torch.inference_mode()
