@@ -66,6 +66,10 @@
 #   bash benchmarks/gpu_session.sh ncu            # Nsight Compute on the batch-1 MoE kernels
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
+#   bash benchmarks/gpu_session.sh persist        # the persistent MoE gate_up kernel (issue 18):
+#                                                 # its GPU test, the expert stream alone
+#                                                 # (benchmarks/moe_stream.py), then batch-1
+#                                                 # steps A/B (PERSIST_SHAPE, default Qwen3)
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -430,9 +434,20 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
       "base;$A.triton_paged._combine_splits_kernel=$D;$A.triton_paged._paged_attention_kernel=$D,$A.triton_paged._combine_splits_kernel=$D" \
       2>&1 | tee "$OUT/sol_qwen3.log" | grep -E "^###|^variant|\| [0-9]+ \|"
     ;;
+  persist)
+    M=specserve.ops.moe_triton
+    INF="float('inf')"
+    [ -z "${SKIP_STREAM:-}" ] && timeout 150 python benchmarks/moe_stream.py 2>&1 \
+      | tee "$OUT/moe_stream.log" | tail -22
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py \
+      --shape "${PERSIST_SHAPE:-qwen3-30b-a3b}" --step-ms --variants "${PERSIST_VARIANTS:-\
+base;$M.GATE_UP_PERSISTENT=4,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);\
+$M.GATE_UP_PERSISTENT=8,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (1, 2048, 4)),);base}" \
+      2>&1 | tee "$OUT/persist_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
+    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist" >&2
     exit 2
     ;;
 esac

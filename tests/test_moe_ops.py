@@ -287,6 +287,28 @@ def test_every_launch_config() -> None:
     _check(mt.fused_moe_decode(*args, configs=((4, 64, 4), (2, 64, 4))), ref)
 
 
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("per_sm", [1, 3, 64])
+@pytest.mark.parametrize("T, routing, top_k, bias", [(1, "random", 2, False), (3, "idle", 3, True)])
+def test_moe_decode_gate_up_persistent(
+    monkeypatch: pytest.MonkeyPatch, per_sm: int, T: int, routing: str, top_k: int, bias: bool
+) -> None:
+    """The persistent gate_up kernel (GATE_UP_PERSISTENT programs an SM, 4 SMs on the
+    interpreter): 1 and 3 an SM give each program several column blocks (I = 48 in blocks of
+    4: 12 a pair; with 3 pairs and 4 SMs, 2 programs a pair: 6 blocks each), 64 one block
+    each (the grid capped at the blocks); the last block's prefetch runs past I. Equal to the
+    reference, with expert biases and gpt-oss's activation too."""
+    from specserve.ops import moe_triton as mt
+
+    monkeypatch.setattr(mt, "GATE_UP_PERSISTENT", per_sm)
+    args = make_moe(T, E=8, H=64, inter=48, top_k=top_k, dtype=torch.float32, routing=routing)
+    kw = make_oai_kw(8, 64, 48, torch.float32, activation="swiglu_oai") if bias else {}
+    out = mt.fused_moe_decode(*args, configs=((4, 64, 4), (2, 64, 4)), epilogue=mt.Epilogue(**kw))
+    _check(out, fused_moe_ref(*args, **kw))
+
+
 def test_fused_moe_dispatch_and_validation() -> None:
     """On CPU fused_moe is the reference; a bad path or bad shapes fail with one clear line."""
     args = make_moe(5, E=4, H=16, inter=8, top_k=2, dtype=torch.float32)

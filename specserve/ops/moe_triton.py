@@ -90,6 +90,9 @@ DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
 # weight stream, so down's programs take SM slots early and stream their slabs during gate_up's
 # tail (the dense gemv measured slower that way: ops/pdl.py).
 GATE_UP_EARLY_TRIGGER = True
+# Programs an SM of the persistent gate_up kernel (0: one program a column block, in waves).
+# Only for one-K-tile configs (BLOCK_K >= H). Experiment, session 24.
+GATE_UP_PERSISTENT = 0
 # A program's whole [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 slab sits in
 # registers (plus a [.., BLOCK_K] fp32 accumulator), so BLOCK_N (and warps) are chosen per shape
 # to keep the slab near 24 KB: no spills, registers for >= 4 programs an SM where the slab
@@ -434,6 +437,75 @@ def _moe_decode_gate_up_kernel(
     )  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["P"])
+def _moe_decode_gate_up_persistent_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    topk_ids_ptr,
+    inter_ptr,
+    N,
+    K,
+    P,
+    top_k,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_be,
+    stride_im,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    ALPHA: tl.constexpr,
+    LIMIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
+    W_EVICT: tl.constexpr = "",
+):
+    # The same sums as _moe_decode_gate_up_kernel (one K tile: BLOCK_K >= K), on a grid of G
+    # programs, G a multiple of P: program pid serves pair pid % P and its column blocks
+    # pid // P, pid // P + G // P, ...; so it loads its expert id and x row once, and it
+    # requests its next block's weights before reducing the current one (two blocks in
+    # flight a program, no waves: the grid fits the SMs at once).
+    pid = tl.program_id(0)
+    pair = pid % P
+    step = tl.num_programs(0) // P
+    first = pid // P
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    pdl.wait(PDL)
+    if EARLY_TRIGGER:
+        pdl.trigger(PDL)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    xk = tl.load(x_ptr + (pair // top_k).to(tl.int64) * stride_xm + k, mask=k_ok, other=0.0)
+    xk = xk.to(tl.float32)[None, :]
+    w_expert = w_ptr + expert * stride_we
+    n = first * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile_ok = (n < N)[:, None] & k_ok[None, :]
+    gate_rows = w_expert + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    gate = tl.load(gate_rows, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
+    up = tl.load(gate_rows + N * stride_wn, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
+    for block in range(first, tl.cdiv(N, BLOCK_N), step):
+        n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_next = n + step * BLOCK_N
+        next_ok = (n_next < N)[:, None] & k_ok[None, :]
+        next_rows = w_expert + n_next.to(tl.int64)[:, None] * stride_wn + k[None, :]
+        gate_next = tl.load(next_rows, mask=next_ok, other=0.0, eviction_policy=W_EVICT)
+        up_next = tl.load(
+            next_rows + N * stride_wn, mask=next_ok, other=0.0, eviction_policy=W_EVICT
+        )
+        acc = tl.sum(gate.to(tl.float32) * xk, axis=1)
+        acc_up = tl.sum(up.to(tl.float32) * xk, axis=1)
+        _gate_up_store(
+            acc, acc_up, b_ptr, expert, stride_be, n, n < N, N, inter_ptr, pair, stride_im,
+            HAS_BIAS, ACT, ALPHA, LIMIT,
+        )  # fmt: skip
+        gate, up = gate_next, up_next
+    if not EARLY_TRIGGER:
+        pdl.trigger(PDL)
+
+
 @triton.jit
 def _down_program(N, T, top_k, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr):
     """A down kernel program's share of the grid (T tokens x N / BLOCK_N column tiles): its
@@ -695,6 +767,14 @@ def fused_moe_gemm(
     return out
 
 
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (4 on the CPU interpreter: several column blocks
+    a persistent program there too)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def fused_moe_decode(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -714,7 +794,12 @@ def fused_moe_decode(
     b13, s13 = _bias_args(epilogue.w13_bias, w13)
     b2, s2 = _bias_args(epilogue.w2_bias, w2)
     inter = torch.empty(P, inter_size, dtype=x.dtype, device=x.device)
-    _moe_decode_gate_up_kernel[(P * triton.cdiv(inter_size, gn),)](
+    blocks = triton.cdiv(inter_size, gn)
+    gate_up_kernel, grid = _moe_decode_gate_up_kernel, P * blocks
+    if GATE_UP_PERSISTENT and gk >= H:
+        per_pair = min(blocks, triton.cdiv(GATE_UP_PERSISTENT * _sm_count(x.device), P))
+        gate_up_kernel, grid = _moe_decode_gate_up_persistent_kernel, P * per_pair
+    gate_up_kernel[(grid,)](
         x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
