@@ -70,6 +70,9 @@
 #                                                 # its GPU test, the expert stream alone
 #                                                 # (benchmarks/moe_stream.py), then batch-1
 #                                                 # steps A/B (PERSIST_SHAPE, default Qwen3)
+#   bash benchmarks/gpu_session.sh mla-chain      # issue 21: MLA merge reading every split
+#                                                 # beside m, prologue q_pe loads first, the
+#                                                 # persistent gate_up: GPU tests, GLM steps A/B
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -445,9 +448,21 @@ base;$M.GATE_UP_PERSISTENT=4,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8))
 $M.GATE_UP_PERSISTENT=8,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (1, 2048, 4)),);base}" \
       2>&1 | tee "$OUT/persist_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
     ;;
+  mla-chain)
+    A=specserve.attention
+    M=specserve.ops.moe_triton
+    INF="float('inf')"
+    timeout 120 python -m pytest -q -m gpu tests/test_mla_triton.py -p no:cacheprovider 2>&1 \
+      | tee "$OUT/mla_chain_tests.log" | tail -3
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape glm47-flash \
+      --step-ms --variants "${CHAIN_VARIANTS:-base;$A.mla_triton.MERGE_SKIPS_EMPTY=False;\
+$A.mla_fused.PROLOGUE_ROPE_FIRST=True;\
+$M.GATE_UP_PERSISTENT=4,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);base}" \
+      2>&1 | tee "$OUT/mla_chain_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
+    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist mla-chain" >&2
     exit 2
     ;;
 esac
