@@ -137,9 +137,7 @@ def _mla_prologue_kernel(
                 tl.store(q_lat_ptr + dst * L + col, ql.to(out_ty), mask=cm)
                 if lb == 0:
                     pos = tl.load(positions_ptr + t)
-                    rot = _rope_row(
-                        q_row + NOPE, pos, cos_ptr, sin_ptr, stride_cos, R, INTERLEAVE
-                    )
+                    rot = _rope_row(q_row + NOPE, pos, cos_ptr, sin_ptr, stride_cos, R, INTERLEAVE)
                     # Rounded to q's dtype as the RoPE kernel rounds, then to the cache's.
                     rot = rot.to(q_ptr.dtype.element_ty).to(out_ty)
                     tl.store(q_pe_ptr + dst * R + d, rot)
