@@ -459,6 +459,12 @@ $M.GATE_UP_PERSISTENT=8,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (1, 2048, 4)),);ba
 $A.mla_fused.PROLOGUE_ROPE_FIRST=True;\
 $M.GATE_UP_PERSISTENT=4,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);base}" \
       2>&1 | tee "$OUT/mla_chain_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
+    [ -n "${SKIP_QWEN3:-}" ] && exit 0
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
+      --step-ms --variants "base;$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);\
+$M.GATE_UP_PERSISTENT=4,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);\
+$M.GATE_UP_PERSISTENT=2,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (4, 2048, 8)),);base" \
+      2>&1 | tee "$OUT/qwen3_gate_up_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
