@@ -73,6 +73,8 @@
 #   bash benchmarks/gpu_session.sh mla-chain      # issue 21: MLA merge reading every split
 #                                                 # beside m, prologue q_pe loads first, the
 #                                                 # persistent gate_up: GPU tests, GLM steps A/B
+#   bash benchmarks/gpu_session.sh tma            # issue 23: a TMA swap-AB matmul prototype
+#                                                 # (verify_tile.py --kernel tma) vs cuBLAS
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -466,9 +468,13 @@ $M.GATE_UP_PERSISTENT=4,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);\
 $M.GATE_UP_PERSISTENT=2,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (4, 2048, 8)),);base" \
       2>&1 | tee "$OUT/qwen3_gate_up_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
     ;;
+  tma)
+    timeout 560 python benchmarks/verify_tile.py --kernel tma --rows "${TMA_ROWS:-16,80,128}" \
+      2>&1 | tee "$OUT/verify_tma.log" | grep -v "^  " | tail -30
+    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist mla-chain" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist mla-chain tma" >&2
     exit 2
     ;;
 esac
