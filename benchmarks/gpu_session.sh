@@ -70,9 +70,8 @@
 #                                                 # its GPU test, the expert stream alone
 #                                                 # (benchmarks/moe_stream.py), then batch-1
 #                                                 # steps A/B (PERSIST_SHAPE, default Qwen3)
-#   bash benchmarks/gpu_session.sh mla-chain      # issue 21: MLA merge reading every split
-#                                                 # beside m, prologue q_pe loads first, the
-#                                                 # persistent gate_up: GPU tests, GLM steps A/B
+#   bash benchmarks/gpu_session.sh confirm24      # session 24's defaults: MoE / MLA GPU tests,
+#                                                 # Qwen3 and GLM-4.7-Flash batch 1
 #   bash benchmarks/gpu_session.sh tma            # issue 23: a TMA swap-AB matmul prototype
 #                                                 # (verify_tile.py --kernel tma) vs cuBLAS
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
@@ -440,33 +439,26 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_t
       2>&1 | tee "$OUT/sol_qwen3.log" | grep -E "^###|^variant|\| [0-9]+ \|"
     ;;
   persist)
+    # The persistent gate_up (moe_triton.GATE_UP_PERSISTENT) as the tables now pick it, against
+    # session 23's table config in waves; the expert stream alone first.
     M=specserve.ops.moe_triton
     INF="float('inf')"
     [ -z "${SKIP_STREAM:-}" ] && timeout 150 python benchmarks/moe_stream.py 2>&1 \
       | tee "$OUT/moe_stream.log" | tail -22
     timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py \
       --shape "${PERSIST_SHAPE:-qwen3-30b-a3b}" --step-ms --variants "${PERSIST_VARIANTS:-\
-base;$M.GATE_UP_PERSISTENT=4,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);\
-$M.GATE_UP_PERSISTENT=8,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (1, 2048, 4)),);base}" \
+base;$M.GATE_UP_PERSISTENT={},$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (4, 2048, 4)),);base}" \
       2>&1 | tee "$OUT/persist_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
     ;;
-  mla-chain)
-    A=specserve.attention
-    M=specserve.ops.moe_triton
-    INF="float('inf')"
-    timeout 120 python -m pytest -q -m gpu tests/test_mla_triton.py -p no:cacheprovider 2>&1 \
-      | tee "$OUT/mla_chain_tests.log" | tail -3
-    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape glm47-flash \
-      --step-ms --variants "${CHAIN_VARIANTS:-base;$A.mla_triton.MERGE_SKIPS_EMPTY=False;\
-$A.mla_fused.PROLOGUE_ROPE_FIRST=True;\
-$M.GATE_UP_PERSISTENT=4,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);base}" \
-      2>&1 | tee "$OUT/mla_chain_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
-    [ -n "${SKIP_QWEN3:-}" ] && exit 0
-    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
-      --step-ms --variants "base;$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);\
-$M.GATE_UP_PERSISTENT=4,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (2, 2048, 8)),);\
-$M.GATE_UP_PERSISTENT=2,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (4, 2048, 8)),);base" \
-      2>&1 | tee "$OUT/qwen3_gate_up_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
+  confirm24)
+    # Session 24's defaults (persistent gate_up at Qwen3-30B-A3B, the MLA merge and prologue
+    # loads): the MoE / MLA GPU tests, then batch 1 of issues 18 and 21.
+    timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_triton.py \
+      tests/test_moe_ops.py 2>&1 | tee "$OUT/confirm_tests.log" | tail -4
+    timeout 170 python benchmarks/moe_decode.py --quick --models qwen3 --budget-s 130 2>&1 \
+      | tee "$OUT/moe_decode.log" | tail -12
+    timeout $((585 - SECONDS)) python benchmarks/mla_decode.py --quick \
+      --budget-s $((540 - SECONDS)) 2>&1 | tee "$OUT/mla_decode.log" | tail -30
     ;;
   tma)
     timeout 560 python benchmarks/verify_tile.py --kernel tma --rows "${TMA_ROWS:-16,80,128}" \
@@ -474,7 +466,7 @@ $M.GATE_UP_PERSISTENT=2,$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (4, 2048, 8)),);ba
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist mla-chain tma" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 tma" >&2
     exit 2
     ;;
 esac

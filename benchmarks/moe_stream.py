@@ -3,9 +3,9 @@ under gate_up launch variants, as us a call and TB/s of expert weights.
 
     python benchmarks/moe_stream.py [--variants "4,2048,4,0;2,2048,8,4"] [--reps 64]
 
-A variant is `BLOCK_N,BLOCK_K,warps,per_sm`: gate_up's decode config, and
-`moe_triton.GATE_UP_PERSISTENT` (0: one program a column block, in waves; k: the persistent
-kernel, k programs an SM). down keeps its table config. Each call reads `top_k` experts of one
+A variant is `BLOCK_N,BLOCK_K,warps,per_sm`: gate_up's decode config, and per_sm
+its `moe_triton.GATE_UP_PERSISTENT` entry (0: one program a column block, in waves; k: the
+persistent kernel, k programs an SM); "table": the shape tables as they stand. down keeps its table config. Each call reads `top_k` experts of one
 token, different random experts at each of `--reps` calls captured back to back in one CUDA
 graph, so the weights come from HBM (128 experts of 6-9 MB against a 50 MB L2). Outputs are
 checked against the first variant's. Writes $OUT/moe_stream.json when OUT is set.
@@ -37,7 +37,7 @@ def time_variant(shape: tuple[int, int, int, int], variant: str, reps: int, iter
     if variant != "table":
         bn, bk, warps, per_sm = (int(v) for v in variant.split(","))
         mt.DECODE_GATE_UP_TABLE = ((float("inf"), float("inf"), (bn, bk, warps)),)
-        mt.GATE_UP_PERSISTENT = per_sm
+        mt.GATE_UP_PERSISTENT = {(bn, bk, warps): per_sm} if per_sm else {}
     try:
         g = torch.Generator("cuda").manual_seed(0)
         w13 = (torch.randn(E, 2 * inter, H, generator=g, device="cuda") / H**0.5).bfloat16()

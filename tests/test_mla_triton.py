@@ -78,22 +78,12 @@ def test_mla_triton_matches_reference_interpreter(interpreter, heads, lora, rope
 @needs_interpreter
 @pytest.mark.parametrize("splits", [1, 2, 4, 16])
 @pytest.mark.parametrize("with_wuv", [False, True])
-@pytest.mark.parametrize("skip_empty", [True, False])
-def test_mla_split_kv_matches_reference_interpreter(
-    interpreter,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-    splits: int,
-    with_wuv: bool,
-    skip_empty: bool,
-) -> None:
+def test_mla_split_kv_matches_reference_interpreter(interpreter, splits, with_wuv) -> None:  # noqa: F811
     """Split-KV: contexts longer than one split (40 keys over 2 splits of 32-key tiles), splits
-    left idle (a 7-key row over 16 splits), verification and prefill rows; with W_UV applied in
-    the merge kernel, against the reference's latent output times W_UV. The merge reading the
-    idle splits' (zero) rows or skipping them (MERGE_SKIPS_EMPTY) alike."""
-    from specserve.attention import mla_triton
+    left idle (a 7-key row over 16 splits: the merge reads their zero rows), verification and
+    prefill rows; with W_UV applied in the merge kernel, against the reference's latent output
+    times W_UV."""
     from specserve.attention.mla_triton import mla_attention
-
-    monkeypatch.setattr(mla_triton, "MERGE_SKIPS_EMPTY", skip_empty)
 
     heads, lora, rope = 17, 32, 16
     q_lat, q_pe, cache, c = _batch([1, 1, 4, 9], [7, 70, 13, 9], heads, lora, rope, 4,
@@ -183,24 +173,15 @@ def _prologue_inputs(
 
 
 @needs_interpreter
-@pytest.mark.parametrize("interleave, rope_first", [(True, False), (False, False), (True, True)])
-def test_mla_fused_forward_matches_reference_interpreter(
-    interpreter,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
-    interleave: bool,
-    rope_first: bool,
-) -> None:
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_fused_forward_matches_reference_interpreter(interpreter, interleave) -> None:  # noqa: F811
     """mla_forward_fused (prologue kernel, split-KV attention, merge + W_UV) against the torch
     path (mla_prologue_ref, mla_attention_ref, bmm): outputs and the written latent rows. A
-    padding token (slot -1) writes nothing. The prologue's q_pe loads before or after its
-    q_latent store (PROLOGUE_ROPE_FIRST) alike."""
+    padding token (slot -1) writes nothing."""
     import dataclasses
 
-    from specserve.attention import mla_fused
     from specserve.attention.mla import mla_forward
     from specserve.attention.mla_fused import mla_forward_fused
-
-    monkeypatch.setattr(mla_fused, "PROLOGUE_ROPE_FIRST", rope_first)
 
     heads, nope, lora, rope, v = 5, 24, 32, 16, 20
     _, _, cache, c = _batch([1, 1, 4], [7, 70, 13], heads, lora, rope, 4, torch.float32, "cpu")

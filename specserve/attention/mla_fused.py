@@ -32,9 +32,6 @@ from specserve.ops import graph_rows, l2, pdl
 FUSE_MAX_TOKENS = 16
 # Set False to run the torch glue + cuBLAS bmm's around the Triton attention (benchmarks).
 ENABLED = True
-# The q_pe RoPE's loads issued with q_nope's in each head's first program (experiment,
-# session 24: `--variants "base;specserve.attention.mla_fused.PROLOGUE_ROPE_FIRST=True"`).
-PROLOGUE_ROPE_FIRST = False
 
 
 @triton.jit
@@ -56,6 +53,15 @@ def _rope_row(
     c = tl.load(cos_ptr + trig)
     s = tl.load(sin_ptr + trig)
     return tl.where(d < R // 2, x * c - xp * s, x * c + xp * s)
+
+
+@triton.jit
+def _absorb_store(w, q_row, k, km, dst_ptr, cm):
+    """dst[col] = q_nope . W_UK[h][:, col] for one token (w [BLOCK_NOPE, BLOCK_L], the q_nope
+    channels k of q_row): fp32 sums rounded once, as the bmm it replaces."""
+    qn = tl.load(q_row + k, mask=km, other=0.0).to(tl.float32)
+    ql = tl.sum(w.to(tl.float32) * qn[:, None], axis=0)
+    tl.store(dst_ptr, ql.to(dst_ptr.dtype.element_ty), mask=cm)
 
 
 @triton.jit(
@@ -96,7 +102,6 @@ def _mla_prologue_kernel(
     INTERLEAVE: tl.constexpr,
     PDL: tl.constexpr,
     W_EVICT: tl.constexpr = "",  # ops/l2.py's policy for the W_UK tile
-    ROPE_FIRST: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     out_ty = kv_ptr.dtype.element_ty
@@ -120,27 +125,18 @@ def _mla_prologue_kernel(
         for t in range(num_tokens):
             q_row = q_ptr + t * stride_qt + h * stride_qh
             dst = t * num_heads + h
-            if lb == 0 and ROPE_FIRST:
+            if lb == 0:
                 # q_pe's loads (position, then its rows, cos and sin) issued with q_nope's, not
                 # after q_latent's store: the compiler keeps loads behind a store that may
-                # alias them, and these programs are the prologue's longest chain.
+                # alias them, and these programs are the prologue's longest chain (GLM-4.7-Flash
+                # batch 1 3473 -> 3456 us a step, RESULTS.md session 24).
                 pos = tl.load(positions_ptr + t)
                 rot = _rope_row(q_row + NOPE, pos, cos_ptr, sin_ptr, stride_cos, R, INTERLEAVE)
-                qn = tl.load(q_row + k, mask=km, other=0.0).to(tl.float32)
-                ql = tl.sum(w.to(tl.float32) * qn[:, None], axis=0)
-                tl.store(q_lat_ptr + dst * L + col, ql.to(out_ty), mask=cm)
+                _absorb_store(w, q_row, k, km, q_lat_ptr + dst * L + col, cm)
+                # Rounded to q's dtype as the RoPE kernel rounds, then to the cache's.
                 tl.store(q_pe_ptr + dst * R + d, rot.to(q_ptr.dtype.element_ty).to(out_ty))
             else:
-                qn = tl.load(q_row + k, mask=km, other=0.0).to(tl.float32)
-                # [BLOCK_L]: fp32 sums rounded once, as the bmm it replaces
-                ql = tl.sum(w.to(tl.float32) * qn[:, None], axis=0)
-                tl.store(q_lat_ptr + dst * L + col, ql.to(out_ty), mask=cm)
-                if lb == 0:
-                    pos = tl.load(positions_ptr + t)
-                    rot = _rope_row(q_row + NOPE, pos, cos_ptr, sin_ptr, stride_cos, R, INTERLEAVE)
-                    # Rounded to q's dtype as the RoPE kernel rounds, then to the cache's.
-                    rot = rot.to(q_ptr.dtype.element_ty).to(out_ty)
-                    tl.store(q_pe_ptr + dst * R + d, rot)
+                _absorb_store(w, q_row, k, km, q_lat_ptr + dst * L + col, cm)
     else:
         pdl.trigger(PDL)
         pdl.wait(PDL)
@@ -204,7 +200,6 @@ def mla_prologue(
         PAGE=kv_cache.shape[1],
         INTERLEAVE=w.rope_interleave,
         W_EVICT=l2.weight_eviction(),
-        ROPE_FIRST=PROLOGUE_ROPE_FIRST,
         num_warps=8,
         **pdl.launch_kwargs(q.device),
     )  # fmt: skip

@@ -161,7 +161,6 @@ def _mla_merge_kernel(
     HAS_WUV: tl.constexpr,
     PDL: tl.constexpr,
     W_EVICT: tl.constexpr = "",  # ops/l2.py's policy for the W_UV tile
-    SKIP_EMPTY: tl.constexpr = True,
 ):
     """out[t, h] for every token t of head h: the SPLITS partial states merged (rescaled to the
     global max, log2 domain, summed in split order, normalized once), rounded to the output
@@ -195,16 +194,12 @@ def _mla_merge_kernel(
         wt = tl.math.exp2(m - m_safe)
         denom = tl.sum(lse * wt, axis=0)
         denom = tl.where(denom == 0.0, 1.0, denom)
-        if SKIP_EMPTY:  # empty splits (m = -inf) hold nothing: skip their reads
-            part = tl.load(
-                ws_acc_ptr + row[:, None] * BLOCK_L + dl[None, :],
-                mask=(m > float("-inf"))[:, None],
-                other=0.0,
-            )
-        else:  # their acc rows are zeros (and wt 0): read with m, not after it
-            part = tl.load(
-                ws_acc_ptr + row[:, None] * BLOCK_L + dl[None, :], mask=sp_ok[:, None], other=0.0
-            )
+        # Every split's rows, requested beside m rather than masked on it (one dependent L2
+        # round trip less: GLM-4.7-Flash batch 1 3473 -> 3450 us a step, RESULTS.md session
+        # 24): an empty split's acc rows are zeros (its program stores them) and its wt 0.
+        part = tl.load(
+            ws_acc_ptr + row[:, None] * BLOCK_L + dl[None, :], mask=sp_ok[:, None], other=0.0
+        )
         lat = tl.sum(part * wt[:, None], axis=0) / denom
         lat = lat.to(out_ptr.dtype.element_ty)
         if HAS_WUV:
@@ -292,7 +287,6 @@ def mla_attention(
             BLOCK_S=max(2, num_splits),
             HAS_WUV=w_uv is not None,
             W_EVICT=l2.weight_eviction(),
-            SKIP_EMPTY=MERGE_SKIPS_EMPTY,
             num_warps=4,
             **kw,
         )  # fmt: skip
@@ -311,9 +305,6 @@ def mla_split_count(max_tokens: int, head_blocks: int, split_len: int, device: t
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
-# The merge skips empty splits' partial rows with a mask on their m (the default), or reads
-# every split's rows beside m (experiment, session 24: one dependent L2 round trip less).
-MERGE_SKIPS_EMPTY = True
 # A split below 32 keys is two 16-key tiles or less: more programs than work.
 MIN_KEYS_PER_SPLIT = 32
 MAX_SPLITS = 16
