@@ -146,9 +146,9 @@ TMA_CONFIGS = [
     (64, 128, 132, 4, 5, False),
     (64, 128, 264, 4, 5, False),
     (128, 64, 264, 4, 4, False),
-    (128, 128, 132, 4, 4, True),
-    (64, 128, 264, 4, 5, True),
 ]
+# NOTE: warp_specialize=True with these host-side descriptors never finished on the H100
+# (session 24, call 3: the first such config ran until the call's timeout), so none here.
 
 CONFIGS = [(128, 128, 64, s, 8, st) for s in (1, 2, 4, 8) for st in (3, 4)]
 CONFIGS += [(128, 256, 64, s, 8, 3) for s in (2, 4, 8)]
@@ -174,6 +174,7 @@ def main() -> None:
             mb = 2 * n * k * count / 1e6  # MB / us = TB/s
             row = {"weight": name, "M": m, "cublas_tbs": mb / graph_us(
                 lambda x=x, ws=ws: [F.linear(x, w) for w in ws])}  # fmt: skip
+            print(f"  {name} M={m} cuBLAS: {row['cublas_tbs']:.2f} TB/s", flush=True)
             if args.kernel == "tile":
                 runs = [(c, tile_matmul, acc) for c in CONFIGS if c[0] >= m]
             else:
