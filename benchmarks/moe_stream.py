@@ -37,7 +37,8 @@ def time_variant(shape: tuple[int, int, int, int], variant: str, reps: int, iter
     if variant != "table":
         bn, bk, warps, per_sm = (int(v) for v in variant.split(","))
         mt.DECODE_GATE_UP_TABLE = ((float("inf"), float("inf"), (bn, bk, warps)),)
-        mt.GATE_UP_PERSISTENT = {(bn, bk, warps): per_sm} if per_sm else {}
+        cfg = (bn, bk, warps)
+        mt.GATE_UP_PERSISTENT = {cfg: (cfg, per_sm)} if per_sm else {}
     try:
         g = torch.Generator("cuda").manual_seed(0)
         w13 = (torch.randn(E, 2 * inter, H, generator=g, device="cuda") / H**0.5).bfloat16()

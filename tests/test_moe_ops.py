@@ -273,7 +273,7 @@ def test_every_launch_config() -> None:
     # beyond (gpt-oss, GLM-4.5-Air's H = 4096); down a program's whole slab in registers
     # (BLOCK_N shrinks as top_k and I grow); every table config is one the sweep times.
     gate_ups = {
-        (2048, 768, 8): (4, 2048, 8),  # persistent
+        (2048, 768, 8): (4, 2048, 4),  # one token: persistent at (4, 2048, 8)
         (2048, 1536, 4): (2, 2048, 8),
         (2048, 1536, 5): (2, 2048, 8),  # shared expert fused: top-4 + 1
     }
@@ -291,22 +291,38 @@ def test_every_launch_config() -> None:
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("per_sm", [1, 3, 64])
-@pytest.mark.parametrize("T, routing, top_k, bias", [(1, "random", 2, False), (3, "idle", 3, True)])
+@pytest.mark.parametrize(
+    "T, routing, top_k, bias",
+    [(1, "random", 2, False), (1, "idle", 6, True), (3, "random", 2, False)],
+)
 def test_moe_decode_gate_up_persistent(
     monkeypatch: pytest.MonkeyPatch, per_sm: int, T: int, routing: str, top_k: int, bias: bool
 ) -> None:
-    """The persistent gate_up kernel (a config in GATE_UP_PERSISTENT, at per_sm programs an SM
-    and 4 SMs on the interpreter): 1 and 3 an SM give each program several column blocks (I = 48 in blocks of
-    4: 12 a pair; with 3 pairs and 4 SMs, 2 programs a pair: 6 blocks each), 64 one block
-    each (the grid capped at the blocks); the last block's prefetch runs past I. Equal to the
-    reference, with expert biases and gpt-oss's activation too."""
+    """The persistent gate_up kernel (a table config's GATE_UP_PERSISTENT entry: its own config
+    (4, 64, 4) at per_sm programs an SM, 4 SMs on the interpreter), for one token only: 1 and 3
+    an SM give each program several column blocks (I = 48 in blocks of 4, 12 a pair: with 2
+    pairs and 4 SMs 2 programs a pair, 6 blocks each; with 6 pairs one program a pair), 64 one
+    block each (the grid capped at the blocks); the last block's prefetch runs past I. Three
+    tokens run the table config in waves. Equal to the reference either way, with expert
+    biases and gpt-oss's activation too."""
     from specserve.ops import moe_triton as mt
 
-    monkeypatch.setattr(mt, "GATE_UP_PERSISTENT", {(4, 64, 4): per_sm})
+    launched = []
+    kernel = mt._moe_decode_gate_up_persistent_kernel
+
+    class Spy:
+        def __getitem__(self, grid: tuple) -> object:
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(mt, "_moe_decode_gate_up_persistent_kernel", Spy())
+    monkeypatch.setattr(mt, "GATE_UP_PERSISTENT", {(8, 64, 4): ((4, 64, 4), per_sm)})
     args = make_moe(T, E=8, H=64, inter=48, top_k=top_k, dtype=torch.float32, routing=routing)
     kw = make_oai_kw(8, 64, 48, torch.float32, activation="swiglu_oai") if bias else {}
-    out = mt.fused_moe_decode(*args, configs=((4, 64, 4), (2, 64, 4)), epilogue=mt.Epilogue(**kw))
+    out = mt.fused_moe_decode(*args, configs=((8, 64, 4), (2, 64, 4)), epilogue=mt.Epilogue(**kw))
     _check(out, fused_moe_ref(*args, **kw))
+    P = T * top_k
+    assert launched == ([(P * min(12, -(-per_sm * 4 // P)),)] if T == 1 else [])
 
 
 def test_fused_moe_dispatch_and_validation() -> None:
@@ -456,11 +472,12 @@ def test_moe_kernels_compile_for_sm90() -> None:
     shapes = ((2048, 768, 8), (2048, 1536, 4), (2048, 1536, 5), (4096, 1408, 9), (7168, 2048, 9))
     for hidden, inter, top_k in shapes:
         gn, gk, gw = mt.decode_configs(hidden, inter, top_k)[0]
-        kernel = mt._moe_decode_gate_up_kernel
-        if (gn, gk, gw) in mt.GATE_UP_PERSISTENT:  # its two blocks in flight fit too
-            kernel = mt._moe_decode_gate_up_persistent_kernel
-        _compile(kernel, dict(BLOCK_N=gn, BLOCK_K=gk, PDL=True, HAS_BIAS=False,
-                              EARLY_TRIGGER=mt.GATE_UP_EARLY_TRIGGER, **silu), gw)  # fmt: skip
+        consts = dict(PDL=True, HAS_BIAS=False, EARLY_TRIGGER=mt.GATE_UP_EARLY_TRIGGER, **silu)
+        _compile(mt._moe_decode_gate_up_kernel, dict(BLOCK_N=gn, BLOCK_K=gk, **consts), gw)
+        if (gn, gk, gw) in mt.GATE_UP_PERSISTENT:  # one token: its two blocks in flight fit too
+            (pn, pk, pw), _ = mt.GATE_UP_PERSISTENT[gn, gk, gw]
+            _compile(mt._moe_decode_gate_up_persistent_kernel,
+                     dict(BLOCK_N=pn, BLOCK_K=pk, **consts), pw)  # fmt: skip
     # down's table at every row's shapes (gpt-oss with its biases): no spills, registers for
     # >= 4 programs an SM (3 at 8 warps; DeepSeek-V3 + shared's 64 KB slab allows 2), and the
     # program's WHOLE slab, [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 in 16-byte

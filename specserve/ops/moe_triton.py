@@ -67,7 +67,7 @@ DECODE_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # any shape (the tables' fall
 DECODE_GATE_UP_TABLE: ConfigTable = (
     (2048, 4, (2, 2048, 8)),  # GLM-4.7-Flash: H = 2048, top-4
     (2048, 5, (2, 2048, 8)),  # GLM-4.7-Flash + shared: top-4 + 1 (the sweep's best too)
-    (2048, float("inf"), (4, 2048, 8)),  # Qwen3-30B-A3B: top-8, persistent (below)
+    (2048, float("inf"), (4, 2048, 4)),  # Qwen3-30B-A3B: top-8 (one token: persistent, below)
     (float("inf"), float("inf"), DECODE_GATE_UP_CONFIG),
 )
 # What benchmarks/moe.py --sweep times (each with the other kernel at its table config).
@@ -90,15 +90,20 @@ DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
 # weight stream, so down's programs take SM slots early and stream their slabs during gate_up's
 # tail (the dense gemv measured slower that way: ops/pdl.py).
 GATE_UP_EARLY_TRIGGER = True
-# gate_up configs that run the persistent kernel, at this many programs an SM (the others: one
-# program a column block, in waves). One-K-tile configs only (BLOCK_K >= H). Each program
-# serves one pair's column blocks, its expert id and x row loaded once, the next block's
-# weights requested before the current block's sums. Alone the experts stream no faster
-# (benchmarks/moe_stream.py, RESULTS.md session 24: ~2.7 TB/s either way); in Qwen3-30B-A3B's
-# batch-1 step it is 20-25 us faster (2854 -> 2829 us: the grid fits the SMs at once, so down's
-# programs take their slots sooner), while GLM-4.7-Flash's (2, 2048, 8) at 4 an SM was 140 us
-# slower (3473 -> 3613): its table config stays in waves.
-GATE_UP_PERSISTENT: dict[DecodeConfig, int] = {(4, 2048, 8): 2}
+# One-token steps whose table config is a key here run the persistent gate_up kernel instead,
+# at the value's own config (one K tile: BLOCK_K >= H) and programs an SM; everything else
+# runs one program a column block, in waves. Each persistent program serves one pair's column
+# blocks, its expert id and x row loaded once, the next block's weights requested before the
+# current block's sums. Alone the experts stream no faster (benchmarks/moe_stream.py,
+# RESULTS.md session 24: ~2.7 TB/s either way); in Qwen3-30B-A3B's batch-1 step it is 20-30 us
+# faster (2854 -> 2829, 2.86 -> 2.83 ms: the grid fits the SMs at once, so down's programs
+# take their slots sooner). Not with more tokens: each program's blocks multiply, and one
+# block of prefetch no longer covers a round trip (its EAGLE-3 K = 3 step, 4 tokens, 5.01 ->
+# 6.18 ms; and the wave kernel at (4, 2048, 8) instead of (4, 2048, 4): 5.52). GLM-4.7-Flash's
+# (2, 2048, 8) at 4 an SM was 140 us a step slower (3473 -> 3613): it stays in waves.
+GATE_UP_PERSISTENT: dict[DecodeConfig, tuple[DecodeConfig, int]] = {
+    (4, 2048, 4): ((4, 2048, 8), 2),  # Qwen3-30B-A3B
+}
 # A program's whole [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 slab sits in
 # registers (plus a [.., BLOCK_K] fp32 accumulator), so BLOCK_N (and warps) are chosen per shape
 # to keep the slab near 24 KB: no spills, registers for >= 4 programs an SM where the slab
@@ -802,8 +807,13 @@ def fused_moe_decode(
     inter = torch.empty(P, inter_size, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(inter_size, gn)
     gate_up_kernel, grid = _moe_decode_gate_up_kernel, P * blocks
-    per_sm = GATE_UP_PERSISTENT.get((gn, gk, gw), 0)
-    if per_sm and gk >= H:
+    persistent = GATE_UP_PERSISTENT.get((gn, gk, gw))
+    # One token only (judged on the graph's row bound, as uses_decode_path): with more, each
+    # program's column blocks multiply, and one block of prefetch no longer covers a round trip
+    # (Qwen3-30B-A3B's EAGLE-3 K = 3 step, 4 tokens: 5.01 -> 6.18 ms; RESULTS.md session 24).
+    if persistent and graph_rows.row_bound(T) == 1:
+        (gn, gk, gw), per_sm = persistent
+        blocks = triton.cdiv(inter_size, gn)
         per_pair = min(blocks, triton.cdiv(per_sm * _sm_count(x.device), P))
         gate_up_kernel, grid = _moe_decode_gate_up_persistent_kernel, P * per_pair
     gate_up_kernel[(grid,)](
