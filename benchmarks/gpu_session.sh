@@ -462,7 +462,7 @@ base;$M.GATE_UP_PERSISTENT={},$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (4, 2048, 4)
       --budget-s 60 2>&1 | tee "$OUT/moe_decode.log" | tail -12
     ;;
   tma)
-    timeout 560 python benchmarks/verify_tile.py --kernel tma --rows "${TMA_ROWS:-16,80,128}" \
+    timeout 560 python benchmarks/verify_tile.py --kernel tma --rows "${TMA_ROWS:-16,64,80,128}" \
       2>&1 | tee "$OUT/verify_tma.log" | grep -v "^  " | tail -30
     ;;
   *)

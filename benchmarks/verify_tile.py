@@ -10,6 +10,8 @@ Each config runs over a model's 32 distinct weights of a shape in a CUDA graph (
 stream from HBM, as the decode plan times them), against F.linear.
 
     python benchmarks/verify_tile.py [--rows 80,128,256] [--weights qkv,o,gate_up,down]
+    python benchmarks/verify_tile.py --kernel tma --rows 16,80,128   # the TMA prototype below,
+                                          # with the engine's skinny configs up to 64 rows
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from decode import copy_bandwidth  # noqa: E402
 from gemv import SHAPES  # noqa: E402
 
+from specserve.ops import gemv_plan, skinny  # noqa: E402
 from specserve.ops.gemv_plan import graph_us  # noqa: E402
+from specserve.ops.skinny import SkinnyConfig  # noqa: E402
 
 
 @triton.jit
@@ -139,6 +143,13 @@ def tma_matmul(x: torch.Tensor, w: torch.Tensor, bufs: dict, cfg: tuple) -> torc
     return y
 
 
+def skinny_run(x: torch.Tensor, w: torch.Tensor, bufs: dict, cfg: SkinnyConfig) -> torch.Tensor:
+    """The engine's skinny matmul (ops/skinny.py) at `cfg`, its split counters kept in `bufs`."""
+    if "counters" not in bufs:
+        bufs["counters"] = skinny.new_counters(x.device)
+    return skinny.skinny_matmul(x, w, config=cfg, counters=bufs["counters"])
+
+
 # (block_n, block_k, programs, warps, stages, warp_specialize); block_m is the rows' power of 2
 TMA_CONFIGS = [
     (128, 64, 132, 4, 6, False),
@@ -180,6 +191,9 @@ def main() -> None:
             else:
                 bm = max(16, triton.next_power_of_2(m))
                 runs = [((bm, *c[:2], *c[2:]), tma_matmul, {}) for c in TMA_CONFIGS]
+                # The engine's skinny matmul where the decode plan times it (<= 64 rows).
+                plan = gemv_plan.BUCKET_CANDIDATES.get(triton.next_power_of_2(m), ())
+                runs += [(c, skinny_run, {}) for c in plan if isinstance(c, SkinnyConfig)]
             for cfg, fn, buf in runs:
                 try:
                     y = fn(x, ws[0], buf, cfg).float()
