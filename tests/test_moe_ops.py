@@ -308,21 +308,25 @@ def test_moe_decode_gate_up_persistent(
     from specserve.ops import moe_triton as mt
 
     launched = []
-    kernel = mt._moe_decode_gate_up_persistent_kernel
+    kernel = mt._moe_decode_gate_up_kernel
 
     class Spy:
         def __getitem__(self, grid: tuple) -> object:
-            launched.append(grid)
-            return kernel[grid]
+            def launch(*args: object, **kw: object) -> object:
+                launched.append((grid, kw["PERSISTENT"]))
+                return kernel[grid](*args, **kw)
 
-    monkeypatch.setattr(mt, "_moe_decode_gate_up_persistent_kernel", Spy())
+            return launch
+
+    monkeypatch.setattr(mt, "_moe_decode_gate_up_kernel", Spy())
     monkeypatch.setattr(mt, "GATE_UP_PERSISTENT", {(8, 64, 4): ((4, 64, 4), per_sm)})
     args = make_moe(T, E=8, H=64, inter=48, top_k=top_k, dtype=torch.float32, routing=routing)
     kw = make_oai_kw(8, 64, 48, torch.float32, activation="swiglu_oai") if bias else {}
     out = mt.fused_moe_decode(*args, configs=((8, 64, 4), (2, 64, 4)), epilogue=mt.Epilogue(**kw))
     _check(out, fused_moe_ref(*args, **kw))
     P = T * top_k
-    assert launched == ([(P * min(12, -(-per_sm * 4 // P)),)] if T == 1 else [])
+    persistent = ((P * min(12, -(-per_sm * 4 // P)),), True)
+    assert launched == [persistent if T == 1 else ((P * 6,), False)]  # 8-column blocks
 
 
 def test_fused_moe_dispatch_and_validation() -> None:
@@ -476,8 +480,8 @@ def test_moe_kernels_compile_for_sm90() -> None:
         _compile(mt._moe_decode_gate_up_kernel, dict(BLOCK_N=gn, BLOCK_K=gk, **consts), gw)
         if (gn, gk, gw) in mt.GATE_UP_PERSISTENT:  # one token: its two blocks in flight fit too
             (pn, pk, pw), _ = mt.GATE_UP_PERSISTENT[gn, gk, gw]
-            _compile(mt._moe_decode_gate_up_persistent_kernel,
-                     dict(BLOCK_N=pn, BLOCK_K=pk, **consts), pw)  # fmt: skip
+            _compile(mt._moe_decode_gate_up_kernel,
+                     dict(BLOCK_N=pn, BLOCK_K=pk, PERSISTENT=True, **consts), pw)  # fmt: skip
     # down's table at every row's shapes (gpt-oss with its biases): no spills, registers for
     # >= 4 programs an SM (3 at 8 warps; DeepSeek-V3 + shared's 64 KB slab allows 2), and the
     # program's WHOLE slab, [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 in 16-byte

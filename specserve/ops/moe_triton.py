@@ -411,9 +411,15 @@ def _moe_decode_gate_up_kernel(
     PDL: tl.constexpr,
     EARLY_TRIGGER: tl.constexpr,
     W_EVICT: tl.constexpr = "",
+    PERSISTENT: tl.constexpr = False,
 ):
     # inter[pair, n] = act(W13[e, n] @ x[t] (+ b13[e, n]), W13[e, N + n] @ x[t] (+ b13[e, N + n])),
     # e = topk_ids[pair]; act = silu(gate) * up, or swiglu_oai.
+    # Waves: program pid serves pair pid % P, column block pid // P. PERSISTENT (one K tile:
+    # BLOCK_K >= K) on a grid of G programs, G a multiple of P: program pid serves pair pid % P
+    # and its column blocks pid // P, pid // P + G // P, ...; so it loads its expert id and x
+    # row once, and it requests its next block's weights before reducing the current one (two
+    # blocks in flight a program, no waves: the grid fits the SMs at once).
     pid = tl.program_id(0)
     pair = pid % P
     n = (pid // P) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -424,97 +430,57 @@ def _moe_decode_gate_up_kernel(
         pdl.trigger(PDL)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
-    gate_rows = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn
-    up_rows = gate_rows + N * stride_wn
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        tile_ok = n_ok[:, None] & k_ok[None, :]
-        gate = tl.load(gate_rows + k[None, :], mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
-        up = tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
-        gate, up = gate.to(tl.float32), up.to(tl.float32)
-        xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(gate * xk, axis=1)
-        acc_up += tl.sum(up * xk, axis=1)
-    # After the weight stream, as the dense gemv: the successor takes no SM slots from this
-    # kernel's later waves.
-    if not EARLY_TRIGGER:
-        pdl.trigger(PDL)
-    _gate_up_store(
-        acc, acc_up, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
-        HAS_BIAS, ACT, ALPHA, LIMIT,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["P"])
-def _moe_decode_gate_up_persistent_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    topk_ids_ptr,
-    inter_ptr,
-    N,
-    K,
-    P,
-    top_k,
-    stride_xm,
-    stride_we,
-    stride_wn,
-    stride_be,
-    stride_im,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    ALPHA: tl.constexpr,
-    LIMIT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
-    W_EVICT: tl.constexpr = "",
-):
-    # The same sums as _moe_decode_gate_up_kernel (one K tile: BLOCK_K >= K), on a grid of G
-    # programs, G a multiple of P: program pid serves pair pid % P and its column blocks
-    # pid // P, pid // P + G // P, ...; so it loads its expert id and x row once, and it
-    # requests its next block's weights before reducing the current one (two blocks in
-    # flight a program, no waves: the grid fits the SMs at once).
-    pid = tl.program_id(0)
-    pair = pid % P
-    step = tl.num_programs(0) // P
-    first = pid // P
-    k = tl.arange(0, BLOCK_K)
-    k_ok = k < K
-    pdl.wait(PDL)
-    if EARLY_TRIGGER:
-        pdl.trigger(PDL)
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    xk = tl.load(x_ptr + (pair // top_k).to(tl.int64) * stride_xm + k, mask=k_ok, other=0.0)
-    xk = xk.to(tl.float32)[None, :]
     w_expert = w_ptr + expert * stride_we
-    n = first * BLOCK_N + tl.arange(0, BLOCK_N)
-    tile_ok = (n < N)[:, None] & k_ok[None, :]
-    gate_rows = w_expert + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
-    gate = tl.load(gate_rows, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
-    up = tl.load(gate_rows + N * stride_wn, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
-    for block in range(first, tl.cdiv(N, BLOCK_N), step):
-        n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_next = n + step * BLOCK_N
-        next_ok = (n_next < N)[:, None] & k_ok[None, :]
-        next_rows = w_expert + n_next.to(tl.int64)[:, None] * stride_wn + k[None, :]
-        gate_next = tl.load(next_rows, mask=next_ok, other=0.0, eviction_policy=W_EVICT)
-        up_next = tl.load(
-            next_rows + N * stride_wn, mask=next_ok, other=0.0, eviction_policy=W_EVICT
-        )
-        acc = tl.sum(gate.to(tl.float32) * xk, axis=1)
-        acc_up = tl.sum(up.to(tl.float32) * xk, axis=1)
+    gate_rows = w_expert + n.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + N * stride_wn
+    if PERSISTENT:
+        k = tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        tile_ok = n_ok[:, None] & k_ok[None, :]
+        first_rows = gate_rows + k[None, :]
+        gate = tl.load(first_rows, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
+        up = tl.load(first_rows + N * stride_wn, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
+        step = tl.num_programs(0) // P  # blocks between a program's consecutive ones
+        for block in range(pid // P, tl.cdiv(N, BLOCK_N), step):
+            cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_next = cols + step * BLOCK_N
+            next_ok = (n_next < N)[:, None] & k_ok[None, :]
+            next_rows = w_expert + n_next.to(tl.int64)[:, None] * stride_wn + k[None, :]
+            gate_next = tl.load(next_rows, mask=next_ok, other=0.0, eviction_policy=W_EVICT)
+            up_next = tl.load(
+                next_rows + N * stride_wn, mask=next_ok, other=0.0, eviction_policy=W_EVICT
+            )
+            acc = tl.sum(gate.to(tl.float32) * xk, axis=1)
+            acc_up = tl.sum(up.to(tl.float32) * xk, axis=1)
+            _gate_up_store(
+                acc, acc_up, b_ptr, expert, stride_be, cols, cols < N, N, inter_ptr, pair,
+                stride_im, HAS_BIAS, ACT, ALPHA, LIMIT,
+            )  # fmt: skip
+            gate, up = gate_next, up_next
+        if not EARLY_TRIGGER:
+            pdl.trigger(PDL)
+    else:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            tile_ok = n_ok[:, None] & k_ok[None, :]
+            gate = tl.load(gate_rows + k[None, :], mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
+            up = tl.load(up_rows + k[None, :], mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
+            gate, up = gate.to(tl.float32), up.to(tl.float32)
+            xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.sum(gate * xk, axis=1)
+            acc_up += tl.sum(up * xk, axis=1)
+        # After the weight stream, as the dense gemv: the successor takes no SM slots from this
+        # kernel's later waves.
+        if not EARLY_TRIGGER:
+            pdl.trigger(PDL)
         _gate_up_store(
-            acc, acc_up, b_ptr, expert, stride_be, n, n < N, N, inter_ptr, pair, stride_im,
+            acc, acc_up, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
             HAS_BIAS, ACT, ALPHA, LIMIT,
         )  # fmt: skip
-        gate, up = gate_next, up_next
-    if not EARLY_TRIGGER:
-        pdl.trigger(PDL)
 
 
 @triton.jit
@@ -806,7 +772,7 @@ def fused_moe_decode(
     b2, s2 = _bias_args(epilogue.w2_bias, w2)
     inter = torch.empty(P, inter_size, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(inter_size, gn)
-    gate_up_kernel, grid = _moe_decode_gate_up_kernel, P * blocks
+    grid, persistent_launch = P * blocks, False
     persistent = GATE_UP_PERSISTENT.get((gn, gk, gw))
     # One token only (judged on the graph's row bound, as uses_decode_path): with more, each
     # program's column blocks multiply, and one block of prefetch no longer covers a round trip
@@ -815,12 +781,13 @@ def fused_moe_decode(
         (gn, gk, gw), per_sm = persistent
         blocks = triton.cdiv(inter_size, gn)
         per_pair = min(blocks, triton.cdiv(per_sm * _sm_count(x.device), P))
-        gate_up_kernel, grid = _moe_decode_gate_up_persistent_kernel, P * per_pair
-    gate_up_kernel[(grid,)](
+        grid, persistent_launch = P * per_pair, True
+    _moe_decode_gate_up_kernel[(grid,)](
         x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
         BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=GATE_UP_EARLY_TRIGGER,
+        PERSISTENT=persistent_launch,
         W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
