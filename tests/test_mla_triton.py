@@ -78,12 +78,23 @@ def test_mla_triton_matches_reference_interpreter(interpreter, heads, lora, rope
 @needs_interpreter
 @pytest.mark.parametrize("splits", [1, 2, 4, 16])
 @pytest.mark.parametrize("with_wuv", [False, True])
-def test_mla_split_kv_matches_reference_interpreter(interpreter, splits, with_wuv) -> None:  # noqa: F811
+@pytest.mark.parametrize("early_kv", [False, True])
+def test_mla_split_kv_matches_reference_interpreter(
+    interpreter,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    splits: int,
+    with_wuv: bool,
+    early_kv: bool,
+) -> None:
     """Split-KV: contexts longer than one split (40 keys over 2 splits of 32-key tiles), splits
     left idle (a 7-key row over 16 splits: the merge reads their zero rows), verification and
     prefill rows; with W_UV applied in the merge kernel, against the reference's latent output
-    times W_UV."""
+    times W_UV. EARLY_KV (the first tile's older rows loaded before the PDL wait, the rows this
+    step may have written after it) computes the same."""
+    from specserve.attention import mla_triton
     from specserve.attention.mla_triton import mla_attention
+
+    monkeypatch.setattr(mla_triton, "EARLY_KV", early_kv)
 
     heads, lora, rope = 17, 32, 16
     q_lat, q_pe, cache, c = _batch([1, 1, 4, 9], [7, 70, 13, 9], heads, lora, rope, 4,

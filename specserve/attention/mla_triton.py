@@ -32,6 +32,31 @@ from specserve.attention.backend import CommonAttentionMetadata
 from specserve.ops import graph_rows, l2, pdl
 
 
+@triton.jit
+def _latent_rows(row, ok, dl, lm, dr, rm, L: tl.constexpr):
+    """The cache rows at `row` [BLOCK_N] where `ok`: (latent c [BLOCK_N, BLOCK_L], rotary key
+    k_pe [BLOCK_N, BLOCK_R]), zeros elsewhere."""
+    c = tl.load(row[:, None] + dl[None, :], mask=ok[:, None] & lm[None, :], other=0.0)
+    k_pe = tl.load(row[:, None] + L + dr[None, :], mask=ok[:, None] & rm[None, :], other=0.0)
+    return c, k_pe
+
+
+@triton.jit
+def _latent_tile(q_lat, q_pe, c, k_pe, sm, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax (log2 domain): keys where `sm`; returns the new
+    (m_i [BLOCK_H], l_i [BLOCK_H], acc [BLOCK_H, BLOCK_L])."""
+    # [BLOCK_H, BLOCK_N]
+    qk = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
+    qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PRECISION)
+    qk = tl.where(sm[None, :], qk * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # Per-step views (metadata uploads, split workspaces): no alignment specialization, so no batch
 # shape compiles a variant after start-up (see triton_paged._PER_STEP_ARGS).
 @triton.jit(
@@ -72,6 +97,7 @@ def _mla_attention_kernel(
     PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_KV: tl.constexpr = False,
 ):
     # PARTIALS: write (m, l, acc) to the workspace for _mla_merge_kernel (always with
     # SPLITS > 1; with SPLITS == 1 too when the merge applies W_UV), else the normalized output.
@@ -91,6 +117,19 @@ def _mla_attention_kernel(
     per = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), SPLITS) * BLOCK_N
     kv_begin = split * per
     kv_end = tl.minimum(seq_len, kv_begin + per)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    if EARLY_KV:
+        # The first key tile's rows written before this step, requested before the wait: they
+        # stream while the previous kernels (the prologue writing this step's rows) run. Rows
+        # this step may have written (a request's new tokens are at most the batch's T, at
+        # positions >= seq_len - T) are read after the wait.
+        s0 = kv_begin + offs_n
+        sm0 = s0 < kv_end
+        page0 = tl.load(bt_row + s0 // PAGE, mask=sm0, other=0)
+        row0 = kv_ptr + page0.to(tl.int64) * stride_kvb + (s0 % PAGE) * stride_kvs
+        fresh0 = s0 >= seq_len - tl.num_programs(0)
+        c0, k_pe0 = _latent_rows(row0, sm0 & ~fresh0, dl, lm, dr, rm, L)
     pdl.wait(PDL)
     q_lat = tl.load(
         q_lat_ptr + t * stride_qlt + h[:, None] * stride_qlh + dl[None, :],
@@ -107,25 +146,25 @@ def _mla_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for start in range(kv_begin, kv_end, BLOCK_N):
+    first = kv_begin
+    if EARLY_KV:
+        c_new, k_pe_new = _latent_rows(row0, sm0 & fresh0, dl, lm, dr, rm, L)
+        c0 = tl.where(fresh0[:, None], c_new, c0)
+        k_pe0 = tl.where(fresh0[:, None], k_pe_new, k_pe0)
+        if kv_begin < kv_end:  # an empty split keeps m = -inf, l = 0, acc = 0
+            m_i, l_i, acc = _latent_tile(
+                q_lat, q_pe, c0, k_pe0, sm0, m_i, l_i, acc, qk_scale, DOT_PRECISION
+            )
+        first = kv_begin + BLOCK_N
+    for start in range(first, kv_end, BLOCK_N):
         s = start + offs_n
         sm = s < kv_end
         page = tl.load(bt_row + s // PAGE, mask=sm, other=0)
         row = kv_ptr + page.to(tl.int64) * stride_kvb + (s % PAGE) * stride_kvs
-        c = tl.load(row[:, None] + dl[None, :], mask=sm[:, None] & lm[None, :], other=0.0)
-        k_pe = tl.load(row[:, None] + L + dr[None, :], mask=sm[:, None] & rm[None, :], other=0.0)
-        # [BLOCK_H, BLOCK_N]
-        qk = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
-        qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PRECISION)
-        qk = tl.where(sm[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        c, k_pe = _latent_rows(row, sm, dl, lm, dr, rm, L)
+        m_i, l_i, acc = _latent_tile(
+            q_lat, q_pe, c, k_pe, sm, m_i, l_i, acc, qk_scale, DOT_PRECISION
+        )
     if PARTIALS:
         ws = (t * num_heads + h) * SPLITS + split
         tl.store(ws_ml_ptr + 2 * ws, m_i, mask=hm)
@@ -270,6 +309,9 @@ def mla_attention(
         SPLITS=num_splits,
         PARTIALS=partials,
         DOT_PRECISION="ieee" if fp32 else "tf32",
+        # On a GPU 32-key tiles already fill the registers (sm_90: 255 and 32 bytes of stack;
+        # 528 with the early tile); the CPU interpreter has none to fill.
+        EARLY_KV=EARLY_KV and (block_n == 16 or q_latent.device.type == "cpu"),
         num_warps=4,
         **kw,
     )  # fmt: skip
@@ -305,6 +347,12 @@ def mla_split_count(max_tokens: int, head_blocks: int, split_len: int, device: t
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
+# The first key tile's older rows requested before the PDL wait, with 16-key tiles (experiment,
+# session 24; off: not yet timed on a GPU. Safe because a kernel that triggers only after its
+# own wait (the MoE gate_up, ops/moe_triton.py) sits between a layer's cache writes of one
+# step and its attention in the next, so those writes are complete before this kernel can
+# launch. `--variants "base;specserve.attention.mla_triton.EARLY_KV=True"`).
+EARLY_KV = False
 # A split below 32 keys is two 16-key tiles or less: more programs than work.
 MIN_KEYS_PER_SPLIT = 32
 MAX_SPLITS = 16
