@@ -72,6 +72,8 @@
 #                                                 # steps A/B (PERSIST_SHAPE, default Qwen3)
 #   bash benchmarks/gpu_session.sh confirm24      # session 24's defaults: MoE / MLA GPU tests,
 #                                                 # Qwen3 and GLM-4.7-Flash batch 1
+#   bash benchmarks/gpu_session.sh mla-early      # issue 21: MLA attention's EARLY_KV: the MLA
+#                                                 # GPU tests with it on, GLM steps A/B
 #   bash benchmarks/gpu_session.sh tma            # issue 23: a TMA swap-AB matmul prototype
 #                                                 # (verify_tile.py --kernel tma) vs cuBLAS
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
@@ -461,13 +463,22 @@ base;$M.GATE_UP_PERSISTENT={},$M.DECODE_GATE_UP_TABLE=(($INF, $INF, (4, 2048, 4)
     timeout $((585 - SECONDS)) python benchmarks/moe_decode.py --quick --models qwen3 \
       --budget-s 60 2>&1 | tee "$OUT/moe_decode.log" | tail -12
     ;;
+  mla-early)
+    A=specserve.attention.mla_triton
+    timeout 240 python -c "import sys, pytest, $A as m; m.EARLY_KV = True; \
+sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_mla_triton.py']))" \
+      2>&1 | tee "$OUT/mla_early_tests.log" | tail -3
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape glm47-flash \
+      --step-ms --variants "base;$A.EARLY_KV=True;base;$A.EARLY_KV=True" 2>&1 \
+      | tee "$OUT/mla_early_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
+    ;;
   tma)
     timeout 560 python benchmarks/verify_tile.py --kernel tma --rows "${TMA_ROWS:-16,64,80,128}" \
       2>&1 | tee "$OUT/verify_tma.log" | grep -v "^  " | tail -30
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 tma" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma" >&2
     exit 2
     ;;
 esac
