@@ -37,6 +37,7 @@ Rounding: products accumulate in fp32; inter and y are rounded to the model dtyp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -744,6 +745,7 @@ def fused_moe_gemm(
     return out
 
 
+@functools.cache  # per device: fused_moe_decode runs every MoE layer of every eager step
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (4 on the CPU interpreter: several column blocks
     a persistent program there too)."""
@@ -774,10 +776,11 @@ def fused_moe_decode(
     blocks = triton.cdiv(inter_size, gn)
     grid, persistent_launch = P * blocks, False
     persistent = GATE_UP_PERSISTENT.get((gn, gk, gw))
-    # One token only (judged on the graph's row bound, as uses_decode_path): with more, each
-    # program's column blocks multiply, and one block of prefetch no longer covers a round trip
-    # (Qwen3-30B-A3B's EAGLE-3 K = 3 step, 4 tokens: 5.01 -> 6.18 ms; RESULTS.md session 24).
-    if persistent and graph_rows.row_bound(T) == 1:
+    # One K tile (the persistent loop has no K loop) and one token only (judged on the graph's
+    # row bound, as uses_decode_path): with more, each program's column blocks multiply, and
+    # one block of prefetch no longer covers a round trip (Qwen3-30B-A3B's EAGLE-3 K = 3 step,
+    # 4 tokens: 5.01 -> 6.18 ms; RESULTS.md session 24).
+    if persistent and persistent[0][1] >= H and graph_rows.row_bound(T) == 1:
         (gn, gk, gw), per_sm = persistent
         blocks = triton.cdiv(inter_size, gn)
         per_pair = min(blocks, triton.cdiv(per_sm * _sm_count(x.device), P))
