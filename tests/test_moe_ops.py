@@ -303,7 +303,8 @@ def test_moe_decode_gate_up_persistent(
     an SM give each program several column blocks (I = 48 in blocks of 4, 12 a pair: with 2
     pairs and 4 SMs 2 programs a pair, 6 blocks each; with 6 pairs one program a pair), 64 one
     block each (the grid capped at the blocks); the last block's prefetch runs past I. Three
-    tokens run the table config in waves. Equal to the reference either way, with expert
+    tokens, or a persistent config whose K tile is narrower than H, run the table config in
+    waves. Equal to the reference either way, with expert
     biases and gpt-oss's activation too."""
     from specserve.ops import moe_triton as mt
 
@@ -327,6 +328,14 @@ def test_moe_decode_gate_up_persistent(
     P = T * top_k
     persistent = ((P * min(12, -(-per_sm * 4 // P)),), True)
     assert launched == [persistent if T == 1 else ((P * 6,), False)]  # 8-column blocks
+    # A persistent config whose K tile does not span H (it has no K loop) is never launched.
+    monkeypatch.setattr(mt, "GATE_UP_PERSISTENT", {(8, 64, 4): ((4, 32, 4), per_sm)})
+    launched.clear()
+    _check(
+        mt.fused_moe_decode(*args, configs=((8, 64, 4), (2, 64, 4)), epilogue=mt.Epilogue(**kw)),
+        fused_moe_ref(*args, **kw),
+    )
+    assert launched == [((P * 6,), False)]
 
 
 def test_fused_moe_dispatch_and_validation() -> None:
