@@ -311,7 +311,9 @@ def mla_attention(
         DOT_PRECISION="ieee" if fp32 else "tf32",
         # On a GPU 32-key tiles already fill the registers (sm_90: 255 and 32 bytes of stack;
         # 528 with the early tile); the CPU interpreter has none to fill.
-        EARLY_KV=EARLY_KV and (block_n == 16 or q_latent.device.type == "cpu"),
+        EARLY_KV=EARLY_KV
+        and not pdl.GEMV_EARLY_TRIGGER
+        and (block_n == 16 or q_latent.device.type == "cpu"),
         num_warps=4,
         **kw,
     )  # fmt: skip
@@ -348,10 +350,12 @@ def mla_split_count(max_tokens: int, head_blocks: int, split_len: int, device: t
 
 
 # The first key tile's older rows requested before the PDL wait, with 16-key tiles (experiment,
-# session 24; off: not yet timed on a GPU. Safe because a kernel that triggers only after its
-# own wait (the MoE gate_up, ops/moe_triton.py) sits between a layer's cache writes of one
-# step and its attention in the next, so those writes are complete before this kernel can
-# launch. `--variants "base;specserve.attention.mla_triton.EARLY_KV=True"`).
+# session 24; off: not yet timed on a GPU. Safe because kernels that trigger only after their
+# own wait (the o projection's gemv unless pdl.GEMV_EARLY_TRIGGER, as for the dense kernels'
+# pdl.early_kv; the MoE gate_up, whose PTX order tests/test_moe_ops.py checks) sit between a
+# layer's cache writes of one step and its attention in the next, so those writes are
+# complete before this kernel can launch. `--variants
+# "base;specserve.attention.mla_triton.EARLY_KV=True"`).
 EARLY_KV = False
 # A split below 32 keys is two 16-key tiles or less: more programs than work.
 MIN_KEYS_PER_SPLIT = 32
