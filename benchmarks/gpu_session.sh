@@ -67,7 +67,7 @@
 #                                                 # (MXFP4 v5 gate_up / down at gpt-oss-20b,
 #                                                 # bf16 decode at Qwen3-30B-A3B): full sets
 #   bash benchmarks/gpu_session.sh persist        # the persistent MoE gate_up kernel (issue 18):
-#                                                 # its GPU test, the expert stream alone
+#                                                 # the expert stream alone
 #                                                 # (benchmarks/moe_stream.py), then batch-1
 #                                                 # steps A/B (PERSIST_SHAPE, default Qwen3)
 #   bash benchmarks/gpu_session.sh confirm24      # session 24's defaults: MoE / MLA GPU tests,

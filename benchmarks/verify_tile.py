@@ -129,7 +129,7 @@ def tma_matmul(x: torch.Tensor, w: torch.Tensor, bufs: dict, cfg: tuple) -> torc
     if key not in bufs:
         bufs[key] = (
             torch.empty(M, N, device=x.device, dtype=x.dtype),
-            torch.empty(max(split, 1) * N * bm, device=x.device, dtype=torch.float32),
+            torch.empty(split * N * bm, device=x.device, dtype=torch.float32),
             torch.zeros(n_tiles, device=x.device, dtype=torch.int32),
         )
     y, work, count = bufs[key]

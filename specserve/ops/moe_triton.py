@@ -37,14 +37,13 @@ Rounding: products accumulate in fp32; inter and y are rounded to the model dtyp
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from specserve.ops import graph_rows, l2, pdl
+from specserve.ops import graph_rows, l2, pdl, skinny
 
 DECODE_MAX_TOKENS = 8
 # Decode launch configs: (BLOCK_N, BLOCK_K, num_warps). gate_up: a [BLOCK_N, BLOCK_K] gate
@@ -745,13 +744,10 @@ def fused_moe_gemm(
     return out
 
 
-@functools.cache  # per device: fused_moe_decode runs every MoE layer of every eager step
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (4 on the CPU interpreter: several column blocks
-    a persistent program there too)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Streaming multiprocessors of `device` (skinny.num_sms, cached); 4 on the CPU interpreter,
+    so that a persistent program there serves several column blocks too."""
+    return skinny.num_sms(device) if device.type == "cuda" else 4
 
 
 def fused_moe_decode(
@@ -773,19 +769,18 @@ def fused_moe_decode(
     b13, s13 = _bias_args(epilogue.w13_bias, w13)
     b2, s2 = _bias_args(epilogue.w2_bias, w2)
     inter = torch.empty(P, inter_size, dtype=x.dtype, device=x.device)
-    blocks = triton.cdiv(inter_size, gn)
-    grid, persistent_launch = P * blocks, False
     persistent = GATE_UP_PERSISTENT.get((gn, gk, gw))
     # One K tile (the persistent loop has no K loop) and one token only (judged on the graph's
     # row bound, as uses_decode_path): with more, each program's column blocks multiply, and
     # one block of prefetch no longer covers a round trip (Qwen3-30B-A3B's EAGLE-3 K = 3 step,
     # 4 tokens: 5.01 -> 6.18 ms; RESULTS.md session 24).
-    if persistent and persistent[0][1] >= H and graph_rows.row_bound(T) == 1:
+    persistent_launch = bool(persistent) and persistent[0][1] >= H and graph_rows.row_bound(T) == 1
+    if persistent_launch:
         (gn, gk, gw), per_sm = persistent
-        blocks = triton.cdiv(inter_size, gn)
-        per_pair = min(blocks, triton.cdiv(per_sm * _sm_count(x.device), P))
-        grid, persistent_launch = P * per_pair, True
-    _moe_decode_gate_up_kernel[(grid,)](
+    per_pair = triton.cdiv(inter_size, gn)  # column blocks of a pair
+    if persistent_launch:  # as many programs as the SMs hold at once, at most one a block
+        per_pair = min(per_pair, triton.cdiv(per_sm * _sm_count(x.device), P))
+    _moe_decode_gate_up_kernel[(P * per_pair,)](
         x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
