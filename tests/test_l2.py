@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 
 from specserve.ops import l2  # noqa: E402
 
+from .mla_utils import mla_ckpt  # noqa: E402, F401 - fixture
 from .test_moe_ops import _compile  # noqa: E402
 from .test_pdl import compile_sm90  # noqa: E402
 
@@ -100,3 +101,103 @@ def test_evict_first_bit_equal_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(l2, "WEIGHT_EVICTION", "evict_first")
     for a, b in zip(run(), base):
         assert torch.equal(a, b)
+
+
+def test_moe_routers_point_at_the_next_layers_first_weights() -> None:
+    """Each MoE layer's router reads the next decoder layer's first weights at call time (the
+    qkv projection; MLA: fused q_a / kv_a, then q_b where the model has it), none after the
+    last layer, and the link registers no second copy of any parameter."""
+    import transformers as tf
+
+    from specserve.models.deepseek import DeepseekV3ForCausalLM
+    from specserve.models.moe import SparseMoE
+    from specserve.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    from .conftest import TINY_DECODER
+    from .mla_utils import _COMMON, MLA_ARCHS
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    qwen = tf.Qwen3MoeConfig(**TINY_DECODER, **moe, mlp_only_layers=[1]).to_dict()
+    models = [Qwen3MoeForCausalLM.from_config_dict(qwen, 64)]
+    for name in ("deepseek_v3", "deepseek_v3_no_q_lora"):
+        cfg = tf.DeepseekV3Config(**{**_COMMON, **MLA_ARCHS[name][1]}).to_dict()
+        models.append(DeepseekV3ForCausalLM.from_config_dict(cfg, 64))
+    for model in models:
+        layers = model.model.layers
+        linked = 0
+        for i, layer in enumerate(layers):
+            if not isinstance(layer.mlp, SparseMoE):
+                continue
+            got = layer.mlp.gate.next_weights
+            if i + 1 == len(layers):
+                assert got is None
+                continue
+            attn = layers[i + 1].self_attn
+            if hasattr(attn, "qkv_proj"):
+                want = [attn.qkv_proj.weight]
+            else:
+                want = [attn.fused_qkv_a_proj.weight]
+                want += [attn.q_b_proj.weight] if hasattr(attn, "q_b_proj") else []
+            assert [id(w) for w in got()] == [id(w) for w in want]
+            linked += 1
+        assert linked >= 1
+        names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        assert len(names) == len(set(names)) == len(list(model.parameters()))
+
+
+def test_prefetch_regions_cap_and_skip() -> None:
+    """Regions keep the tensors' order, stop at the byte cap (multiples of 16) and at
+    MAX_REGIONS, and skip what a bulk prefetch cannot take (CPU or non-contiguous tensors)."""
+    import torch
+
+    assert l2.prefetch_regions([torch.zeros(64)], 1 << 20) == []  # CPU: never
+    if not torch.cuda.is_available():
+        return
+    a = torch.zeros(1000, device="cuda", dtype=torch.bfloat16)  # 2000 bytes
+    b = torch.zeros(64, 64, device="cuda")
+    got = l2.prefetch_regions([b.t(), a, b, a], 2000 + 100)
+    assert [(t.data_ptr(), n) for t, n in got] == [(a.data_ptr(), 2000), (b.data_ptr(), 96)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("late", [False, True])
+def test_route_prefetch_bit_equal_gpu(
+    ckpt_dir,
+    mla_ckpt,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    late: bool,
+) -> None:
+    """With the routers prefetching the next layer's first weights (ops/l2.ROUTE_PREFETCH_BYTES,
+    after the wait or after the logits), CUDA-graph decode gives the tokens it gives without
+    (bf16 Qwen3-MoE and GLM-4.7-Flash-style MLA, greedy and sampled), and the decode kernels
+    did get regions to prefetch."""
+    import torch
+
+    from specserve import LLM, SamplingParams
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = [{"prompt_token_ids": [5 + i, 9, 13 + 2 * i, 7]} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4)
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    paths = [ckpt_dir("qwen3_moe_route_pf", "qwen3_moe", **moe), mla_ckpt("glm4_moe_lite")]
+
+    def run(path: str) -> list[list[int]]:
+        llm = LLM(path, **kw)
+        outs = llm.generate(prompts, [greedy, sampled, greedy])
+        del llm
+        return [o.outputs[0].token_ids for o in outs]
+
+    seen: list[int] = []
+    real = l2.prefetch_regions
+    monkeypatch.setattr(l2, "prefetch_regions", lambda t, n: seen.append(len(t)) or real(t, n))
+    monkeypatch.setattr(l2, "ROUTE_PREFETCH_LATE", late)
+    for path in paths:
+        monkeypatch.setattr(l2, "ROUTE_PREFETCH_BYTES", 0)
+        plain = run(path)
+        seen.clear()
+        monkeypatch.setattr(l2, "ROUTE_PREFETCH_BYTES", 1 << 20)
+        assert run(path) == plain
+        assert seen and max(seen) >= 1
