@@ -374,6 +374,23 @@ def test_split_kv_interpreter(
     compare_with_reference(reqs, 4, 2, 16, window, dtype, "cpu", 1, num_splits=splits)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("tile,early", [(16, False), (16, True), (32, True)])
+def test_split_small_tiles_interpreter(
+    interpreter: None, tile: int, early: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Split launches with smaller key tiles (triton_paged.SPLIT_BLOCK_N), their first tile
+    loaded early at a 128-wide head (SPLIT_EARLY_KV): the reference's output, and with the
+    RoPE + KV write and qk-norm fused (Qwen3's path) the unfused kernels' bits."""
+    from specserve.attention import triton_paged
+
+    monkeypatch.setattr(triton_paged, "SPLIT_BLOCK_N", tile)
+    monkeypatch.setattr(triton_paged, "SPLIT_EARLY_KV", early)
+    reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
+    compare_with_reference(reqs, 4, 2, 128, None, torch.bfloat16, "cpu", 1, num_splits=4)
+    _check_fused_kv_write("cpu", torch.bfloat16, (4, 2), 128, None, 4, qk_norm=True)
+
+
 # ---- advance_decode_ ----------------------------------------------------------------------------
 DECODE = [(5, 1), (15, 1), (16, 1), (47, 1), (100, 1)]  # crosses page boundaries on advance
 

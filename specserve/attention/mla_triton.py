@@ -349,14 +349,14 @@ def mla_split_count(max_tokens: int, head_blocks: int, split_len: int, device: t
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
 
 
-# The first key tile's older rows requested before the PDL wait, with 16-key tiles (experiment,
-# session 24; off: not yet timed on a GPU. Safe because kernels that trigger only after their
-# own wait (the o projection's gemv unless pdl.GEMV_EARLY_TRIGGER, as for the dense kernels'
-# pdl.early_kv; the MoE gate_up, whose PTX order tests/test_moe_ops.py checks) sit between a
-# layer's cache writes of one step and its attention in the next, so those writes are
-# complete before this kernel can launch. `--variants
-# "base;specserve.attention.mla_triton.EARLY_KV=True"`).
-EARLY_KV = False
+# The first key tile's older rows requested before the PDL wait, with 16-key tiles (session 25:
+# GLM-4.7-Flash batch 1 on an H200, attention 7.64 -> 6.08 us a layer, step 3021-3023 -> 2938-2939
+# us, RESULTS.md). Safe because kernels that trigger only after their own wait (the o
+# projection's gemv unless pdl.GEMV_EARLY_TRIGGER, as for the dense kernels' pdl.early_kv; the
+# MoE gate_up, whose PTX order tests/test_moe_ops.py checks) sit between a layer's cache writes
+# of one step and its attention in the next, so those writes are complete before this kernel
+# can launch. `--variants "base;specserve.attention.mla_triton.EARLY_KV=False"` A/B's it.
+EARLY_KV = True
 # A split below 32 keys is two 16-key tiles or less: more programs than work.
 MIN_KEYS_PER_SPLIT = 32
 MAX_SPLITS = 16

@@ -721,6 +721,9 @@ def paged_attention(
             q.device,
         )
     grid = (q_blocks, num_kv_heads, num_splits)
+    block_n = cfg.block_n
+    if num_splits > 1 and SPLIT_BLOCK_N and kv_cache.dtype != torch.float32:
+        block_n = min(block_n, max(16, SPLIT_BLOCK_N))
     if num_splits > 1:
         ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
         ws_m = torch.empty(num_tokens, num_heads, num_splits, device=q.device)
@@ -742,6 +745,8 @@ def paged_attention(
     # (the interpreter tests this path).
     early = pdl.EARLY_METADATA or not kw["PDL"]
     early_kv = pdl.early_kv(head_dim) if kw["PDL"] else head_dim <= pdl.EARLY_KV_MAX_HEAD_DIM
+    if SPLIT_EARLY_KV and block_n < cfg.block_n:  # a small split tile (SPLIT_BLOCK_N)
+        early_kv = not kw["PDL"] or (pdl.EARLY_METADATA and not pdl.GEMV_EARLY_TRIGGER)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -768,7 +773,7 @@ def paged_attention(
         BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m,
         BLOCK_Q=block_q,
-        BLOCK_N=cfg.block_n,
+        BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         # fp32 caches get exact fp32 dots (no tf32), so results track the reference closely.
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
@@ -865,6 +870,15 @@ EARLY_ROPE_ROWS = True
 # 2857 us (Qwen3-30B-A3B), 1677 / 1674 -> 1671 / 1670 us (gpt-oss-20b, attention 5.72 -> 5.50
 # us a layer): small, the same sign in every pair.
 EARLY_ATTN_PARAMS = True
+# Split launches (batch-1-like decode) with key tiles of at most this many keys (0: the tile
+# _launch_config gives every launch, 64 keys at head_dim <= 128). A split takes whole tiles,
+# so at a ~160-key context 64-key tiles leave 3 of 16 splits working, 16-key tiles 10, each a
+# quarter of the bytes to wait for (GLM-4.7-Flash's MLA attention: 16-key tiles). With
+# SPLIT_EARLY_KV such a small tile also loads early (EARLY_KV) at any head size: the
+# 64 x 128 tile did not pay (session 22: its registers held q back), a 16 x 128 one is a
+# quarter of them. Experiment (session 25).
+SPLIT_BLOCK_N = 0
+SPLIT_EARLY_KV = False
 
 
 def split_count(
