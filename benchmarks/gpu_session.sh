@@ -76,14 +76,9 @@
 #                                                 # GPU tests with it on, GLM steps A/B
 #   bash benchmarks/gpu_session.sh tma            # issue 23: a TMA swap-AB matmul prototype
 #                                                 # (verify_tile.py --kernel tma) vs cuBLAS
-#   bash benchmarks/gpu_session.sh route-pf       # issues 18 / 21: the router prefetching the
-#                                                 # next layer's first weights into the L2
-#                                                 # (ops/l2.ROUTE_PREFETCH_BYTES): GPU tests,
-#                                                 # steps A/B (PF_SHAPE, default Qwen3;
-#                                                 # SKIP_TESTS=1 for a second shape)
-#   bash benchmarks/gpu_session.sh split-tiles    # issue 18: GQA split launches with 16 / 32-key
-#                                                 # tiles (triton_paged.SPLIT_BLOCK_N), early
-#                                                 # (SPLIT_EARLY_KV): GPU tests, Qwen3 steps A/B
+#   bash benchmarks/gpu_session.sh split-tiles    # GQA split launches' key tile
+#                                                 # (triton_paged.SPLIT_BLOCK_N, 16 by default)
+#                                                 # and SPLIT_EARLY_KV: GPU tests, steps A/B
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -484,16 +479,6 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_m
     timeout 560 python benchmarks/verify_tile.py --kernel tma --rows "${TMA_ROWS:-16,64,80,128}" \
       2>&1 | tee "$OUT/verify_tma.log" | grep -v "^  " | tail -30
     ;;
-  route-pf)
-    L=specserve.ops.l2.ROUTE_PREFETCH_BYTES
-    [ -z "${SKIP_TESTS:-}" ] && timeout 200 python -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_l2.py tests/test_moe_router.py -k "route_prefetch or graph or real_shapes" \
-      2>&1 | tee "$OUT/route_pf_tests.log" | tail -4
-    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py \
-      --shape "${PF_SHAPE:-qwen3-30b-a3b}" --step-ms --variants "${PF_VARIANTS:-\
-base;$L=8<<20;$L=16<<20;$L=24<<20;$L=16<<20,specserve.ops.l2.ROUTE_PREFETCH_LATE=True;base}" \
-      2>&1 | tee "$OUT/route_pf_steps.log" | grep -E "^###|^variant|\| [0-9]+ \|"
-    ;;
   split-tiles)
     T=specserve.attention.triton_paged
     timeout 150 python -c "import sys, pytest, $T as t; t.SPLIT_BLOCK_N = 16; \
@@ -502,13 +487,12 @@ t.SPLIT_EARLY_KV = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
       | tee "$OUT/split_tiles_tests.log" | tail -3
     timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py \
       --shape "${TILE_SHAPE:-qwen3-30b-a3b}" --step-ms --variants "${TILE_VARIANTS:-\
-base;$T.SPLIT_BLOCK_N=16;$T.SPLIT_BLOCK_N=16,$T.SPLIT_EARLY_KV=True;\
-$T.SPLIT_BLOCK_N=32,$T.SPLIT_EARLY_KV=True;base}" 2>&1 | tee "$OUT/split_tiles_steps.log" \
-      | grep -E "^variant|^base|^spec|_paged_attention_kernel|_combine"
+base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
+      | tee "$OUT/split_tiles_steps.log" | grep -E "^variant|^base|^spec|_paged_attention_kernel|_combine"
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma route-pf split-tiles" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles" >&2
     exit 2
     ;;
 esac

@@ -241,8 +241,6 @@ def test_router_kernels_compile_for_sm90() -> None:
         "bias_ptr": "*fp32",
         "eps": "fp32",
         "scale": "fp32",
-        "pf0_ptr": "*u8",
-        "pf1_ptr": "*u8",
     }
     cases = [  # (scoring, router dtype, TOP_K, N_GROUP, TOPK_GROUP, BLOCK_T, E, H, N_SHARED)
         ("softmax", "bf16", 8, 1, 1, 1, 128, 2048, 0),
@@ -275,32 +273,15 @@ def test_router_kernels_compile_for_sm90() -> None:
             block_topk = 1 << (top_k + n_shared - 1).bit_length()  # next power of two
             consts.update(BLOCK_T=block_t, BLOCK_TOPK=block_topk)
             consts.update(BLOCK_E=block_e, BLOCK_K=block_k, K_TILES=-(-H // block_k))
+            consts.update(BLOCK_ALL_E=E, PDL=pdl)
             warps = mr.route_warps(block_t, config)
-            consts.update(BLOCK_ALL_E=E, PDL=pdl, PF_REGIONS=0, PF_LATE=False, PF_LANES=32 * warps)
             ptx = _compile(
                 mr._norm_route_kernel, consts, warps, 3, {**types, "w_ptr": f"*{w_dtype}"}
             )
             assert ("griddepcontrol.wait" in ptx) == pdl
             assert "atom.global.gpu.acq_rel.add" in ptx
-            assert "cp.async.bulk.prefetch" not in ptx
             if pdl:  # the router rows are requested before the wait
                 assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
-    # The next layer's weights prefetched (ops/l2.ROUTE_PREFETCH_BYTES), Qwen3's batch-1 shape:
-    # one predicated bulk prefetch a thread and region, after the wait (or after the logits'
-    # store, PF_LATE), never before it (the o projection's stream would lose HBM time).
-    for late in (False, True):
-        consts.update(HAS_ROUTER_BIAS=False, TOPK_SOFTMAX=False, HAS_BIAS=False, SIGMOID=False)
-        consts.update(ROUND_LOGITS=True, RENORM=True, TOP_K=8, N_SHARED=0, N_GROUP=1)
-        consts.update(TOPK_GROUP=1, BLOCK_T=1, BLOCK_TOPK=8, BLOCK_E=2, BLOCK_K=2048, K_TILES=1)
-        consts.update(BLOCK_ALL_E=128, PDL=True, PF_REGIONS=2, PF_LATE=late, PF_LANES=128)
-        ptx = _compile(mr._norm_route_kernel, consts, 4, 3, {**types, "w_ptr": "*bf16"})
-        lines = [i for i, ln in enumerate(ptx.splitlines()) if "cp.async.bulk.prefetch.L2" in ln]
-        assert len(lines) == 2
-        text = ptx.splitlines()
-        wait = next(i for i, ln in enumerate(text) if "griddepcontrol.wait" in ln)
-        assert min(lines) > wait
-        store = next(i for i, ln in enumerate(text) if "st.global" in ln and i > wait)
-        assert (min(lines) > store) == late
     for pdl in (True, False):
         consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_HQ=32, BLOCK_HK=4, PDL=pdl)
         types = {"q_eps": "fp32", "k_eps": "fp32", "stride_qh": "i32", "stride_kh": "i32"}

@@ -873,11 +873,12 @@ EARLY_ATTN_PARAMS = True
 # Split launches (batch-1-like decode) with key tiles of at most this many keys (0: the tile
 # _launch_config gives every launch, 64 keys at head_dim <= 128). A split takes whole tiles,
 # so at a ~160-key context 64-key tiles leave 3 of 16 splits working, 16-key tiles 10, each a
-# quarter of the bytes to wait for (GLM-4.7-Flash's MLA attention: 16-key tiles). With
-# SPLIT_EARLY_KV such a small tile also loads early (EARLY_KV) at any head size: the
-# 64 x 128 tile did not pay (session 22: its registers held q back), a 16 x 128 one is a
-# quarter of them. Experiment (session 25).
-SPLIT_BLOCK_N = 0
+# quarter of the bytes to wait for (as GLM-4.7-Flash's MLA attention). H100, Qwen3-30B-A3B
+# batch 1 (RESULTS.md session 25): attention 8.66 -> 8.07 us a layer, device-busy 2862 / 2863
+# -> 2836 us a step (32-key tiles: no gain). SPLIT_EARLY_KV: such a small tile also loads
+# early (EARLY_KV) at any head size (the 64 x 128 tile did not pay, session 22: its registers
+# held q back); with 16-key tiles it changed nothing measurable (2835 us), so off.
+SPLIT_BLOCK_N = 16
 SPLIT_EARLY_KV = False
 
 

@@ -66,13 +66,6 @@ class MLADecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = mlp
 
-    def first_weights(self) -> list[torch.Tensor]:
-        """The weights this layer's decode step streams first: the fused q_a / kv_a
-        projection, then q_b (models/llama.link_next_weights)."""
-        a = self.self_attn
-        q_b = getattr(a, "q_b_proj", None)
-        return [a.fused_qkv_a_proj.weight] + ([] if q_b is None else [q_b.weight])
-
     def forward(
         self,
         # [num_tokens]

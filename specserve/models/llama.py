@@ -183,10 +183,6 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, MLP):
             feeds_from_norm(self.mlp.gate_up_proj)
 
-    def first_weights(self) -> list[torch.Tensor]:
-        """The weights this layer's decode step streams first (link_next_weights)."""
-        return [self.self_attn.qkv_proj.weight]
-
     def forward(
         self,
         positions: torch.Tensor,
@@ -223,16 +219,6 @@ def norm_ffn(
     return mlp(x), residual
 
 
-def link_next_weights(layers: nn.ModuleList) -> None:
-    """Give each MoE layer's router the next layer's `first_weights` (read at each forward,
-    so weights the loader replaces are the ones it sees): its decode kernel can prefetch them
-    into the L2 while HBM would idle (ops/l2.ROUTE_PREFETCH_BYTES)."""
-    for layer, nxt in zip(layers[:-1], layers[1:]):
-        mlp = getattr(layer, "mlp", None)
-        if isinstance(mlp, SparseMoE) and hasattr(nxt, "first_weights"):
-            mlp.gate.next_weights = nxt.first_weights
-
-
 # (layer index, shared rotary embedding, sliding window) -> decoder layer
 LayerFactory = Callable[[int, RotaryEmbedding, "int | None"], nn.Module]
 
@@ -248,7 +234,6 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             make(i, rope, c.sliding_windows[i]) for i in range(c.num_hidden_layers)
         )
-        link_next_weights(self.layers)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(

@@ -24,7 +24,6 @@ Routers (formulas as in transformers' modeling_qwen3_moe.py / modeling_glm4_moe.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,6 @@ from torch import nn
 
 from specserve.models.layers import MLP, RMSNorm
 from specserve.models.mxfp4 import BLOCK
-from specserve.ops import l2
 from specserve.ops.moe import fused_moe, fused_moe_mxfp4
 from specserve.ops.moe_router import fusable, norm_route, select_experts_ref
 
@@ -105,10 +103,6 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(m.num_experts, dtype=dtype)) if m.router_bias else None
         # The fused decode router's completion counter (ops/moe_router.py; reset by the kernel).
         self.register_buffer("route_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
-        # The next decoder layer's first weights, which the decode kernel may prefetch into
-        # the L2 (ops/l2.py; set by models/llama.link_next_weights): a function, not the
-        # layer, so that the layer's parameters are not registered here a second time.
-        self.next_weights: Callable[[], list[torch.Tensor]] | None = None
 
     def routing(self) -> dict[str, Any]:
         """select_experts_ref's keywords for this router."""
@@ -149,8 +143,7 @@ class Router(nn.Module):
         w, b, counter = self.weight, self.e_score_correction_bias, self.route_counter
         if fusable(x, w, m.scoring, m.n_group, m.topk_group):
             args = (x, residual, norm.weight, norm.eps, w, b, counter, self.bias)
-            ahead = self.next_weights() if self.next_weights and l2.ROUTE_PREFETCH_BYTES else []
-            return norm_route(*args, **self.routing(), prefetch=ahead)
+            return norm_route(*args, **self.routing())
         normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
         weights, ids = self(normed)
         return weights, ids, normed, residual

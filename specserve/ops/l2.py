@@ -27,16 +27,6 @@ WEIGHT_EVICTION=''"` A/B's it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: no prefetch
-    triton = None
-
 WEIGHT_EVICTION = "evict_first"  # or "" (Triton's default, evict-normal)
 _POLICIES = ("", "evict_first")
 
@@ -50,58 +40,3 @@ def weight_eviction() -> str:
 
 def weights_evict_first() -> bool:
     return weight_eviction() == "evict_first"
-
-
-# ---- the next layer's weights, prefetched from the router (experiment, off) ---------------
-# Unlike session 19's side stream (above), the router kernel itself prefetches: after its PDL
-# wait, so the prefetch starts once the o projection's stream is done, in the one stretch of
-# an MoE layer where HBM idles (the router and the expert kernel's id round trip: ~5-7 us at
-# batch 1, nothing to preload since the experts are not yet known). Its bytes are the next
-# decoder layer's first projections (`first_weights`: qkv, or MLA's fused q_a / kv_a and
-# q_b), which the weight streams between (experts, evict-first) leave in the L2.
-# ROUTE_PREFETCH_BYTES = 0 is off; otherwise at most that many bytes, the regions in order.
-ROUTE_PREFETCH_BYTES = 0
-ROUTE_PREFETCH_LATE = False  # after the router's logits are stored instead of after the wait
-MAX_REGIONS = 2
-
-
-def prefetch_regions(
-    tensors: Sequence[torch.Tensor], max_bytes: int
-) -> list[tuple[torch.Tensor, int]]:
-    """(a uint8 view, bytes: a multiple of 16) of each contiguous CUDA tensor's first bytes,
-    at most `max_bytes` in all and MAX_REGIONS regions."""
-    out: list[tuple[torch.Tensor, int]] = []
-    left = max_bytes
-    for t in tensors:
-        if len(out) == MAX_REGIONS or left < 16:
-            break
-        if not (t.is_cuda and t.is_contiguous()) or t.data_ptr() % 16:
-            continue
-        n = min(t.numel() * t.element_size(), left) // 16 * 16
-        if n:
-            out.append((t.view(-1).view(torch.uint8), n))
-            left -= n
-    return out
-
-
-if triton is not None:
-
-    @triton.jit
-    def bulk_prefetch_l2(ptr, nbytes, part, parts, LANES: tl.constexpr):
-        """Program `part` of `parts`: its share of `nbytes` bytes from `ptr` (uint8, 16-byte
-        aligned, nbytes a multiple of 16) prefetched into the L2, one predicated
-        `cp.async.bulk.prefetch.L2` a lane (no data comes back, nothing waits on it). sm_90+."""
-        lane = tl.arange(0, LANES)
-        chunk = (tl.cdiv(nbytes, parts * LANES) + 15) // 16 * 16
-        off = (part * LANES + lane).to(tl.int64) * chunk
-        size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
-        # Not pure: a hint with no result must not be dropped as unused.
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $1, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$2], $1; mov.b32 $0, 0; }",
-            "=r,r,l",
-            [size, ptr + off],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )

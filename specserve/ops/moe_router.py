@@ -48,12 +48,10 @@ float32 summation order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
-from specserve.ops import graph_rows, l2, pdl
+from specserve.ops import graph_rows, pdl
 from specserve.ops.fused import _use_triton, rms_norm_ref
 
 try:
@@ -219,18 +217,14 @@ def norm_route(
     topk_group: int = 1,
     n_shared: int = 0,
     config: tuple[int, int, int] = ROUTE_CONFIG,
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`norm_route_ref`, in one Triton launch where `fusable`; `prefetch`: the next layer's
-    first weights, which that launch prefetches into the L2 (l2.ROUTE_PREFETCH_BYTES)."""
+    """`norm_route_ref`, in one Triton launch where `fusable`."""
     routing = dict(scoring=scoring, top_k=top_k, renormalize=renormalize, scale=scale)
     routing.update(n_group=n_group, topk_group=topk_group, n_shared=n_shared)
     args = (x, residual, norm_weight, eps, router_weight, correction_bias)
     if not fusable(x, router_weight, scoring, n_group, topk_group):
         return norm_route_ref(*args, router_bias, **routing)
-    return norm_route_triton(
-        *args, counter, config, router_bias=router_bias, prefetch=prefetch, **routing
-    )
+    return norm_route_triton(*args, counter, config, router_bias=router_bias, **routing)
 
 
 if triton is not None:
@@ -379,18 +373,7 @@ if triton is not None:
             h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         return h.to(tl.float32)
 
-    @triton.jit
-    def _prefetch_next(
-        pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, pid, PF_REGIONS: tl.constexpr,
-        PF_LANES: tl.constexpr,
-    ):  # fmt: skip
-        """This program's share of the next layer's first weights into the L2 (ops/l2.py)."""
-        if PF_REGIONS >= 1:
-            l2.bulk_prefetch_l2(pf0_ptr, pf0_bytes, pid, tl.num_programs(0), PF_LANES)
-        if PF_REGIONS >= 2:
-            l2.bulk_prefetch_l2(pf1_ptr, pf1_bytes, pid, tl.num_programs(0), PF_LANES)
-
-    @triton.jit(do_not_specialize=["T", "pf0_bytes", "pf1_bytes"])
+    @triton.jit(do_not_specialize=["T"])
     def _norm_route_kernel(
         x_ptr,
         res_ptr,
@@ -404,10 +387,6 @@ if triton is not None:
         counter_ptr,
         topk_w_ptr,
         topk_ids_ptr,
-        pf0_ptr,
-        pf0_bytes,
-        pf1_ptr,
-        pf1_bytes,
         T,
         E,
         H,
@@ -433,9 +412,6 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         K_TILES: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
-        PF_REGIONS: tl.constexpr,
-        PF_LATE: tl.constexpr,
-        PF_LANES: tl.constexpr,
         PDL: tl.constexpr,
     ):
         # logits[t, e] = W[e] @ rms_norm(x[t] + res[t]) for this program's BLOCK_E experts.
@@ -452,8 +428,6 @@ if triton is not None:
         if HAS_ROUTER_BIAS:
             r_bias = tl.load(router_bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
         pdl.start(PDL)
-        if not PF_LATE:
-            _prefetch_next(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, pid, PF_REGIONS, PF_LANES)
         # Pass 1: each token's sum of squares (x + res rounded to the model dtype first).
         sum_sq = tl.zeros([BLOCK_T], dtype=tl.float32)
         for kt in tl.static_range(K_TILES):
@@ -488,8 +462,6 @@ if triton is not None:
             acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
         out_ok = (rows < T)[:, None] & e_ok[None, :]
         tl.store(logits_ptr + rows[:, None] * E + e[None, :], acc, mask=out_ok)
-        if PF_LATE:
-            _prefetch_next(pf0_ptr, pf0_bytes, pf1_ptr, pf1_bytes, pid, PF_REGIONS, PF_LANES)
         # The last program to get here makes the choice from every program's logits.
         tl.debug_barrier()
         if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
@@ -533,7 +505,6 @@ def norm_route_triton(
     n_group: int = 1,
     topk_group: int = 1,
     n_shared: int = 0,
-    prefetch: Sequence[torch.Tensor] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
     T, H = x.shape
@@ -562,9 +533,6 @@ def norm_route_triton(
     block_t = triton.next_power_of_2(bound if bound <= ROUTE_MAX_TOKENS else T)
     block_all_e = triton.next_power_of_2(E)
     sigmoid = scoring == "sigmoid"
-    regions = l2.prefetch_regions(prefetch, l2.ROUTE_PREFETCH_BYTES) if pdl.on(dev) else []
-    pf = regions + [(counter.view(torch.uint8), 0)] * (l2.MAX_REGIONS - len(regions))
-    warps = route_warps(block_t, config)
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x,
         residual if residual is not None else x,
@@ -578,10 +546,6 @@ def norm_route_triton(
         counter,
         topk_w,
         topk_ids,
-        pf[0][0],
-        pf[0][1],
-        pf[1][0],
-        pf[1][1],
         T,
         E,
         H,
@@ -607,10 +571,7 @@ def norm_route_triton(
         BLOCK_K=block_k,
         K_TILES=triton.cdiv(H, block_k),
         BLOCK_ALL_E=block_all_e,
-        PF_REGIONS=len(regions),
-        PF_LATE=l2.ROUTE_PREFETCH_LATE,
-        PF_LANES=32 * warps,
-        num_warps=warps,
+        num_warps=route_warps(block_t, config),
         **pdl.launch_kwargs(dev),
     )
     return topk_w, topk_ids, normed, res_out
