@@ -76,10 +76,9 @@
 #                                                 # GPU tests with it on, GLM steps A/B
 #   bash benchmarks/gpu_session.sh tma            # issue 23: a TMA swap-AB matmul prototype
 #                                                 # (verify_tile.py --kernel tma) vs cuBLAS
-#   bash benchmarks/gpu_session.sh split-tiles    # GQA split launches: the first tile early
-#                                                 # (SPLIT_EARLY_KV) with this step's keys from
-#                                                 # registers (NEW_KV_FROM_REGS): GPU tests with
-#                                                 # both on, Qwen3 steps A/B (TILE_VARIANTS)
+#   bash benchmarks/gpu_session.sh split-tiles    # GQA split launches' key tile
+#                                                 # (triton_paged.SPLIT_BLOCK_N, 16 by default)
+#                                                 # and SPLIT_EARLY_KV: GPU tests, steps A/B
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -482,14 +481,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', 'tests/test_m
     ;;
   split-tiles)
     T=specserve.attention.triton_paged
-    E="$T.SPLIT_EARLY_KV=True,$T.NEW_KV_FROM_REGS=True"
-    timeout 120 python -c "import sys, pytest, $T as t; t.SPLIT_EARLY_KV = True; \
-t.NEW_KV_FROM_REGS = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', \
+    timeout 150 python -c "import sys, pytest, $T as t; t.SPLIT_BLOCK_N = 16; \
+t.SPLIT_EARLY_KV = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', \
 'tests/test_triton_attention.py', '-k', 'fused_kv_write_gpu or split_kv_gpu']))" 2>&1 \
       | tee "$OUT/split_tiles_tests.log" | tail -3
     timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py \
-      --shape "${TILE_SHAPE:-qwen3-30b-a3b}" --step-ms --variants \
-      "${TILE_VARIANTS:-base;$E;base;$E}" 2>&1 \
+      --shape "${TILE_SHAPE:-qwen3-30b-a3b}" --step-ms --variants "${TILE_VARIANTS:-\
+base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       | tee "$OUT/split_tiles_steps.log" | grep -E "^variant|^base|^spec|_paged_attention_kernel|_combine"
     ;;
   *)

@@ -375,29 +375,20 @@ def test_split_kv_interpreter(
 
 
 @needs_interpreter
-@pytest.mark.parametrize(
-    "tile,early,regs", [(16, False, False), (16, True, False), (32, True, False), (16, True, True)]
-)
+@pytest.mark.parametrize("tile,early", [(16, False), (16, True), (32, True)])
 def test_split_small_tiles_interpreter(
-    interpreter: None, tile: int, early: bool, regs: bool, monkeypatch: pytest.MonkeyPatch
+    interpreter: None, tile: int, early: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Split launches with smaller key tiles (triton_paged.SPLIT_BLOCK_N), their first tile
-    loaded early at a 128-wide head (SPLIT_EARLY_KV), this step's keys put into it from
-    registers (NEW_KV_FROM_REGS): the reference's output, and with the RoPE + KV write and
-    qk-norm fused (Qwen3's path) the unfused kernels' bits, also where a request's new keys
-    straddle two splits (14 + 4) or sit past a split's first tile (48 + 4 in 2 splits). (The
-    test's RoPE table has 64 positions.)"""
+    loaded early at a 128-wide head (SPLIT_EARLY_KV): the reference's output, and with the
+    RoPE + KV write and qk-norm fused (Qwen3's path) the unfused kernels' bits."""
     from specserve.attention import triton_paged
 
     monkeypatch.setattr(triton_paged, "SPLIT_BLOCK_N", tile)
     monkeypatch.setattr(triton_paged, "SPLIT_EARLY_KV", early)
-    monkeypatch.setattr(triton_paged, "NEW_KV_FROM_REGS", regs)
     reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
     compare_with_reference(reqs, 4, 2, 128, None, torch.bfloat16, "cpu", 1, num_splits=4)
     _check_fused_kv_write("cpu", torch.bfloat16, (4, 2), 128, None, 4, qk_norm=True)
-    if regs:
-        more = [(48, 4), (14, 4), (40, 1), (0, 1), (29, 1)]
-        _check_fused_kv_write("cpu", torch.bfloat16, (4, 2), 128, None, 2, True, more)
 
 
 # ---- advance_decode_ ----------------------------------------------------------------------------
@@ -577,7 +568,6 @@ def _check_fused_kv_write(
     window: int | None,
     splits: int,
     qk_norm: bool = False,
-    reqs: list[tuple[int, int]] | None = None,
 ) -> None:
     """paged_attention(new_kv=...) == rope_and_cache_ then paged_attention: the same cache (every
     new key written once, by the program whose key range holds it; padded rows write nothing)
@@ -588,7 +578,7 @@ def _check_fused_kv_write(
 
     hq, hk = heads
     g = torch.Generator().manual_seed(11 + splits)
-    reqs = reqs or [(37, 1), (20, 4), (50, 1), (5, 4), (0, 1)]
+    reqs = [(37, 1), (20, 4), (50, 1), (5, 4), (0, 1)]
     pages = alloc_pages([c + q for c, q in reqs], g)
     common = make_common(pages, reqs, 1, 4, device)
     T = common.num_tokens

@@ -345,7 +345,6 @@ def _paged_attention_kernel(
     EARLY_ROPE: tl.constexpr = False,
     EARLY_KV: tl.constexpr = False,
     EARLY_PARAMS: tl.constexpr = False,
-    NEW_KV_REGS: tl.constexpr = False,
 ):
     # QK_NORM (with FUSE_KV): q and k arrive un-normed too; the per-head RMSNorm runs in the
     # RoPE tiles (no qk-norm launch), q_norm_w / k_norm_w [HEAD_DIM].
@@ -459,14 +458,8 @@ def _paged_attention_kernel(
         dst = (t_slot // BLOCK_SIZE) * stride_cb + (t_slot % BLOCK_SIZE) * stride_cs
         dst = dst[:, None] + kv_head * stride_ch + d[None, :]
         k_rot = k_rot.to(k_new_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
-        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
         tl.store(k_cache_ptr + dst, k_rot, mask=mine[:, None])
-        tl.store(v_cache_ptr + dst, v_new, mask=mine[:, None])
-        if NEW_KV_REGS:
-            # (with EARLY_KV) The first tile's new rows from the registers just stored instead
-            # of the cache: this step's keys in this program's range are all its own (mine),
-            # so the first tile waits on no store -> barrier -> load round trip.
-            k0, v0 = _merge_new_rows(k0, v0, kv_begin, k_rot, v_new, t_pos, mine, BLOCK_N, BLOCK_Q)
+        tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=mine[:, None])
         tl.debug_barrier()
     for start in range(kv_begin, kv_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
@@ -479,10 +472,7 @@ def _paged_attention_kernel(
         kv_off = page * stride_cb + (kpos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
         kv_off = kv_off[:, None] + d[None, :]
         if EARLY_KV:  # the first tile: only this step's keys are left to load
-            if NEW_KV_REGS:  # ... and those are in k0 / v0 already
-                late = (kmask & (start != kv_begin))[:, None]
-            else:
-                late = (kmask & ((kpos >= old_end) | (start != kv_begin)))[:, None]
+            late = (kmask & ((kpos >= old_end) | (start != kv_begin)))[:, None]
             k = tl.load(k_cache_ptr + kv_off, mask=late, other=0.0)
             v = tl.load(v_cache_ptr + kv_off, mask=late, other=0.0)
             if start == kv_begin:
@@ -534,26 +524,6 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None],
         )
-
-
-@triton.jit
-def _merge_new_rows(k0, v0, kv_begin, k_new, v_new, t_pos, mine, BLOCK_N: tl.constexpr,
-                    BLOCK_Q: tl.constexpr):  # fmt: skip
-    """k0 / v0 [BLOCK_N, HEAD_DIM] (the tile at kv_begin) with the rows of this step's tokens
-    k_new / v_new [BLOCK_Q, HEAD_DIM] at positions t_pos [BLOCK_Q] where `mine` put in."""
-    kpos = kv_begin + tl.arange(0, BLOCK_N)
-    tq = tl.arange(0, BLOCK_Q)
-    for j in tl.static_range(BLOCK_Q):
-        sel = (tq == j)[:, None]
-        # One row out of the tile: a sum over a single nonzero entry, exact.
-        k_j = tl.sum(tl.where(sel, k_new.to(tl.float32), 0.0), axis=0)
-        v_j = tl.sum(tl.where(sel, v_new.to(tl.float32), 0.0), axis=0)
-        pos_j = tl.sum(tl.where(tq == j, t_pos, 0), axis=0)
-        mine_j = tl.sum(tl.where((tq == j) & mine, 1, 0), axis=0) > 0
-        hit = ((kpos == pos_j) & mine_j)[:, None]
-        k0 = tl.where(hit, k_j[None, :].to(k0.dtype), k0)
-        v0 = tl.where(hit, v_j[None, :].to(v0.dtype), v0)
-    return k0, v0
 
 
 @triton.jit
@@ -833,11 +803,6 @@ def paged_attention(
         EARLY_PARAMS=EARLY_ATTN_PARAMS and early,
         # Split launches (batch 1-ish: a tile or two a program) only, with the page ids early.
         EARLY_KV=PRELOAD_FIRST_PAGE and num_splits > 1 and early_kv,
-        NEW_KV_REGS=NEW_KV_FROM_REGS
-        and PRELOAD_FIRST_PAGE
-        and num_splits > 1
-        and early_kv
-        and new_kv is not None,
         **_qk_norm_args(qk_norm, q),
         **kw,
     )
@@ -915,10 +880,6 @@ EARLY_ATTN_PARAMS = True
 # held q back); with 16-key tiles it changed nothing measurable (2835 us), so off.
 SPLIT_BLOCK_N = 16
 SPLIT_EARLY_KV = False
-# With EARLY_KV and the fused KV write: the program that writes this step's keys takes them
-# into its first tile from registers (NEW_KV_REGS) instead of loading them back after the
-# barrier: one L2 round trip off the slowest split's chain. Experiment (session 25).
-NEW_KV_FROM_REGS = False
 
 
 def split_count(
