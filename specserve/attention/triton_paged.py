@@ -711,18 +711,16 @@ def paged_attention(
     bt = common.block_table
     # Fixed by host-side sizes only, so a captured graph replays with any data.
     q_blocks = num_tokens // block_q + common.num_reqs
+    split_len = split_len or common.max_seq_len
     if num_splits is None:
         num_splits = split_count(
-            num_tokens,
-            common.num_reqs,
-            block_q,
-            num_kv_heads,
-            split_len or common.max_seq_len,
-            q.device,
+            num_tokens, common.num_reqs, block_q, num_kv_heads, split_len, q.device
         )
     grid = (q_blocks, num_kv_heads, num_splits)
     block_n = cfg.block_n
-    if num_splits > 1 and SPLIT_BLOCK_N and kv_cache.dtype != torch.float32:
+    # Small tiles where a split holds few keys at most (host sizes: graph and eager alike).
+    short = split_len // num_splits <= SPLIT_SMALL_TILE_MAX_KEYS
+    if num_splits > 1 and short and SPLIT_BLOCK_N and kv_cache.dtype != torch.float32:
         block_n = min(block_n, max(16, SPLIT_BLOCK_N))
     if num_splits > 1:
         ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
@@ -880,6 +878,10 @@ EARLY_ATTN_PARAMS = True
 # held q back); with 16-key tiles it changed nothing measurable (2835 us), so off.
 SPLIT_BLOCK_N = 16
 SPLIT_EARLY_KV = False
+# ... only where a split holds at most this many keys (split_len / splits: max_model_len in the
+# engine; the regime measured above, max_model_len 1024 in 16 splits). Longer splits keep
+# 64-key tiles: a 16-key tile there is 4x the key-loop iterations, unmeasured.
+SPLIT_SMALL_TILE_MAX_KEYS = 64
 
 
 def split_count(
