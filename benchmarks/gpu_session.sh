@@ -490,19 +490,21 @@ t.SPLIT_EARLY_KV = True; sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cach
 base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       | tee "$OUT/split_tiles_steps.log" | grep -E "^variant|^base|^spec|_paged_attention_kernel|_combine"
     ;;
-  embed)
-    F=specserve.ops.fused.EMBED_TRITON
-    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_ops.py -k embedding \
-      2>&1 | tee "$OUT/embed_tests.log" | tail -3
-    for s in ${EMBED_SHAPES:-qwen3-30b-a3b llama3-8b}; do
+  overhead)
+    F=specserve.ops.fused.EMBED_TRITON=True
+    P=specserve.ops.spec_kernels_triton.PDL_STEP_KERNELS=True
+    timeout 200 python -m pytest -q -m gpu -p no:cacheprovider tests/test_ops.py \
+      tests/test_spec_kernels.py -k "embedding or step_kernels_pdl" 2>&1 \
+      | tee "$OUT/overhead_tests.log" | tail -3
+    for s in ${OVERHEAD_SHAPES:-qwen3-30b-a3b llama3-8b}; do
       timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape "$s" --step-ms \
-        --variants "base;$F=True;base;$F=True" 2>&1 | tee "$OUT/embed_$s.log" \
+        --variants "base;$F;$P;$F,$P;base" 2>&1 | tee "$OUT/overhead_$s.log" \
         | grep -E "^variant|^base|^spec|indexSelect|_embedding_kernel"
     done
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles embed" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead" >&2
     exit 2
     ;;
 esac

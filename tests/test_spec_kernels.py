@@ -273,6 +273,70 @@ def test_advance_decode_metadata(device: str, block_size: int) -> None:
     assert bool((state[2][6:] == -1).all())
 
 
+@pytest.mark.parametrize("pdl", [False, True])
+def test_step_kernels_pdl_compile(pdl: bool) -> None:
+    """With PDL (spec_kernels_triton.PDL_STEP_KERNELS) the step's bookkeeping kernels compile
+    for sm_90 letting the next kernel launch first thing and waiting for the previous one
+    before any load; without it they hold no griddepcontrol at all."""
+    pytest.importorskip("triton")
+    from specserve.ops import spec_kernels_triton as skt
+
+    from .test_pdl import compile_sm90
+
+    cases = [
+        (
+            skt._write_verified_tokens_kernel,
+            dict(BLOCK_K=8, HAS_ACC=True, HAS_COMPUTED=True),
+            {"token_ids_ptr": "*i64", "out_tokens_ptr": "*i64"},
+        ),
+        (
+            skt._prepare_target_inputs_kernel,
+            dict(KV_BLOCK_SIZE=16, BLOCK=256, BLOCK_COLS=64, NUM_COL_BLOCKS=1, META=True),
+            {"token_ids_ptr": "*i64", "out_ids_ptr": "*i64", "out_slot_ptr": "*i64"},
+        ),
+    ]
+    for kernel, consts, types in cases:
+        # Integer buffers throughout (compile_sm90 would type other pointers bf16).
+        ints = {n: "*i32" for n in kernel.arg_names if n.endswith("_ptr")}
+        ptx = compile_sm90(kernel, dict(consts, PDL=pdl), types={**ints, **types})
+        lines = ptx.splitlines()
+        marks = [i for i, ln in enumerate(lines) if "griddepcontrol" in ln]
+        if not pdl:
+            assert not marks
+            continue
+        assert "launch_dependents" in lines[marks[0]] and "wait" in lines[marks[1]]
+        assert all("ld.global" not in ln for ln in lines[: marks[1]])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_step_kernels_pdl_engine_tokens_gpu(ckpt_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PDL_STEP_KERNELS the engine (CUDA graphs, async scheduling) gives the tokens it
+    gives without: plain decode, greedy and sampled, and n-gram speculation (verified tokens
+    written back with accept counts)."""
+    from specserve import LLM, SamplingParams
+    from specserve.ops import spec_kernels_triton as skt
+
+    path = ckpt_dir("llama_step_pdl")
+    prompts = [{"prompt_token_ids": [5 + i, 9, 13, 5 + i, 9, 13, 7]} for i in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+
+    def run(spec: dict | None) -> list[list[int]]:
+        llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4,
+                  speculative_config=spec)  # fmt: skip
+        outs = llm.generate(prompts, [greedy, sampled, greedy])
+        del llm
+        return [o.outputs[0].token_ids for o in outs]
+
+    for spec in (None, ngram):
+        monkeypatch.setattr(skt, "PDL_STEP_KERNELS", False)
+        plain = run(spec)
+        monkeypatch.setattr(skt, "PDL_STEP_KERNELS", True)
+        assert run(spec) == plain
+
+
 def test_dispatch_on_cpu_is_the_reference() -> None:
     """CPU tensors never reach a kernel: the public functions return the references' results."""
     g = torch.Generator().manual_seed(40)

@@ -12,8 +12,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from specserve.ops import pdl
 from specserve.ops.jit import jit_any_shape
 from specserve.ops.spec_kernels import DraftDecodeInputs
+
+# The step's bookkeeping kernels between the sampler and the next forward (writing the
+# verified tokens, preparing the next step's inputs) launched with PDL: each lets the next
+# launch at its start and waits for the previous before reading anything, so the ~1 us gap
+# a launch waits on its predecessor's completion goes (two such gaps a batch-1 step in an
+# H100 trace, session 25). Experiment, off: not yet timed on a GPU.
+PDL_STEP_KERNELS = False
+
+
+def _step_pdl(device: torch.device) -> dict[str, bool]:
+    return pdl.launch_kwargs(device) if PDL_STEP_KERNELS else {"PDL": False}
+
 
 # Tokens per program of the per-token kernels; block-table columns copied per inner iteration.
 _BLOCK = 256
@@ -111,7 +124,9 @@ def _prepare_target_inputs_kernel(
     BLOCK_COLS: tl.constexpr,
     NUM_COL_BLOCKS: tl.constexpr,
     META: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     # grid = (cdiv(T, BLOCK) + B,): the first programs fill BLOCK tokens each, the last B copy
     # one block-table row each. META: the token programs also copy positions to out_pos, the
     # row programs seq_lens to out_seq (in its dtype): a graph's metadata inputs.
@@ -187,6 +202,7 @@ def prepare_target_inputs_triton(
         BLOCK_COLS=cols,
         NUM_COL_BLOCKS=n_cols,
         META=meta is not None,
+        **_step_pdl(dev),
     )
     return input_ids, slot, bt
 
@@ -208,7 +224,9 @@ def _write_verified_tokens_kernel(
     BLOCK_K: tl.constexpr,
     HAS_ACC: tl.constexpr,
     HAS_COMPUTED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     b = tl.program_id(0)
     row = tl.load(idx_mapping_ptr + b).to(tl.int64)
     n = tl.load(num_acc_ptr + b) if HAS_ACC else 0
@@ -254,6 +272,7 @@ def write_verified_tokens_triton_(
         BLOCK_K=triton.next_power_of_2(k1),
         HAS_ACC=num_accepted is not None,
         HAS_COMPUTED=num_computed is not None,
+        **_step_pdl(token_ids.device),
     )
 
 
