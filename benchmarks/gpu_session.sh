@@ -502,9 +502,21 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
         | grep -E "^variant|^base|^spec|indexSelect|_embedding_kernel"
     done
     ;;
+  moe-one)
+    O=specserve.ops.moe_fused_decode.FUSED_DECODE=True
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_ops.py \
+        tests/test_moe_gpu.py -k "one_launch" 2>&1 | tee "$OUT/moe_one_tests.log" | tail -4
+      timeout 120 python benchmarks/moe_stream.py --variants "table;one;table;one" 2>&1 \
+        | tee "$OUT/moe_one_stream.log" | tail -7
+    fi
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py \
+      --shape "${ONE_SHAPE:-qwen3-30b-a3b}" --step-ms --variants "base;$O;base;$O" 2>&1 \
+      | tee "$OUT/moe_one_steps.log" | grep -E "^variant|^base|^spec|_moe_decode"
+    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead moe-one" >&2
     exit 2
     ;;
 esac
