@@ -454,19 +454,35 @@ def _cuobjdump(compiled, flag: str) -> str:
 
 def test_moe_one_launch_compiles_for_sm90() -> None:
     """The one-launch decode kernel at Qwen3-30B-A3B's and GLM-4.7-Flash's shapes (FUSED_CONFIG,
-    8 warps) compiles for sm_90 without spills; it waits for the router before any load and
-    lets the next kernel launch only after its barrier (after both counter atomics' first
-    one): earlier, the next kernel's programs could take the SM slots that ours still need."""
+    8 warps; I and H specialized as multiples of 16, as at run time, so loads are 16 bytes)
+    compiles for sm_90 without spills, at Qwen3's in at most 128 registers (two programs an
+    SM); it waits for the router before any load and lets the next kernel launch only after
+    its barrier's first atomic: earlier, the next kernel's programs could take the SM slots
+    that ours still need."""
+    import re
+
     from specserve.ops import moe_fused_decode as one
 
+    from .test_pdl import compile_sm90
+
+    kernel = one._moe_decode_fused_kernel
     gn, gk, warps, _ = one.FUSED_CONFIG
-    types = {"topk_ids_ptr": "*i64", "counter_ptr": "*i32"}
-    for inter, pairs in ((768, 8), (1536, 5)):
+    types = {"topk_ids_ptr": "*i64", "topk_w_ptr": "*fp32", "counter_ptr": "*i32"}
+    aligned = tuple(n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride")) + (
+        "N_INTER",
+        "H",
+    )
+    for inter, max_regs in ((768, 128), (1536, 255)):
         consts = dict(ACT="silu", ALPHA=0.0, LIMIT=0.0, GN=gn, GK=gk, DN=one.DOWN_N)
-        consts.update(DK=inter if inter & (inter - 1) == 0 else 1 << inter.bit_length())
-        consts.update(BLOCK_TOPK=8, PDL=True, W_EVICT="evict_first")
-        assert pairs <= consts["BLOCK_TOPK"]
-        lines = _compile(one._moe_decode_fused_kernel, consts, warps, 3, types).splitlines()
+        consts.update(DK=1 << (inter - 1).bit_length(), BLOCK_TOPK=8, PDL=True)
+        out: list = []
+        ptx = compile_sm90(
+            kernel, dict(consts, W_EVICT="evict_first"), warps, 3, types, aligned, out
+        )
+        usage = _cuobjdump(out[0], "--dump-resource-usage")
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
+        assert int(re.search(r"REG:(\d+)", usage).group(1)) <= max_regs, usage
+        lines = ptx.splitlines()
         first = {
             key: next(i for i, ln in enumerate(lines) if key in ln)
             for key in ("griddepcontrol.wait", "ld.global", "atom.", "launch_dependents")
