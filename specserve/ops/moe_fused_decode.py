@@ -14,7 +14,9 @@ that the SMs hold at once (`resident_per_sm` of the compiled kernel) runs both p
            j, requested before the barrier, so HBM keeps streaming while the last gate_up
            items finish;
   barrier  an arrival counter (release / acquire, gpu scope): every program waits for all G,
-           which is safe only because all G are resident (grid <= SMs x resident_per_sm);
+           which is safe only because all G are resident (grid <= SMs x resident_per_sm;
+           a process held to a share of the SMs, e.g. under MPS's thread percentage, must
+           leave this off);
            then the next kernel may launch (PDL trigger: not before, or its programs could
            take the slots of ours not yet resident and wait on us forever);
   phase 2  inter (all pairs, from L2) once, then down items n-block = pid, pid + G, ...:
