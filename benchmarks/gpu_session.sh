@@ -507,11 +507,13 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     if [ -z "${SKIP_TESTS:-}" ]; then
       timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_ops.py \
         tests/test_moe_gpu.py -k "one_launch" 2>&1 | tee "$OUT/moe_one_tests.log" | tail -4
-      timeout 120 python benchmarks/moe_stream.py --variants "table;one;table;one" 2>&1 \
+      timeout 150 python benchmarks/moe_stream.py \
+        --variants "table;one;one:8,2048,16,1;one:4,2048,16,1;table;one" 2>&1 \
         | tee "$OUT/moe_one_stream.log" | tail -7
     fi
     timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py \
-      --shape "${ONE_SHAPE:-qwen3-30b-a3b}" --step-ms --variants "base;$O;base;$O" 2>&1 \
+      --shape "${ONE_SHAPE:-qwen3-30b-a3b}" --step-ms --variants "${ONE_VARIANTS:-\
+base;$O;$O,specserve.ops.moe_fused_decode.FUSED_CONFIG=(8,2048,16,1);base;$O}" 2>&1 \
       | tee "$OUT/moe_one_steps.log" | grep -E "^variant|^base|^spec|_moe_decode"
     ;;
   *)
