@@ -275,7 +275,7 @@ def test_advance_decode_metadata(device: str, block_size: int) -> None:
 
 @pytest.mark.parametrize("pdl", [False, True])
 def test_step_kernels_pdl_compile(pdl: bool) -> None:
-    """With PDL (spec_kernels_triton.PDL_STEP_KERNELS) the step's bookkeeping kernels compile
+    """With PDL (spec_kernels_triton.PDL_STEP_KERNELS) every step bookkeeping kernel compiles
     for sm_90 letting the next kernel launch first thing and waiting for the previous one
     before any load; without it they hold no griddepcontrol at all."""
     pytest.importorskip("triton")
@@ -295,6 +295,17 @@ def test_step_kernels_pdl_compile(pdl: bool) -> None:
             {"token_ids_ptr": "*i64", "out_ids_ptr": "*i64", "out_slot_ptr": "*i64"},
         ),
     ]
+    cases += [
+        (skt._place_on_device_kernel, dict(BLOCK=256), {}),
+        (skt._prepare_draft_prefill_inputs_kernel, dict(SHIFT=1, BLOCK=256), {}),
+        (
+            skt._prepare_draft_decode_inputs_kernel,
+            dict(SHIFT=1, KV_BLOCK_SIZE=16, WITH_IDS=True, WITH_METADATA=True),
+            {},
+        ),
+        (skt._advance_decode_metadata_kernel, dict(KV_BLOCK_SIZE=16, BLOCK=256), {}),
+    ]
+    cases[-2][1].update(BLOCK_COLS=64, NUM_COL_BLOCKS=1)
     for kernel, consts, types in cases:
         # Integer buffers throughout (compile_sm90 would type other pointers bf16).
         ints = {n: "*i32" for n in kernel.arg_names if n.endswith("_ptr")}
@@ -312,8 +323,8 @@ def test_step_kernels_pdl_compile(pdl: bool) -> None:
 @needs_cuda
 def test_step_kernels_pdl_engine_tokens_gpu(ckpt_dir, monkeypatch: pytest.MonkeyPatch) -> None:
     """With PDL_STEP_KERNELS the engine (CUDA graphs, async scheduling) gives the tokens it
-    gives without: plain decode, greedy and sampled, and n-gram speculation (verified tokens
-    written back with accept counts)."""
+    gives without: plain decode, greedy and sampled, n-gram speculation (verified tokens
+    written back with accept counts) and a draft model (its input kernels on the device)."""
     from specserve import LLM, SamplingParams
     from specserve.ops import spec_kernels_triton as skt
 
@@ -322,6 +333,9 @@ def test_step_kernels_pdl_engine_tokens_gpu(ckpt_dir, monkeypatch: pytest.Monkey
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    # A draft model (the target itself): the drafter's input preparation and its decode
+    # loop's metadata advance run on the device, in a captured draft loop.
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
 
     def run(spec: dict | None) -> list[list[int]]:
         llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4,
@@ -330,7 +344,7 @@ def test_step_kernels_pdl_engine_tokens_gpu(ckpt_dir, monkeypatch: pytest.Monkey
         del llm
         return [o.outputs[0].token_ids for o in outs]
 
-    for spec in (None, ngram):
+    for spec in (None, ngram, draft):
         monkeypatch.setattr(skt, "PDL_STEP_KERNELS", False)
         plain = run(spec)
         monkeypatch.setattr(skt, "PDL_STEP_KERNELS", True)

@@ -16,11 +16,12 @@ from specserve.ops import pdl
 from specserve.ops.jit import jit_any_shape
 from specserve.ops.spec_kernels import DraftDecodeInputs
 
-# The step's bookkeeping kernels between the sampler and the next forward (writing the
-# verified tokens, preparing the next step's inputs) launched with PDL: each lets the next
-# launch at its start and waits for the previous before reading anything, so the ~1 us gap
-# a launch waits on its predecessor's completion goes (two such gaps a batch-1 step in an
-# H100 trace, session 25). Experiment, off: not yet timed on a GPU.
+# The step's bookkeeping kernels (every kernel of this file: the verified-token write, the
+# next step's and the drafter's input preparation, async scheduling's start correction, the
+# draft loop's metadata advance) launched with PDL: each lets the next launch at its start
+# and waits for the previous before reading anything, so the ~1 us gap a launch waits on its
+# predecessor's completion goes (two such gaps a plain batch-1 step in an H100 trace, session
+# 25; more in a speculative one). Experiment, off: not yet timed on a GPU.
 PDL_STEP_KERNELS = False
 
 
@@ -58,7 +59,9 @@ def _place_on_device_kernel(
     seq_lens_ptr,
     out_pos0_ptr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     # One program per request: its shift, then its own tokens' positions (no other program
     # reads what it writes).
     b = tl.program_id(0)
@@ -97,6 +100,7 @@ def place_on_device_triton_(
         seq_lens,
         out_pos0,
         BLOCK=_BLOCK,
+        **_step_pdl(num_computed.device),
     )
 
 
@@ -295,7 +299,9 @@ def _prepare_draft_prefill_inputs_kernel(
     token_stride,
     SHIFT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     # grid = (cdiv(T, BLOCK) + cdiv(B, BLOCK),): token programs, then request programs.
     pid = tl.program_id(0)
     num_token_programs = tl.cdiv(num_tokens, BLOCK)
@@ -354,6 +360,7 @@ def prepare_draft_prefill_inputs_triton(
         token_ids.stride(0),
         SHIFT=shift,
         BLOCK=_BLOCK,
+        **_step_pdl(token_ids.device),
     )
     return ids, last, pos1, pos2
 
@@ -383,7 +390,9 @@ def _prepare_draft_decode_inputs_kernel(
     WITH_METADATA: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     NUM_COL_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     # grid = (B,): one request per program.
     b = tl.program_id(0)
     row = tl.load(rows_ptr + b).to(tl.int64)
@@ -460,6 +469,7 @@ def prepare_draft_decode_inputs_triton(
         WITH_METADATA=with_metadata,
         BLOCK_COLS=cols,
         NUM_COL_BLOCKS=n_cols,
+        **_step_pdl(token_ids.device),
     )
     return out
 
@@ -478,7 +488,9 @@ def _advance_decode_metadata_kernel(
     bt_stride,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     # grid = (cdiv(max(T, R), BLOCK),): element i is token i and request i.
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mr = i < num_reqs
@@ -523,4 +535,5 @@ def advance_decode_metadata_triton_(
         block_table.stride(0),
         KV_BLOCK_SIZE=block_size,
         BLOCK=_BLOCK,
+        **_step_pdl(positions.device),
     )
