@@ -86,6 +86,23 @@ def _sm_limits(index: int | None) -> dict[str, int]:
 
 
 @triton.jit
+def _gate_up_item(
+    topk_ids_ptr, w13_ptr, n_items, P, c, k, k_ok, N_INTER, stride_we, stride_wn, i,
+    W_EVICT: tl.constexpr,
+):  # fmt: skip
+    """(expert, gate tile, up tile [GN, GK]) of gate_up item i (pair i % P, column block
+    i // P); zeros past the last item."""
+    ok = i < n_items
+    e = tl.load(topk_ids_ptr + i % P, mask=ok, other=0).to(tl.int64)
+    n = (i // P) * c.shape[0] + c
+    rows = w13_ptr + e * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :]
+    t_ok = (ok & (n < N_INTER))[:, None] & k_ok[None, :]
+    gate = tl.load(rows, mask=t_ok, other=0.0, eviction_policy=W_EVICT)
+    up = tl.load(rows + N_INTER * stride_wn, mask=t_ok, other=0.0, eviction_policy=W_EVICT)
+    return e, gate, up
+
+
+@triton.jit
 def _moe_decode_fused_kernel(
     x_ptr,
     w13_ptr,
@@ -124,22 +141,10 @@ def _moe_decode_fused_kernel(
     xk = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
     c = tl.arange(0, GN)
     n_items = P * tl.cdiv(N_INTER, GN)
-    ok = pid < n_items
-    e = tl.load(topk_ids_ptr + pid % P, mask=ok, other=0).to(tl.int64)
-    n = (pid // P) * GN + c
-    rows = w13_ptr + e * stride_we13 + n.to(tl.int64)[:, None] * stride_wn13 + k[None, :]
-    t_ok = (ok & (n < N_INTER))[:, None] & k_ok[None, :]
-    gate = tl.load(rows, mask=t_ok, other=0.0, eviction_policy=W_EVICT)
-    up = tl.load(rows + N_INTER * stride_wn13, mask=t_ok, other=0.0, eviction_policy=W_EVICT)
+    item = (topk_ids_ptr, w13_ptr, n_items, P, c, k, k_ok, N_INTER, stride_we13, stride_wn13)
+    e, gate, up = _gate_up_item(*item, pid, W_EVICT)
     for i in range(pid, n_items, G):
-        nxt = i + G
-        ok2 = nxt < n_items
-        e2 = tl.load(topk_ids_ptr + nxt % P, mask=ok2, other=0).to(tl.int64)
-        n2 = (nxt // P) * GN + c
-        rows2 = w13_ptr + e2 * stride_we13 + n2.to(tl.int64)[:, None] * stride_wn13 + k[None, :]
-        t_ok2 = (ok2 & (n2 < N_INTER))[:, None] & k_ok[None, :]
-        gate2 = tl.load(rows2, mask=t_ok2, other=0.0, eviction_policy=W_EVICT)
-        up2 = tl.load(rows2 + N_INTER * stride_wn13, mask=t_ok2, other=0.0, eviction_policy=W_EVICT)
+        e2, gate2, up2 = _gate_up_item(*item, i + G, W_EVICT)
         acc = tl.sum(gate.to(tl.float32) * xk, axis=1)
         acc_up = tl.sum(up.to(tl.float32) * xk, axis=1)
         n = (i // P) * GN + c
