@@ -160,12 +160,13 @@ def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool, fuse_
 
 
 def test_place_on_device_compiles() -> None:
-    """Not a PDL kernel (it runs before the forward pass), compiled the same way: its loop has
-    bounds loaded from memory, which the interpreter needs a workaround for."""
+    """It runs before the forward pass, without PDL unless spec_kernels_triton.PDL_STEP_KERNELS
+    (tests/test_spec_kernels.py compiles that); compiled the same way: its loop has bounds
+    loaded from memory, which the interpreter needs a workaround for."""
     from specserve.ops.spec_kernels_triton import _place_on_device_kernel
 
     i64 = {n: "*i64" for n in _place_on_device_kernel.arg_names if n.endswith("_ptr")}
-    ptx = compile_sm90(_place_on_device_kernel, dict(BLOCK=256), types=i64)
+    ptx = compile_sm90(_place_on_device_kernel, dict(BLOCK=256, PDL=False), types=i64)
     assert "griddepcontrol" not in ptx
 
 
