@@ -506,23 +506,9 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       --variants "base;$P;base;$P" -- benchmarks/spec_step.py --ks 4 --batches 1 \
       --modes fused --async-scheduling 2>&1 | tee "$OUT/overhead_spec.log" | grep -v tokenizer
     ;;
-  moe-one)
-    O=specserve.ops.moe_fused_decode.FUSED_DECODE=True
-    if [ -z "${SKIP_TESTS:-}" ]; then
-      timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_ops.py \
-        tests/test_moe_gpu.py -k "one_launch" 2>&1 | tee "$OUT/moe_one_tests.log" | tail -4
-      timeout 150 python benchmarks/moe_stream.py \
-        --variants "table;one;one:8,2048,16,1;one:4,2048,16,1;table;one" 2>&1 \
-        | tee "$OUT/moe_one_stream.log" | tail -7
-    fi
-    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py \
-      --shape "${ONE_SHAPE:-qwen3-30b-a3b}" --step-ms --variants "${ONE_VARIANTS:-\
-base;$O;$O,specserve.ops.moe_fused_decode.FUSED_CONFIG=(8,2048,16,1);base;$O}" 2>&1 \
-      | tee "$OUT/moe_one_steps.log" | grep -E "^variant|^base|^spec|_moe_decode"
-    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead moe-one" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead" >&2
     exit 2
     ;;
 esac

@@ -5,9 +5,7 @@ under gate_up launch variants, as us a call and TB/s of expert weights.
 
 A variant is `BLOCK_N,BLOCK_K,warps,per_sm`: gate_up's decode config, and per_sm
 its `moe_triton.GATE_UP_PERSISTENT` entry (0: one program a column block, in waves; k: the
-persistent kernel, k programs an SM); "table": the shape tables as they stand; "one" or
-`one:GN,GK,warps,per_sm`: gate_up and down in one launch (ops/moe_fused_decode.py, its
-FUSED_CONFIG by default). down keeps its table config. Each call reads `top_k` experts of one
+persistent kernel, k programs an SM); "table": the shape tables as they stand. down keeps its table config. Each call reads `top_k` experts of one
 token, different random experts at each of `--reps` calls captured back to back in one CUDA
 graph, so the weights come from HBM (128 experts of 6-9 MB against a 50 MB L2). Outputs are
 checked against the first variant's. Writes $OUT/moe_stream.json when OUT is set.
@@ -21,7 +19,6 @@ import os
 
 import torch
 
-from specserve.ops import moe_fused_decode as one
 from specserve.ops import moe_triton as mt
 
 # name: (experts, intermediate, hidden, top_k)
@@ -37,12 +34,7 @@ DEFAULT_VARIANTS = (
 def time_variant(shape: tuple[int, int, int, int], variant: str, reps: int, iters: int = 10):
     E, inter, H, top_k = shape
     saved = mt.DECODE_GATE_UP_TABLE, mt.GATE_UP_PERSISTENT
-    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
-    one_cfg = None
-    if variant.startswith("one"):
-        spec = variant.partition(":")[2]
-        one_cfg = tuple(int(v) for v in spec.split(",")) if spec else one.FUSED_CONFIG
-    elif variant != "table":
+    if variant != "table":
         bn, bk, warps, per_sm = (int(v) for v in variant.split(","))
         mt.DECODE_GATE_UP_TABLE = ((float("inf"), float("inf"), (bn, bk, warps)),)
         cfg = (bn, bk, warps)
@@ -55,18 +47,11 @@ def time_variant(shape: tuple[int, int, int, int], variant: str, reps: int, iter
         ids = [torch.randperm(E, generator=g, device="cuda")[:top_k] for _ in range(reps)]
         ids = [i.to(torch.int32)[None] for i in ids]
         tw = [torch.rand(1, top_k, generator=g, device="cuda") for _ in range(reps)]
-
-        def call(r: int) -> torch.Tensor:
-            if one_cfg is None:
-                return mt.fused_moe_decode(x, w13, w2, tw[r], ids[r])
-            args = (x, w13, w2, tw[r], ids[r], counters, mt.PLAIN)
-            return one.fused_moe_decode_one(*args, config=one_cfg)  # type: ignore[arg-type]
-
-        outs = [call(r) for r in range(reps)]
+        outs = [mt.fused_moe_decode(x, w13, w2, tw[r], ids[r]) for r in range(reps)]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for r in range(reps):
-                call(r)
+                mt.fused_moe_decode(x, w13, w2, tw[r], ids[r])
         graph.replay()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

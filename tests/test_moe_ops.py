@@ -338,51 +338,6 @@ def test_moe_decode_gate_up_persistent(
     assert launched == [((P * 6,), False)]
 
 
-@pytest.mark.interpret
-@needs_interpreter
-@pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("routing, top_k", [("random", 2), ("shared", 3), ("idle", 6)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_decode_one_launch(routing: str, top_k: int, dtype: torch.dtype) -> None:
-    """The one-launch decode kernel (ops/moe_fused_decode.py; one program on the interpreter,
-    which does every gate_up item, passes the barrier alone and does every down row) equals
-    the reference: I = 48 (its K tile 64, masked), H = 40 (not a multiple of the 4-row gate_up
-    blocks' K tile: masked), pairs not a power of two (3: a fused shared expert; 6), and the
-    counters are back at zero."""
-    from specserve.ops import moe_fused_decode as one
-    from specserve.ops import moe_triton as mt
-
-    args = make_moe(1, E=8, H=40, inter=48, top_k=top_k, dtype=dtype, routing=routing)
-    counters = torch.zeros(2, dtype=torch.int32)
-    out = one.fused_moe_decode_one(*args, counters, mt.PLAIN, config=(4, 64, 4, 2))
-    _check(out, fused_moe_ref(*args))
-    assert counters.tolist() == [0, 0]
-
-
-def test_moe_decode_one_launch_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`fusable`: on, with counters, one token (the graph's rows), plain SwiGLU, H within the
-    K tile; and the grid's residency arithmetic (registers a warp in units of 256)."""
-    pytest.importorskip("triton")
-    from specserve.ops import moe_fused_decode as one
-    from specserve.ops import moe_triton as mt
-
-    x1, w13, *_ = make_moe(1, E=4, H=16, inter=8, top_k=2, dtype=torch.float32)
-    c = torch.zeros(2, dtype=torch.int32)
-    assert not one.fusable(x1, w13, mt.PLAIN, c)  # off by default
-    monkeypatch.setattr(one, "FUSED_DECODE", True)
-    assert one.fusable(x1, w13, mt.PLAIN, c)
-    assert not one.fusable(x1, w13, mt.PLAIN, None)
-    assert not one.fusable(torch.zeros(2, 16), w13, mt.PLAIN, c)
-    assert not one.fusable(x1, w13, mt.Epilogue(activation="swiglu_oai"), c)
-    assert not one.fusable(x1, torch.zeros(4, 16, 4096), mt.PLAIN, c)
-    h100 = dict(regs=65536, smem=233472, threads=2048, blocks=32)
-    assert one.resident_per_sm(128, 1024, 8, h100) == 2  # 128 x 256 threads: 2 fill the SM
-    assert one.resident_per_sm(121, 1024, 8, h100) == 2  # rounds up to 128
-    assert one.resident_per_sm(129, 1024, 8, h100) == 1  # 136 a thread: one
-    assert one.resident_per_sm(40, 200_000, 4, h100) == 1  # shared memory bound
-    assert one.resident_per_sm(255, 0, 16, h100) == 0
-
-
 def test_fused_moe_dispatch_and_validation() -> None:
     """On CPU fused_moe is the reference; a bad path or bad shapes fail with one clear line."""
     args = make_moe(5, E=4, H=16, inter=8, top_k=2, dtype=torch.float32)
@@ -450,45 +405,6 @@ def _cuobjdump(compiled, flag: str) -> str:
         f.write(compiled.asm["cubin"])
         f.flush()
         return subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True).stdout
-
-
-def test_moe_one_launch_compiles_for_sm90() -> None:
-    """The one-launch decode kernel at Qwen3-30B-A3B's and GLM-4.7-Flash's shapes (FUSED_CONFIG,
-    8 warps; I and H specialized as multiples of 16, as at run time, so loads are 16 bytes)
-    compiles for sm_90 without spills, at Qwen3's in at most 128 registers (two programs an
-    SM); it waits for the router before any load and lets the next kernel launch only after
-    its barrier's first atomic: earlier, the next kernel's programs could take the SM slots
-    that ours still need."""
-    import re
-
-    from specserve.ops import moe_fused_decode as one
-
-    from .test_pdl import compile_sm90
-
-    kernel = one._moe_decode_fused_kernel
-    gn, gk, warps, _ = one.FUSED_CONFIG
-    types = {"topk_ids_ptr": "*i64", "topk_w_ptr": "*fp32", "counter_ptr": "*i32"}
-    aligned = tuple(n for n in kernel.arg_names if n.endswith("_ptr") or n.startswith("stride")) + (
-        "N_INTER",
-        "H",
-    )
-    for inter, max_regs in ((768, 128), (1536, 255)):
-        consts = dict(ACT="silu", ALPHA=0.0, LIMIT=0.0, GN=gn, GK=gk, DN=one.DOWN_N)
-        consts.update(DK=1 << (inter - 1).bit_length(), BLOCK_TOPK=8, PDL=True)
-        out: list = []
-        ptx = compile_sm90(
-            kernel, dict(consts, W_EVICT="evict_first"), warps, 3, types, aligned, out
-        )
-        usage = _cuobjdump(out[0], "--dump-resource-usage")
-        assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
-        assert int(re.search(r"REG:(\d+)", usage).group(1)) <= max_regs, usage
-        lines = ptx.splitlines()
-        first = {
-            key: next(i for i, ln in enumerate(lines) if key in ln)
-            for key in ("griddepcontrol.wait", "ld.global", "atom.", "launch_dependents")
-        }
-        assert first["griddepcontrol.wait"] < first["ld.global"]
-        assert first["atom."] < first["launch_dependents"]
 
 
 def test_moe_kernels_compile_for_sm90() -> None:
@@ -616,46 +532,6 @@ def test_moe_gpu_qwen3_shape(T: int) -> None:
         _check(fused_moe(*args), ref)
         if T <= 64:
             _check(fused_moe(*args, path="decode" if T > 8 else "gemm"), ref)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize(
-    "E, H, inter, top_k, routing",
-    [(128, 2048, 768, 8, "random"), (65, 2048, 1536, 5, "shared"), (16, 256, 96, 3, "idle")],
-)
-def test_moe_one_launch_gpu(
-    monkeypatch: pytest.MonkeyPatch, E: int, H: int, inter: int, top_k: int, routing: str
-) -> None:
-    """The one-launch decode kernel on the GPU (its grid-wide barrier over every resident
-    program): the reference's output at Qwen3-30B-A3B's experts, GLM-4.7-Flash's with the
-    fused shared expert and a small shape; through fused_moe with FUSED_DECODE and counters;
-    captured in a CUDA graph, replays over new routing equal the eager call bit for bit; the
-    counters are zero after every launch."""
-    from specserve.ops import moe_fused_decode as one
-
-    monkeypatch.setattr(one, "FUSED_DECODE", True)
-    counters = torch.zeros(2, dtype=torch.int32, device="cuda")
-    x, w13, w2, tw, ids = make_moe(1, E, H, inter, top_k, torch.bfloat16, "cuda", routing)
-    with torch.inference_mode():
-        _check(
-            fused_moe(x, w13, w2, tw, ids, counters=counters), fused_moe_ref(x, w13, w2, tw, ids)
-        )
-        assert counters.tolist() == [0, 0]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fused_moe(x, w13, w2, tw, ids, counters=counters)
-        for seed in (2, 3):
-            _, _, _, tw2, ids2 = make_moe(
-                1, E, H, inter, top_k, torch.bfloat16, "cuda", routing, seed
-            )
-            tw.copy_(tw2)
-            ids.copy_(ids2)
-            graph.replay()
-            eager = fused_moe(x, w13, w2, tw, ids, counters=counters)
-            assert torch.equal(out, eager)
-            _check(out, fused_moe_ref(x, w13, w2, tw, ids))
-            assert counters.tolist() == [0, 0]
 
 
 @pytest.mark.gpu

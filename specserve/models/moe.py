@@ -169,10 +169,6 @@ class StackedExperts(nn.Module):
         if bias:
             self.w13_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
             self.w2_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
-        # The one-launch decode kernel's barrier counters (ops/moe_fused_decode.py; zero
-        # between launches): per layer, so a captured graph holds this layer's.
-        counters = torch.zeros(2, dtype=torch.int32)
-        self.register_buffer("decode_counters", counters, persistent=False)
 
     def forward(
         self,
@@ -187,7 +183,6 @@ class StackedExperts(nn.Module):
         """[num_tokens, hidden]: `fused_moe` (`kw`: its activation keywords)."""
         if self.w13_bias is not None:
             kw = {**kw, "w13_bias": self.w13_bias, "w2_bias": self.w2_bias}
-        kw["counters"] = self.decode_counters
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, **kw)
 
 

@@ -117,19 +117,16 @@ def fused_moe(
     alpha: float = 1.702,
     limit: float = 7.0,
     path: str = "auto",
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[num_tokens, hidden] in x's dtype. `path` picks the Triton kernels ("auto": decode
     kernels up to moe_triton.DECODE_MAX_TOKENS tokens, the grouped GEMM above; "decode";
-    "gemm"); `counters` (the experts module's [2] int32) allows the one-launch decode kernel
-    (ops/moe_fused_decode.py); the reference ignores both."""
+    "gemm"); the reference ignores it."""
     _check_options(path, activation)
     if _use_triton(x):
         from specserve.ops.moe_triton import Epilogue, fused_moe_triton
 
         epilogue = Epilogue(w13_bias, w2_bias, activation, alpha, limit)
-        kw = dict(path=path, epilogue=epilogue, counters=counters)
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, **kw)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, path=path, epilogue=epilogue)
     return fused_moe_ref(
         x,
         w13,

@@ -850,12 +850,9 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     path: str = "auto",
     epilogue: Epilogue = PLAIN,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fused_moe` in Triton; path "auto" (decode kernels up to DECODE_MAX_TOKENS tokens, the
-    grouped GEMM above), "decode" or "gemm"; `epilogue` the gpt-oss biases and activation;
-    `counters` ([2] int32, zero, the experts module's): one-token steps may then run the
-    gate_up and down in one launch (ops/moe_fused_decode.py)."""
+    grouped GEMM above), "decode" or "gemm"; `epilogue` the gpt-oss biases and activation."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, epilogue)
     T = topk_ids.shape[0]
     if T == 0:
@@ -865,10 +862,5 @@ def fused_moe_triton(
     epilogue = replace(epilogue, w13_bias=b13, w2_bias=b2)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     if path == "decode" or (path == "auto" and uses_decode_path(T)):
-        from specserve.ops import moe_fused_decode as one_launch
-
-        if one_launch.fusable(x, w13, epilogue, counters):
-            args = (x, w13, w2, topk_weights, topk_ids, counters, epilogue)
-            return one_launch.fused_moe_decode_one(*args)
         return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
     return fused_moe_gemm(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
