@@ -90,6 +90,11 @@ DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
 # weight stream, so down's programs take SM slots early and stream their slabs during gate_up's
 # tail (the dense gemv measured slower that way: ops/pdl.py).
 GATE_UP_EARLY_TRIGGER = True
+# Experiment (off, not yet timed): the down kernel triggers right after its wait too, not
+# after its math. Its grid is more than one wave at Qwen3-30B-A3B (1024 programs, 6 an SM),
+# so today the next layer's first gemv launches only when the last wave has done its math,
+# and starts its weight stream cold (qkv 8.46 us a layer end to end for 7.0 us of bytes).
+DOWN_EARLY_TRIGGER = False
 # One-token steps whose table config is a key here run the persistent gate_up kernel instead,
 # at the value's own config (one K tile: BLOCK_K >= H) and programs an SM; everything else
 # runs one program a column block, in waves. Each persistent program serves one pair's column
@@ -536,6 +541,7 @@ def _moe_decode_down_kernel(
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
     W_EVICT: tl.constexpr = "",
+    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
     # The K loop is unrolled (STEPS = cdiv(K, BLOCK_K) on the host) and its weight tiles are
@@ -563,6 +569,10 @@ def _moe_decode_down_kernel(
         tiles = tiles + (_down_tile(w_rows, rows_ok, s * BLOCK_K + k, K, W_EVICT),)
     if PRELOAD:
         pdl.wait(PDL)
+    # EARLY_TRIGGER: the next kernel may launch once this one's programs have passed their
+    # wait (still after it: pdl.py's EARLY_KV argument needs that), so its programs take the
+    # slots our first wave leaves and preload their weights during our second wave.
+    pdl.trigger(PDL and EARLY_TRIGGER)
     # [BLOCK_TOPK, 1] inter rows, its tiles (from L2) requested after the wait. NOTE: ptxas
     # keeps the weight loads ahead of the wait and of every FMA, but sinks some of these
     # below the first FMAs (sm_90 SASS at Qwen3's config: 2 of 6 issued before the math).
@@ -575,7 +585,7 @@ def _moe_decode_down_kernel(
     acc = tl.zeros([BLOCK_TOPK, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for s in tl.static_range(STEPS):
         acc += tiles[s].to(tl.float32) * hs[s].to(tl.float32)[:, None, :]
-    pdl.trigger(PDL)
+    pdl.trigger(PDL and not EARLY_TRIGGER)
     acc2 = tl.sum(acc, axis=2)  # [BLOCK_TOPK, BLOCK_N]
     _down_store(
         acc2, b_ptr, expert, stride_be, n, n_ok, j_ok, route_w, out_ptr, t, stride_om, HAS_BIAS
@@ -797,6 +807,7 @@ def fused_moe_decode(
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk,
         STEPS=triton.cdiv(inter_size, dk), num_warps=dw,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, W_EVICT=l2.weight_eviction(), **kw,
+        EARLY_TRIGGER=DOWN_EARLY_TRIGGER,
     )  # fmt: skip
     return out
 
