@@ -506,23 +506,9 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       --variants "base;$P;base;$P" -- benchmarks/spec_step.py --ks 4 --batches 1 \
       --modes fused --async-scheduling 2>&1 | tee "$OUT/overhead_spec.log" | grep -v tokenizer
     ;;
-  down-trigger)
-    # The MoE down kernel triggering right after its wait (moe_triton.DOWN_EARLY_TRIGGER):
-    # GPU tests, then batch-1 steps A/B at Qwen3-30B-A3B and GLM-4.7-Flash (the latter with
-    # the MLA split count too).
-    D=specserve.ops.moe_triton.DOWN_EARLY_TRIGGER=True
-    [ -z "${SKIP_TESTS:-}" ] && timeout 200 python -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_moe_gpu.py -k "down_early_trigger" 2>&1 | tee "$OUT/down_tests.log" | tail -3
-    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
-      --step-ms --variants "base;$D;base;$D" 2>&1 | tee "$OUT/down_qwen3.log" \
-      | grep -E "^variant|^base|^spec|_moe_decode_down|_gemv_kernel grid=\[640"
-    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape glm47-flash \
-      --step-ms --variants "base;$D;specserve.attention.mla_triton.MAX_SPLITS=8" 2>&1 \
-      | tee "$OUT/down_glm.log" | grep -E "^variant|^base|^spec"
-    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead down-trigger" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead" >&2
     exit 2
     ;;
 esac

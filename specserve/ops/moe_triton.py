@@ -88,13 +88,11 @@ DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
 # 3961 vs 3839; GLM-4.5-Air + shared (top-9) 124.2 vs 112.0 us a layer alone.
 # The gate_up decode kernel lets down launch right after its own PDL wait instead of after its
 # weight stream, so down's programs take SM slots early and stream their slabs during gate_up's
-# tail (the dense gemv measured slower that way: ops/pdl.py).
+# tail (the dense gemv measured slower that way: ops/pdl.py). down triggering right after its
+# wait as well was slower (session 26, H100): Qwen3-30B-A3B step 2807 -> 2857-2861 us, down
+# 5.8 -> 8.3 us a layer (the next gemv's programs take the slots its second wave needs),
+# GLM-4.7-Flash 3336 -> 3344 us.
 GATE_UP_EARLY_TRIGGER = True
-# Experiment (off, not yet timed): the down kernel triggers right after its wait too, not
-# after its math. Its grid is more than one wave at Qwen3-30B-A3B (1024 programs, 6 an SM),
-# so today the next layer's first gemv launches only when the last wave has done its math,
-# and starts its weight stream cold (qkv 8.46 us a layer end to end for 7.0 us of bytes).
-DOWN_EARLY_TRIGGER = False
 # One-token steps whose table config is a key here run the persistent gate_up kernel instead,
 # at the value's own config (one K tile: BLOCK_K >= H) and programs an SM; everything else
 # runs one program a column block, in waves. Each persistent program serves one pair's column
@@ -541,7 +539,6 @@ def _moe_decode_down_kernel(
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
     W_EVICT: tl.constexpr = "",
-    EARLY_TRIGGER: tl.constexpr = False,
 ):
     # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
     # The K loop is unrolled (STEPS = cdiv(K, BLOCK_K) on the host) and its weight tiles are
@@ -569,10 +566,6 @@ def _moe_decode_down_kernel(
         tiles = tiles + (_down_tile(w_rows, rows_ok, s * BLOCK_K + k, K, W_EVICT),)
     if PRELOAD:
         pdl.wait(PDL)
-    # EARLY_TRIGGER: the next kernel may launch once this one's programs have passed their
-    # wait (still after it: pdl.py's EARLY_KV argument needs that), so its programs take the
-    # slots our first wave leaves and preload their weights during our second wave.
-    pdl.trigger(PDL and EARLY_TRIGGER)
     # [BLOCK_TOPK, 1] inter rows, its tiles (from L2) requested after the wait. NOTE: ptxas
     # keeps the weight loads ahead of the wait and of every FMA, but sinks some of these
     # below the first FMAs (sm_90 SASS at Qwen3's config: 2 of 6 issued before the math).
@@ -585,7 +578,7 @@ def _moe_decode_down_kernel(
     acc = tl.zeros([BLOCK_TOPK, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for s in tl.static_range(STEPS):
         acc += tiles[s].to(tl.float32) * hs[s].to(tl.float32)[:, None, :]
-    pdl.trigger(PDL and not EARLY_TRIGGER)
+    pdl.trigger(PDL)
     acc2 = tl.sum(acc, axis=2)  # [BLOCK_TOPK, BLOCK_N]
     _down_store(
         acc2, b_ptr, expert, stride_be, n, n_ok, j_ok, route_w, out_ptr, t, stride_om, HAS_BIAS
@@ -807,7 +800,6 @@ def fused_moe_decode(
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk,
         STEPS=triton.cdiv(inter_size, dk), num_warps=dw,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, W_EVICT=l2.weight_eviction(), **kw,
-        EARLY_TRIGGER=DOWN_EARLY_TRIGGER,
     )  # fmt: skip
     return out
 
