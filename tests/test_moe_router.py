@@ -144,6 +144,110 @@ def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
         assert int(counter) == 0  # reset by the last program: the next launch starts at 0
 
 
+def _deferred_vs_router(
+    case: tuple,
+    dtype: torch.dtype,
+    device: str,
+    persistent: bool,
+    monkeypatch: pytest.MonkeyPatch | None = None,
+    inter: int = 48,
+    graph: bool = False,
+) -> None:
+    """The choice left to the MoE gate_up kernel (norm_route_deferred + fused_moe_decode with
+    its PendingChoice) equals the router kernel's choice bit for bit (ids, weights: the same
+    arithmetic), and the layer's output equals the decode kernels' on the router's choice."""
+    from specserve.ops import moe_triton as mt
+    from specserve.ops.moe_router import norm_route_deferred, norm_route_triton
+
+    T, E, H, top_k, scoring, renorm, scale, n_group, topk_group, n_shared = case
+    routing = dict(scoring=scoring, top_k=top_k, renormalize=renorm, scale=scale)
+    routing.update(n_group=n_group, topk_group=topk_group, n_shared=n_shared)
+    x, res, norm_w, w, bias = make_route(T, E, H, scoring, dtype, device, seed=T + E)
+    rb = router_bias(scoring, E, dtype, seed=T)
+    rb = None if rb is None else rb.to(device)
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    g = torch.Generator(device).manual_seed(7)
+    w13 = (torch.randn(E + n_shared, 2 * inter, H, generator=g, device=device) / H**0.5).to(dtype)
+    w2 = (torch.randn(E + n_shared, H, inter, generator=g, device=device) / inter**0.5).to(dtype)
+    # The interpreter: small configs; the GPU: the shape tables' (persistent at one token).
+    configs = ((4, 64, 4), (2, 64, 4)) if device == "cpu" else None
+    if persistent and configs:  # the one-token persistent gate_up (4 "SMs" on the CPU)
+        assert monkeypatch is not None
+        monkeypatch.setattr(mt, "GATE_UP_PERSISTENT", {configs[0]: ((4, 128, 4), 2)})
+    args = (x, res, norm_w, 1e-6, w, bias, counter)
+
+    def deferred() -> tuple[torch.Tensor, ...]:
+        choice, normed, res = norm_route_deferred(*args, router_bias=rb, **routing)
+        out = mt.fused_moe_decode(
+            normed, w13, w2, choice.weights, choice.ids, configs, choice=choice
+        )
+        return choice.weights, choice.ids, normed, res, out
+
+    with torch.inference_mode():
+        if graph:
+            deferred()  # compiles
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                got = deferred()
+        for seed in (1, 2) if graph else (0,):
+            if graph:  # new inputs, replayed
+                x.copy_(make_route(T, E, H, scoring, dtype, device, seed=seed)[0])
+                g.replay()
+            else:
+                got = deferred()
+            tw, ids, normed, new_res = norm_route_triton(*args, router_bias=rb, **routing)
+            want = mt.fused_moe_decode(normed, w13, w2, tw, ids, configs)
+            assert torch.equal(got[2], normed) and torch.equal(got[3], new_res)
+            assert torch.equal(got[1], ids)
+            if device == "cpu":  # the same arithmetic in the same order: bit for bit
+                assert torch.equal(got[0], tw) and torch.equal(got[4], want)
+            else:  # another kernel's reduction layout: the weights' sums may round apart
+                torch.testing.assert_close(got[0], tw, atol=1e-6, rtol=1e-5)
+                torch.testing.assert_close(got[4], want, atol=1e-2, rtol=1e-2)
+
+
+# The ungrouped cases (a group-limited choice stays in the router: moe_router.defers).
+DEFER_CASES = [c for c in ROUTE_CASES if c[8] >= c[7]]
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("case", DEFER_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_choice_equals_router_choice(case: tuple, dtype: torch.dtype) -> None:
+    _deferred_vs_router(case, dtype, "cpu", persistent=False)
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("case", [c for c in DEFER_CASES if c[0] == 1])
+def test_deferred_choice_persistent_gate_up(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    _deferred_vs_router(case, torch.float32, "cpu", persistent=True, monkeypatch=monkeypatch)
+
+
+def test_deferred_choice_guards() -> None:
+    """A PendingChoice must come with its own output tensors, and needs the decode path;
+    group-limited routers never defer."""
+    pytest.importorskip("triton")
+    from specserve.ops import moe_router as mr
+    from specserve.ops import moe_triton as mt
+
+    w = torch.zeros(8, 16)
+    assert mr.defers(torch.zeros(1, 16), w, 1, 1) == mr.DEFER_CHOICE
+    assert not mr.defers(torch.zeros(1, 16), w, 4, 2)
+    logits = torch.zeros(1, 8)
+    choice = mr.PendingChoice(
+        logits, logits, torch.zeros(1, 2), torch.zeros(1, 2, dtype=torch.int64), 1.0, {}
+    )
+    x, w13, w2 = torch.zeros(1, 16), torch.zeros(8, 8, 16), torch.zeros(8, 16, 4)
+    with pytest.raises(ValueError, match="must be passed"):
+        mt.fused_moe_decode(x, w13, w2, torch.zeros(1, 2), choice.ids, choice=choice)
+    with pytest.raises(ValueError, match="decode path"):
+        mt.fused_moe_triton(x, w13, w2, choice.weights, choice.ids, "gemm", choice=choice)
+
+
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
@@ -296,6 +400,67 @@ GPU_SHAPES = {  # (E, H, top_k, scoring, n_group, topk_group, scale)
     "deepseek-v3": (256, 7168, 8, "sigmoid", 8, 4, 2.5),
     "gpt-oss-120b": (128, 2880, 4, "softmax_topk", 1, 1, 1.0),
 }
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.7-flash", "gpt-oss-120b"])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_deferred_choice_gpu_real_shapes(name: str, T: int) -> None:
+    """The choice left to the gate_up kernel on the GPU (PDL: down reads the routing gate_up
+    wrote before its trigger), at real router and expert shapes, T = 1 with the persistent
+    gate_up where the table has it, captured in a CUDA graph and replayed on new inputs: the
+    router kernel's ids, its weights and the layer's output up to reduction order."""
+    E, H, top_k, scoring, scale, n_shared, inter = DEFER_GPU_SHAPES[name]
+    case = (T, E, H, top_k, scoring, True, scale, 1, 1, n_shared)
+    _deferred_vs_router(case, torch.bfloat16, "cuda", T == 1, inter=inter, graph=True)
+
+
+DEFER_GPU_SHAPES = {  # (E, H, top_k, scoring, scale, n_shared, expert intermediate)
+    "qwen3-30b-a3b": (128, 2048, 8, "softmax", 1.0, 0, 768),
+    "glm-4.7-flash": (64, 2048, 4, "sigmoid", 1.8, 1, 1536),
+    "gpt-oss-120b": (128, 2880, 4, "softmax_topk", 1.0, 0, 2880),
+}
+
+
+def test_deferred_choice_gate_up_compiles_for_sm90() -> None:
+    """The MoE gate_up decode kernel making a deferred choice (CHOOSE) compiles for sm_90
+    without spills at Qwen3-30B-A3B's (softmax, 128 experts, top-8; its one-token persistent
+    config in at most 128 registers: two programs an SM) and GLM-4.7-Flash's shapes (sigmoid
+    with the correction bias, 64 experts, top-4 + the fused shared expert); and in its PTX the
+    routing stores, then a GPU-scope fence, then a CTA barrier come before the trigger that lets
+    down (which loads the routing before its PDL wait) launch, all after the wait."""
+    import re
+
+    pytest.importorskip("triton")
+    from specserve.ops import moe_triton as mt
+
+    from .test_moe_ops import _compile, _cuobjdump
+
+    types = {"logits_ptr": "*fp32", "cbias_ptr": "*fp32", "topk_w_ptr": "*fp32"}
+    types.update(scale="fp32", topk_ids_ptr="*i64")
+    qwen3 = dict(C_RENORM=True, C_TOP_K=8, C_BLOCK_TOPK=8, C_BLOCK_ALL_E=128)
+    glm = dict(C_SIGMOID=True, C_HAS_BIAS=True, C_RENORM=True, C_TOP_K=4, C_N_SHARED=1)
+    glm.update(C_BLOCK_TOPK=8, C_BLOCK_ALL_E=64)
+    persistent = mt.GATE_UP_PERSISTENT[mt.decode_configs(2048, 768, 8)[0]][0]
+    cases = [(persistent, dict(PERSISTENT=True, **qwen3), 128)]
+    cases += [(mt.decode_configs(2048, 768, 8)[0], qwen3, 255)]
+    cases += [(mt.decode_configs(2048, 1536, 5)[0], glm, 255)]
+    for (bn, bk, warps), choice, max_regs in cases:
+        consts = dict(BLOCK_N=bn, BLOCK_K=bk, PDL=True, HAS_BIAS=False, CHOOSE=True, **choice)
+        consts.update(EARLY_TRIGGER=mt.GATE_UP_EARLY_TRIGGER, ACT="silu", ALPHA=1.702, LIMIT=7.0)
+        out: list = []
+        ptx = _compile(mt._moe_decode_gate_up_kernel, consts, warps, 3, types, out)
+        regs = int(re.search(r"REG:(\d+)", _cuobjdump(out[0], "--dump-resource-usage"))[1])
+        assert regs <= max_regs, (bn, bk, warps, regs)
+        wait, fence = ptx.index("griddepcontrol.wait"), ptx.index("fence.acq_rel.gpu")
+        trigger = ptx.index("griddepcontrol.launch_dependents")
+        stores = [m.start() for m in re.finditer(r"st\.global", ptx)]
+        assert wait < stores[0] < stores[1] < fence < trigger  # the id, the weight
+        assert "bar.sync" in ptx[fence:trigger]
+        # the logits before it (.cg: from the L2), the weights (16-byte loads) after it
+        assert "ld.global.cg" in ptx[wait:trigger] and "ld.global.v4" not in ptx[:trigger]
+        assert "ld.global.v4" in ptx[trigger:]
 
 
 @pytest.mark.gpu

@@ -48,6 +48,9 @@ float32 summation order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -74,6 +77,31 @@ ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
     (8, 1024, 8),
 )
 SCORINGS = ("softmax", "sigmoid", "softmax_topk")
+
+
+# The choice made by the expert kernel's programs instead of the router's last one (issue 18:
+# the router's atomic, its logit reads and the choice's rounds are ~2.4-2.9 us of a layer's
+# dependent chain, H100; RESULTS.md session 26). Switch for benchmarks and tests.
+DEFER_CHOICE = False
+
+
+@dataclass(frozen=True)
+class PendingChoice:
+    """A decode batch's expert choice, left to the MoE decode kernels (`norm_route_deferred`):
+    the router's logits and the choice's constexprs; `weights` / `ids` are select_experts_ref's
+    outputs, written by the gate_up kernel (ops/moe_triton.py) before the down kernel reads them."""
+
+    # [T, E] float32, written by the router kernel
+    logits: torch.Tensor
+    # [E] float32: the correction bias (sigmoid routers; the logits as a dummy where none)
+    bias: torch.Tensor
+    # [T, k + n_shared] float32, unwritten until the gate_up kernel runs
+    weights: torch.Tensor
+    # [T, k + n_shared] int64, unwritten until the gate_up kernel runs
+    ids: torch.Tensor
+    scale: float
+    # _choice's constexprs (SIGMOID, HAS_BIAS, .., BLOCK_TOPK, BLOCK_ALL_E)
+    consts: dict[str, Any]
 
 
 def select_experts_ref(
@@ -192,6 +220,13 @@ def fusable(
     )
 
 
+def defers(x: torch.Tensor, router_weight: torch.Tensor, n_group: int, topk_group: int) -> bool:
+    """Whether the choice of a routed batch `x` (where `fusable`) may be left to the expert
+    kernel: DEFER_CHOICE, and no group-limited choice (its [n_group, E / n_group] tiles stay
+    in the router's last program)."""
+    return DEFER_CHOICE and topk_group >= n_group
+
+
 def norm_route(
     # [T, H]: the attention output
     x: torch.Tensor,
@@ -279,11 +314,9 @@ if triton is not None:
         return val, choice
 
     @triton.jit
-    def _choose(
+    def _choice(
         logits_ptr,
         bias_ptr,
-        topk_w_ptr,
-        topk_ids_ptr,
         T,
         E,
         scale,
@@ -299,8 +332,9 @@ if triton is not None:
         BLOCK_TOPK: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
     ):
-        """The expert choice of every token from the float32 logits (select_experts_ref), then
-        N_SHARED appended experts E.. at weight 1.0 (BLOCK_TOPK >= TOP_K + N_SHARED)."""
+        """(weights float32, ids int32) [BLOCK_T, BLOCK_TOPK]: the expert choice of every token
+        from the float32 logits [T, E] (select_experts_ref), then N_SHARED appended experts
+        E.. at weight 1.0 (BLOCK_TOPK >= TOP_K + N_SHARED; columns past them are 0)."""
         t = tl.arange(0, BLOCK_T)
         e = tl.arange(0, BLOCK_ALL_E)
         ok = (t < T)[:, None] & (e < E)[None, :]
@@ -359,6 +393,36 @@ if triton is not None:
             shared = (kk >= TOP_K)[None, :]
             weights = tl.where(shared, 1.0, weights)
             ids = tl.where(shared, E + kk[None, :] - TOP_K, ids)
+        return weights, ids
+
+    @triton.jit
+    def _choose(
+        logits_ptr,
+        bias_ptr,
+        topk_w_ptr,
+        topk_ids_ptr,
+        T,
+        E,
+        scale,
+        SIGMOID: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        TOPK_SOFTMAX: tl.constexpr,
+        RENORM: tl.constexpr,
+        TOP_K: tl.constexpr,
+        N_SHARED: tl.constexpr,
+        N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_TOPK: tl.constexpr,
+        BLOCK_ALL_E: tl.constexpr,
+    ):
+        """`_choice`, stored: topk_w / topk_ids [T, TOP_K + N_SHARED]."""
+        weights, ids = _choice(
+            logits_ptr, bias_ptr, T, E, scale, SIGMOID, HAS_BIAS, TOPK_SOFTMAX, RENORM, TOP_K,
+            N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK, BLOCK_ALL_E,
+        )  # fmt: skip
+        t = tl.arange(0, BLOCK_T)
+        kk = tl.arange(0, BLOCK_TOPK)
         out = t[:, None] * (TOP_K + N_SHARED) + kk[None, :]
         out_ok = (t < T)[:, None] & (kk < TOP_K + N_SHARED)[None, :]
         tl.store(topk_w_ptr + out, weights, mask=out_ok)
@@ -413,6 +477,7 @@ if triton is not None:
         K_TILES: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
         PDL: tl.constexpr,
+        DEFER: tl.constexpr = False,
     ):
         # logits[t, e] = W[e] @ rms_norm(x[t] + res[t]) for this program's BLOCK_E experts.
         # normed / res_out rows are [T, H] contiguous (fresh outputs). H <= K_TILES * BLOCK_K.
@@ -462,15 +527,17 @@ if triton is not None:
             acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
         out_ok = (rows < T)[:, None] & e_ok[None, :]
         tl.store(logits_ptr + rows[:, None] * E + e[None, :], acc, mask=out_ok)
-        # The last program to get here makes the choice from every program's logits.
-        tl.debug_barrier()
-        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            tl.store(counter_ptr, 0)
-            _choose(
-                logits_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, T, E, scale, SIGMOID, HAS_BIAS,
-                TOPK_SOFTMAX, RENORM, TOP_K, N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK,
-                BLOCK_ALL_E,
-            )  # fmt: skip
+        # DEFER: the expert kernel makes the choice (PendingChoice); else the last program to
+        # get here makes it from every program's logits.
+        if not DEFER:
+            tl.debug_barrier()
+            if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+                tl.store(counter_ptr, 0)
+                _choose(
+                    logits_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, T, E, scale, SIGMOID,
+                    HAS_BIAS, TOPK_SOFTMAX, RENORM, TOP_K, N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T,
+                    BLOCK_TOPK, BLOCK_ALL_E,
+                )  # fmt: skip
 
 
 def route_block_k(H: int, config: tuple[int, int, int]) -> int:
@@ -498,6 +565,45 @@ def norm_route_triton(
     config: tuple[int, int, int] = ROUTE_CONFIG,
     *,
     router_bias: torch.Tensor | None = None,
+    **routing: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
+    args = (x, residual, norm_weight, eps, router_weight, correction_bias, counter, config)
+    choice, normed, res_out = _route_launch(*args, router_bias, False, **routing)
+    return choice.weights, choice.ids, normed, res_out
+
+
+def norm_route_deferred(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    counter: torch.Tensor,
+    config: tuple[int, int, int] = ROUTE_CONFIG,
+    *,
+    router_bias: torch.Tensor | None = None,
+    **routing: Any,
+) -> tuple[PendingChoice, torch.Tensor, torch.Tensor]:
+    """(the choice left to the expert kernel, normed, x + residual): `norm_route_triton`'s
+    launch without the choice (only where `defers`)."""
+    args = (x, residual, norm_weight, eps, router_weight, correction_bias, counter, config)
+    return _route_launch(*args, router_bias, True, **routing)
+
+
+def _route_launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    router_weight: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    counter: torch.Tensor,
+    config: tuple[int, int, int],
+    router_bias: torch.Tensor | None,
+    defer: bool,
+    *,
     scoring: str,
     top_k: int,
     renormalize: bool,
@@ -505,8 +611,7 @@ def norm_route_triton(
     n_group: int = 1,
     topk_group: int = 1,
     n_shared: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
+) -> tuple[PendingChoice, torch.Tensor, torch.Tensor]:
     T, H = x.shape
     E = router_weight.shape[0]
     bad_bias = router_bias is not None and router_bias.shape != (E,)
@@ -531,8 +636,22 @@ def norm_route_triton(
     # The token tile of the rows a captured graph runs (graph_rows), when it fits the kernel.
     bound = graph_rows.row_bound(T)
     block_t = triton.next_power_of_2(bound if bound <= ROUTE_MAX_TOKENS else T)
-    block_all_e = triton.next_power_of_2(E)
     sigmoid = scoring == "sigmoid"
+    grouped = topk_group < n_group
+    # The choice's constexprs (the router kernel's, and the expert kernel's when deferred).
+    consts = dict(
+        SIGMOID=sigmoid,
+        HAS_BIAS=sigmoid and correction_bias is not None,
+        TOPK_SOFTMAX=scoring == "softmax_topk",
+        RENORM=renormalize,
+        TOP_K=top_k,
+        N_SHARED=n_shared,
+        N_GROUP=n_group if grouped else 1,
+        TOPK_GROUP=topk_group if grouped else 1,
+        BLOCK_TOPK=triton.next_power_of_2(top_k + n_shared),
+        BLOCK_ALL_E=triton.next_power_of_2(E),
+    )
+    bias = correction_bias if correction_bias is not None else logits
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x,
         residual if residual is not None else x,
@@ -541,7 +660,7 @@ def norm_route_triton(
         norm_weight,
         router_weight,
         router_bias if router_bias is not None else logits,
-        correction_bias if correction_bias is not None else logits,
+        bias,
         logits,
         counter,
         topk_w,
@@ -555,23 +674,15 @@ def norm_route_triton(
         eps,
         scale,
         HAS_RES=residual is not None,
-        SIGMOID=sigmoid,
         ROUND_LOGITS=not sigmoid,
         HAS_ROUTER_BIAS=router_bias is not None,
-        HAS_BIAS=sigmoid and correction_bias is not None,
-        TOPK_SOFTMAX=scoring == "softmax_topk",
-        RENORM=renormalize,
-        TOP_K=top_k,
-        N_SHARED=n_shared,
-        N_GROUP=n_group if topk_group < n_group else 1,
-        TOPK_GROUP=topk_group if topk_group < n_group else 1,
         BLOCK_T=block_t,
-        BLOCK_TOPK=triton.next_power_of_2(top_k + n_shared),
         BLOCK_E=block_e,
         BLOCK_K=block_k,
         K_TILES=triton.cdiv(H, block_k),
-        BLOCK_ALL_E=block_all_e,
         num_warps=route_warps(block_t, config),
+        DEFER=defer,
+        **consts,
         **pdl.launch_kwargs(dev),
     )
-    return topk_w, topk_ids, normed, res_out
+    return PendingChoice(logits, bias, topk_w, topk_ids, scale, consts), normed, res_out

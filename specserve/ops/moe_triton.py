@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from specserve.ops import graph_rows, l2, pdl, skinny
+from specserve.ops.moe_router import PendingChoice, _choice
 
 DECODE_MAX_TOKENS = 8
 # Decode launch configs: (BLOCK_N, BLOCK_K, num_warps). gate_up: a [BLOCK_N, BLOCK_K] gate
@@ -396,10 +397,15 @@ def _moe_decode_gate_up_kernel(
     b_ptr,
     topk_ids_ptr,
     inter_ptr,
+    logits_ptr,
+    cbias_ptr,
+    topk_w_ptr,
     N,
     K,
     P,
     top_k,
+    E,
+    scale,
     stride_xm,
     stride_we,
     stride_wn,
@@ -415,6 +421,18 @@ def _moe_decode_gate_up_kernel(
     EARLY_TRIGGER: tl.constexpr,
     W_EVICT: tl.constexpr = "",
     PERSISTENT: tl.constexpr = False,
+    # CHOOSE (a PendingChoice): the choice's constexprs (moe_router._choice's, prefixed C_)
+    CHOOSE: tl.constexpr = False,
+    C_SIGMOID: tl.constexpr = False,
+    C_HAS_BIAS: tl.constexpr = False,
+    C_TOPK_SOFTMAX: tl.constexpr = False,
+    C_RENORM: tl.constexpr = False,
+    C_TOP_K: tl.constexpr = 1,
+    C_N_SHARED: tl.constexpr = 0,
+    C_N_GROUP: tl.constexpr = 1,
+    C_TOPK_GROUP: tl.constexpr = 1,
+    C_BLOCK_TOPK: tl.constexpr = 1,
+    C_BLOCK_ALL_E: tl.constexpr = 1,
 ):
     # inter[pair, n] = act(W13[e, n] @ x[t] (+ b13[e, n]), W13[e, N + n] @ x[t] (+ b13[e, N + n])),
     # e = topk_ids[pair]; act = silu(gate) * up, or swiglu_oai.
@@ -429,9 +447,37 @@ def _moe_decode_gate_up_kernel(
     n_ok = n < N
     # The expert id is the router's output (the previous kernel): nothing to preload.
     pdl.wait(PDL)
-    if EARLY_TRIGGER:  # after the wait: down preloads the routing, which the router wrote
-        pdl.trigger(PDL)
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    if CHOOSE:
+        # The router left the choice to us: every program makes its token's (the same
+        # arithmetic, so the same result in every program) and keeps its pair's expert; the
+        # programs of column block 0 (pid < P) write their pair's id and weight, for down.
+        t = pair // top_k
+        weights, ids = _choice(
+            logits_ptr + t * E, cbias_ptr, 1, E, scale, C_SIGMOID, C_HAS_BIAS, C_TOPK_SOFTMAX,
+            C_RENORM, C_TOP_K, C_N_SHARED, C_N_GROUP, C_TOPK_GROUP, 1, C_BLOCK_TOPK,
+            C_BLOCK_ALL_E,
+        )  # fmt: skip
+        mine = tl.arange(0, C_BLOCK_TOPK)[None, :] == pair % top_k
+        expert = tl.sum(tl.where(mine, ids, 0), axis=1).to(tl.int64)  # [1]
+        if pid < P:
+            tl.store(topk_ids_ptr + pair + tl.arange(0, 1), expert)
+            tl.store(
+                topk_w_ptr + pair + tl.arange(0, 1), tl.sum(tl.where(mine, weights, 0.0), axis=1)
+            )
+            # Down loads the routing before its PDL wait, once every program of ours has
+            # triggered: the writes must be visible in the L2 (down reads it with .cg) before
+            # this program's trigger, which the barrier below holds back for every warp.
+            # (Without PDL, down starts after we finish: the kernel boundary orders them.)
+            if PDL:
+                _fence_gpu()
+        tl.debug_barrier()
+        expert = tl.sum(expert, axis=0)
+        if EARLY_TRIGGER:  # after the wait: down preloads the routing, which we wrote
+            pdl.trigger(PDL)
+    else:
+        if EARLY_TRIGGER:  # after the wait: down preloads the routing, which the router wrote
+            pdl.trigger(PDL)
+        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
     w_expert = w_ptr + expert * stride_we
     gate_rows = w_expert + n.to(tl.int64)[:, None] * stride_wn
@@ -487,6 +533,16 @@ def _moe_decode_gate_up_kernel(
 
 
 @triton.jit
+def _fence_gpu():
+    """fence.acq_rel.gpu: this thread's earlier writes are visible GPU-wide (in the L2) before
+    its later instructions (PDL's trigger is not a memory operation, so no store can carry
+    release semantics to it)."""
+    tl.inline_asm_elementwise(
+        "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _down_program(N, T, top_k, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr):
     """A down kernel program's share of the grid (T tokens x N / BLOCK_N column tiles): its
     token t, output columns n [BLOCK_N] and n_ok, and the token's (token, expert) pair indices
@@ -500,9 +556,12 @@ def _down_program(N, T, top_k, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr):
 
 @triton.jit
 def _routing(topk_ids_ptr, topk_w_ptr, pair, ok):
-    """(expert int64, routing weight fp32) of each pair (0 / 0.0 where not ok)."""
-    expert = tl.load(topk_ids_ptr + pair, mask=ok, other=0).to(tl.int64)
-    route_w = tl.load(topk_w_ptr + pair, mask=ok, other=0.0).to(tl.float32)
+    """(expert int64, routing weight fp32) of each pair (0 / 0.0 where not ok). .cg: from the
+    L2, where another SM wrote them (the router or, with a PendingChoice, the gate_up kernel,
+    possibly after this SM's L1 last saw the buffer)."""
+    expert = tl.load(topk_ids_ptr + pair, mask=ok, other=0, cache_modifier=".cg").to(tl.int64)
+    route_w = tl.load(topk_w_ptr + pair, mask=ok, other=0.0, cache_modifier=".cg")
+    route_w = route_w.to(tl.float32)
     return expert, route_w
 
 
@@ -761,9 +820,12 @@ def fused_moe_decode(
     topk_ids: torch.Tensor,
     configs: tuple[DecodeConfig, DecodeConfig] | None = None,
     epilogue: Epilogue = PLAIN,
+    choice: PendingChoice | None = None,
 ) -> torch.Tensor:
     """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`.
-    `configs`: (gate_up, down) launch configs, default the shape tables'."""
+    `configs`: (gate_up, down) launch configs, default the shape tables'. `choice`: the
+    router's choice left to the gate_up kernel, which writes topk_weights / topk_ids (its
+    `weights` / `ids`, which must be the tensors passed)."""
     T, top_k = topk_ids.shape
     E, two_i, H = w13.shape
     inter_size, P = two_i // 2, T * top_k
@@ -783,12 +845,19 @@ def fused_moe_decode(
     per_pair = triton.cdiv(inter_size, gn)  # column blocks of a pair
     if persistent_launch:  # as many programs as the SMs hold at once, at most one a block
         per_pair = min(per_pair, triton.cdiv(per_sm * _sm_count(x.device), P))
+    if choice is not None:
+        if choice.ids is not topk_ids or choice.weights is not topk_weights:
+            raise ValueError("fused_moe_decode: a PendingChoice's weights and ids must be passed")
+        logits, cbias, scale = choice.logits, choice.bias, choice.scale
+        consts = {f"C_{name}": value for name, value in choice.consts.items()}
+    else:
+        logits, cbias, scale, consts = topk_weights, topk_weights, 1.0, {}
     _moe_decode_gate_up_kernel[(P * per_pair,)](
-        x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
+        x, w13, b13, topk_ids, inter, logits, cbias, topk_weights, inter_size, H, P, top_k,
+        logits.shape[-1], scale, x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
         BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=GATE_UP_EARLY_TRIGGER,
-        PERSISTENT=persistent_launch,
+        PERSISTENT=persistent_launch, CHOOSE=choice is not None, **consts,
         W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
@@ -853,9 +922,11 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     path: str = "auto",
     epilogue: Epilogue = PLAIN,
+    choice: PendingChoice | None = None,
 ) -> torch.Tensor:
     """`fused_moe` in Triton; path "auto" (decode kernels up to DECODE_MAX_TOKENS tokens, the
-    grouped GEMM above), "decode" or "gemm"; `epilogue` the gpt-oss biases and activation."""
+    grouped GEMM above), "decode" or "gemm"; `epilogue` the gpt-oss biases and activation;
+    `choice` a router's choice left to the decode kernels (decode path only)."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, epilogue)
     T = topk_ids.shape[0]
     if T == 0:
@@ -865,5 +936,9 @@ def fused_moe_triton(
     epilogue = replace(epilogue, w13_bias=b13, w2_bias=b2)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     if path == "decode" or (path == "auto" and uses_decode_path(T)):
-        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
+        return fused_moe_decode(
+            x, w13, w2, topk_weights, topk_ids, epilogue=epilogue, choice=choice
+        )
+    if choice is not None:
+        raise ValueError("fused_moe: a PendingChoice needs the decode path (<= 8 tokens)")
     return fused_moe_gemm(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
