@@ -220,11 +220,15 @@ def fusable(
     )
 
 
+DEFER_MAX_EXPERTS = 128  # the ranks' [E, 32] comparison chunks, in registers beside the weights
+
+
 def defers(x: torch.Tensor, router_weight: torch.Tensor, n_group: int, topk_group: int) -> bool:
     """Whether the choice of a routed batch `x` (where `fusable`) may be left to the expert
-    kernel: DEFER_CHOICE, and no group-limited choice (its [n_group, E / n_group] tiles stay
-    in the router's last program)."""
-    return DEFER_CHOICE and topk_group >= n_group
+    kernel: DEFER_CHOICE, at most DEFER_MAX_EXPERTS experts, and no group-limited choice (its
+    [n_group, E / n_group] tiles stay in the router's last program)."""
+    E = router_weight.shape[0]
+    return DEFER_CHOICE and E <= DEFER_MAX_EXPERTS and topk_group >= n_group
 
 
 def norm_route(
@@ -427,6 +431,83 @@ if triton is not None:
         out_ok = (t < T)[:, None] & (kk < TOP_K + N_SHARED)[None, :]
         tl.store(topk_w_ptr + out, weights, mask=out_ok)
         tl.store(topk_ids_ptr + out, ids.to(tl.int64), mask=out_ok)
+
+    @triton.jit
+    def _rank_scores(logits_ptr, bias_ptr, e, E, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """(s, val, c) at experts e of one token's float32 logits: the logits (-inf past E),
+        what the weights come from (sigmoid(s), else s) and what the choice ranks (val plus
+        the correction bias; -inf past E). .cg: the router kernel (other SMs) wrote them."""
+        e_ok = e < E
+        s = tl.load(logits_ptr + e, mask=e_ok, other=0.0, cache_modifier=".cg")
+        s = tl.where(e_ok, s, float("-inf"))
+        if SIGMOID:
+            val = 1.0 / (1.0 + tl.exp(-s))
+            c = val
+            if HAS_BIAS:
+                c += tl.load(bias_ptr + e, mask=e_ok, other=0.0)
+        else:
+            val = s
+            c = s
+        return s, val, tl.where(e_ok, c, float("-inf"))
+
+    @triton.jit
+    def _ranks(
+        logits_ptr,
+        bias_ptr,
+        E,
+        SIGMOID: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_ALL_E: tl.constexpr,
+        RANK_CHUNK: tl.constexpr = 32,
+    ):
+        """(e, s, val, rank) [BLOCK_ALL_E] of ONE token's float32 logits (a PendingChoice's
+        row; s, val as `_rank_scores`): rank is each expert's place in the choice's order (0
+        the best; ties to the lower id), counted by comparisons against every expert, in
+        column chunks of RANK_CHUNK loaded anew (independent L2 loads; an [E, E] tile would
+        take 64-128 registers a thread at E = 128), and summed: no serial rounds as
+        `_choice`'s, so every program of the expert kernel can afford it. Softmax routers rank
+        the logits themselves (the softmax is monotonic; `_choice` ranks the probabilities:
+        the same order but where two logits an ulp apart round to one probability)."""
+        e = tl.arange(0, BLOCK_ALL_E)
+        s, val, c = _rank_scores(logits_ptr, bias_ptr, e, E, SIGMOID, HAS_BIAS)
+        rank = tl.zeros([BLOCK_ALL_E], dtype=tl.int32)
+        for c0 in tl.static_range(0, BLOCK_ALL_E, RANK_CHUNK):
+            ej = c0 + tl.arange(0, RANK_CHUNK)
+            cj = _rank_scores(logits_ptr, bias_ptr, ej, E, SIGMOID, HAS_BIAS)[2]
+            ahead = (cj[None, :] > c[:, None]) | (
+                (cj[None, :] == c[:, None]) & (ej[None, :] < e[:, None])
+            )
+            rank += tl.sum(ahead.to(tl.int32), axis=1)
+        return e, s, val, rank
+
+    @triton.jit
+    def _ranked_weight(
+        e,
+        s,
+        val,
+        rank,
+        j,
+        scale,
+        SIGMOID: tl.constexpr,
+        TOPK_SOFTMAX: tl.constexpr,
+        RENORM: tl.constexpr,
+        TOP_K: tl.constexpr,
+    ):
+        """The routing weight of choice j (< TOP_K) from `_ranks`: select_experts_ref's
+        arithmetic (softmax over every expert; sigmoid; the k best logits' own softmax),
+        renormalized over the k chosen, times scale."""
+        top = rank < TOP_K
+        if SIGMOID:
+            p = val
+        else:  # softmax over every expert, or over the k best (the largest logit is among them)
+            p = tl.exp(s - tl.max(s, axis=0))
+            if TOPK_SOFTMAX:
+                p = tl.where(top, p, 0.0)
+            p = p / tl.sum(p, axis=0)
+        w = tl.sum(tl.where(rank == j, p, 0.0), axis=0)
+        if RENORM:
+            w = w / (tl.sum(tl.where(top, p, 0.0), axis=0) + (1e-20 if SIGMOID else 0.0))
+        return w * scale
 
     @triton.jit
     def _x_row(x_ptr, res_ptr, k, k_ok, HAS_RES: tl.constexpr):

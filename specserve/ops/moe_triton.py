@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from specserve.ops import graph_rows, l2, pdl, skinny
-from specserve.ops.moe_router import PendingChoice, _choice
+from specserve.ops.moe_router import PendingChoice, _ranked_weight, _ranks
 
 DECODE_MAX_TOKENS = 8
 # Decode launch configs: (BLOCK_N, BLOCK_K, num_warps). gate_up: a [BLOCK_N, BLOCK_K] gate
@@ -421,7 +421,7 @@ def _moe_decode_gate_up_kernel(
     EARLY_TRIGGER: tl.constexpr,
     W_EVICT: tl.constexpr = "",
     PERSISTENT: tl.constexpr = False,
-    # CHOOSE (a PendingChoice): the choice's constexprs (moe_router._choice's, prefixed C_)
+    # CHOOSE (a PendingChoice): the choice's constexprs (moe_router's, prefixed C_)
     CHOOSE: tl.constexpr = False,
     C_SIGMOID: tl.constexpr = False,
     C_HAS_BIAS: tl.constexpr = False,
@@ -448,32 +448,16 @@ def _moe_decode_gate_up_kernel(
     # The expert id is the router's output (the previous kernel): nothing to preload.
     pdl.wait(PDL)
     if CHOOSE:
-        # The router left the choice to us: every program makes its token's (the same
-        # arithmetic, so the same result in every program) and keeps its pair's expert; the
-        # programs of column block 0 (pid < P) write their pair's id and weight, for down.
-        t = pair // top_k
-        weights, ids = _choice(
-            logits_ptr + t * E, cbias_ptr, 1, E, scale, C_SIGMOID, C_HAS_BIAS, C_TOPK_SOFTMAX,
-            C_RENORM, C_TOP_K, C_N_SHARED, C_N_GROUP, C_TOPK_GROUP, 1, C_BLOCK_TOPK,
-            C_BLOCK_ALL_E,
-        )  # fmt: skip
-        mine = tl.arange(0, C_BLOCK_TOPK)[None, :] == pair % top_k
-        expert = tl.sum(tl.where(mine, ids, 0), axis=1).to(tl.int64)  # [1]
-        if pid < P:
-            tl.store(topk_ids_ptr + pair + tl.arange(0, 1), expert)
-            tl.store(
-                topk_w_ptr + pair + tl.arange(0, 1), tl.sum(tl.where(mine, weights, 0.0), axis=1)
-            )
-            # Down loads the routing before its PDL wait, once every program of ours has
-            # triggered: the writes must be visible in the L2 (down reads it with .cg) before
-            # this program's trigger, which the barrier below holds back for every warp.
-            # (Without PDL, down starts after we finish: the kernel boundary orders them.)
-            if PDL:
-                _fence_gpu()
-        tl.debug_barrier()
-        expert = tl.sum(expert, axis=0)
-        if EARLY_TRIGGER:  # after the wait: down preloads the routing, which we wrote
-            pdl.trigger(PDL)
+        # The router left the choice to us: every program ranks its token's experts (the
+        # same arithmetic in every program, so the same choice) and takes its pair's; the
+        # programs of column block 0 (pid < P) write their pair's id and weight for down,
+        # once their first weights are on their way (_publish_choice).
+        j = pair % top_k
+        e_all, s_all, val, rank = _ranks(
+            logits_ptr + (pair // top_k) * E, cbias_ptr, E, C_SIGMOID, C_HAS_BIAS, C_BLOCK_ALL_E
+        )
+        expert = tl.sum(tl.where(rank == j, e_all, 0), axis=0)
+        expert = tl.where(j < C_TOP_K, expert, E + j - C_TOP_K).to(tl.int64)  # shared: E..
     else:
         if EARLY_TRIGGER:  # after the wait: down preloads the routing, which the router wrote
             pdl.trigger(PDL)
@@ -490,6 +474,11 @@ def _moe_decode_gate_up_kernel(
         first_rows = gate_rows + k[None, :]
         gate = tl.load(first_rows, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
         up = tl.load(first_rows + N * stride_wn, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
+        if CHOOSE:
+            _publish_choice(
+                topk_ids_ptr, topk_w_ptr, pair, expert, e_all, s_all, val, rank, j, scale, P,
+                PDL, EARLY_TRIGGER, C_SIGMOID, C_TOPK_SOFTMAX, C_RENORM, C_TOP_K,
+            )  # fmt: skip
         step = tl.num_programs(0) // P  # blocks between a program's consecutive ones
         for block in range(pid // P, tl.cdiv(N, BLOCK_N), step):
             cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -510,6 +499,11 @@ def _moe_decode_gate_up_kernel(
         if not EARLY_TRIGGER:
             pdl.trigger(PDL)
     else:
+        if CHOOSE:
+            _publish_choice(
+                topk_ids_ptr, topk_w_ptr, pair, expert, e_all, s_all, val, rank, j, scale, P,
+                PDL, EARLY_TRIGGER, C_SIGMOID, C_TOPK_SOFTMAX, C_RENORM, C_TOP_K,
+            )  # fmt: skip
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -530,6 +524,44 @@ def _moe_decode_gate_up_kernel(
             acc, acc_up, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
             HAS_BIAS, ACT, ALPHA, LIMIT,
         )  # fmt: skip
+
+
+@triton.jit
+def _publish_choice(
+    topk_ids_ptr,
+    topk_w_ptr,
+    pair,
+    expert,
+    e_all,
+    s_all,
+    val,
+    rank,
+    j,
+    scale,
+    P,
+    PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
+    C_SIGMOID: tl.constexpr,
+    C_TOPK_SOFTMAX: tl.constexpr,
+    C_RENORM: tl.constexpr,
+    C_TOP_K: tl.constexpr,
+):
+    """A deferred choice's gate_up program: column block 0's (pid < P) writes its pair's id and
+    weight (1.0 for a fused shared expert); then every program lets down launch (EARLY_TRIGGER).
+    Down loads the routing before its PDL wait, once every program here has triggered, so the
+    writes must be in the L2 (down reads it with .cg) before the trigger: a GPU-scope fence in
+    the writing threads, then a CTA barrier that holds every warp's trigger back."""
+    if tl.program_id(0) < P:
+        w = _ranked_weight(
+            e_all, s_all, val, rank, j, scale, C_SIGMOID, C_TOPK_SOFTMAX, C_RENORM, C_TOP_K
+        )
+        tl.store(topk_ids_ptr + pair, expert)
+        tl.store(topk_w_ptr + pair, tl.where(j < C_TOP_K, w, 1.0))
+        if PDL:  # (without PDL, down starts after we finish: the kernel boundary orders them)
+            _fence_gpu()
+    tl.debug_barrier()
+    if EARLY_TRIGGER:
+        pdl.trigger(PDL)
 
 
 @triton.jit
@@ -555,14 +587,18 @@ def _down_program(N, T, top_k, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr):
 
 
 @triton.jit
-def _routing(topk_ids_ptr, topk_w_ptr, pair, ok):
-    """(expert int64, routing weight fp32) of each pair (0 / 0.0 where not ok). .cg: from the
-    L2, where another SM wrote them (the router or, with a PendingChoice, the gate_up kernel,
-    possibly after this SM's L1 last saw the buffer)."""
-    expert = tl.load(topk_ids_ptr + pair, mask=ok, other=0, cache_modifier=".cg").to(tl.int64)
-    route_w = tl.load(topk_w_ptr + pair, mask=ok, other=0.0, cache_modifier=".cg")
-    route_w = route_w.to(tl.float32)
-    return expert, route_w
+def _routing(topk_ids_ptr, topk_w_ptr, pair, ok, CG: tl.constexpr = False):
+    """(expert int64, routing weight fp32) of each pair (0 / 0.0 where not ok). CG: from the L2
+    (.cg), where the gate_up kernel, still running, wrote them (a PendingChoice). Otherwise the
+    router wrote them before the previous kernel started, and the L1 may serve this SM's other
+    programs (.cg at Qwen3-30B-A3B batch 1: down 5.8 -> 6.6 us a layer, H100, session 26)."""
+    if CG:
+        expert = tl.load(topk_ids_ptr + pair, mask=ok, other=0, cache_modifier=".cg")
+        route_w = tl.load(topk_w_ptr + pair, mask=ok, other=0.0, cache_modifier=".cg")
+    else:
+        expert = tl.load(topk_ids_ptr + pair, mask=ok, other=0)
+        route_w = tl.load(topk_w_ptr + pair, mask=ok, other=0.0)
+    return expert.to(tl.int64), route_w.to(tl.float32)
 
 
 @triton.jit
@@ -598,6 +634,7 @@ def _moe_decode_down_kernel(
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
     W_EVICT: tl.constexpr = "",
+    ROUTING_CG: tl.constexpr = False,
 ):
     # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
     # The K loop is unrolled (STEPS = cdiv(K, BLOCK_K) on the host) and its weight tiles are
@@ -614,7 +651,7 @@ def _moe_decode_down_kernel(
     k = tl.arange(0, BLOCK_K)
     if not PRELOAD:
         pdl.wait(PDL)
-    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, j_ok)
+    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, j_ok, ROUTING_CG)
     # [BLOCK_TOPK, BLOCK_N, 1] row starts
     w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     rows_ok = j_ok[:, None, None] & n_ok[None, :, None]
@@ -869,6 +906,7 @@ def fused_moe_decode(
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk,
         STEPS=triton.cdiv(inter_size, dk), num_warps=dw,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, W_EVICT=l2.weight_eviction(), **kw,
+        ROUTING_CG=choice is not None,
     )  # fmt: skip
     return out
 
