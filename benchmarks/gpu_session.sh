@@ -525,9 +525,16 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
         | grep -E "^variant|^base|^spec|_moe_decode|_norm_route"
     done
     ;;
+  confirm26)
+    # Issue 21's and 18's figures with the defaults (session 26: the deferred expert choice).
+    timeout 400 python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
+      | tee "$OUT/mla_decode.log" | tail -16
+    timeout $((585 - SECONDS)) python benchmarks/moe_decode.py --quick --models qwen3 \
+      --budget-s 100 2>&1 | tee "$OUT/moe_decode.log" | tail -12
+    ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead defer" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead defer confirm26" >&2
     exit 2
     ;;
 esac
