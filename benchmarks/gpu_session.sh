@@ -506,25 +506,6 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       --variants "base;$P;base;$P" -- benchmarks/spec_step.py --ks 4 --batches 1 \
       --modes fused --async-scheduling 2>&1 | tee "$OUT/overhead_spec.log" | grep -v tokenizer
     ;;
-  defer)
-    # The expert choice made by the MoE gate_up kernel (moe_router.DEFER_CHOICE): GPU tests
-    # (the MLA models' with it on), then batch-1 steps A/B (DEFER_SHAPES, default Qwen3).
-    D=specserve.ops.moe_router.DEFER_CHOICE
-    if [ -z "${SKIP_TESTS:-}" ]; then
-      timeout 250 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_router.py \
-        tests/test_moe_gpu.py -k "deferred or choice_in_router" 2>&1 | tee "$OUT/defer_tests.log" \
-        | tail -3
-      sed -i 's/^DEFER_CHOICE = False/DEFER_CHOICE = True/' specserve/ops/moe_router.py
-      timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_mla_triton.py \
-        -k "model" 2>&1 | tee "$OUT/defer_mla_tests.log" | tail -3
-      sed -i 's/^DEFER_CHOICE = True/DEFER_CHOICE = False/' specserve/ops/moe_router.py
-    fi
-    for s in ${DEFER_SHAPES:-qwen3-30b-a3b}; do
-      timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape "$s" --step-ms \
-        --variants "${DEFER_VARIANTS:-$D=False;$D=True}" 2>&1 | tee "$OUT/defer_$s.log" \
-        | grep -E "^variant|^base|^spec|_moe_decode|_norm_route"
-    done
-    ;;
   confirm26)
     # Issue 21's and 18's figures with the defaults (session 26: the deferred expert choice).
     timeout 400 python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
@@ -534,7 +515,7 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead defer confirm26" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26" >&2
     exit 2
     ;;
 esac

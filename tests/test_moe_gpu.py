@@ -76,25 +76,6 @@ def test_moe_bf16_graphs_equal_eager_and_track_transformers(ckpt_dir, prompts, n
     assert [g[0] for g in graphs] == first
 
 
-@pytest.mark.parametrize("defer", [True, False])
-@pytest.mark.parametrize("name", list(MOE_ARCHS))
-def test_moe_choice_in_router_or_experts(
-    ckpt_dir, prompts, name: str, defer: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With the expert choice made by the MoE gate_up kernel (moe_router.DEFER_CHOICE) and by
-    the router's last program: bf16 greedy decode in CUDA graphs equals enforce_eager token
-    for token, and float32 matches transformers."""
-    from specserve.ops import moe_router
-
-    monkeypatch.setattr(moe_router, "DEFER_CHOICE", defer)
-    path = moe_ckpt(ckpt_dir, name)
-    graphs = _gen(cuda_llm(path, dtype="bfloat16"), prompts)
-    eager = _gen(cuda_llm(path, dtype="bfloat16", enforce_eager=True), prompts)
-    assert graphs == eager
-    refs = [hf_greedy(path, p, GREEDY.max_tokens) for p in prompts[:2]]
-    assert _gen(cuda_llm(path), prompts[:2]) == refs
-
-
 @pytest.mark.parametrize("k", [1, 3])
 def test_glm_mtp_greedy_equivalence_cuda(ckpt_dir, tmp_path, prompts, k: int) -> None:
     path = append_mtp_layers(moe_ckpt(ckpt_dir, "glm4_moe"), str(tmp_path / "glm_mtp"))

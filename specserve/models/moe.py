@@ -33,16 +33,8 @@ from torch import nn
 
 from specserve.models.layers import MLP, RMSNorm
 from specserve.models.mxfp4 import BLOCK
-from specserve.ops.fused import _use_triton
 from specserve.ops.moe import fused_moe, fused_moe_mxfp4
-from specserve.ops.moe_router import (
-    PendingChoice,
-    defers,
-    fusable,
-    norm_route,
-    norm_route_deferred,
-    select_experts_ref,
-)
+from specserve.ops.moe_router import fusable, norm_route, select_experts_ref
 
 
 @dataclass
@@ -144,26 +136,17 @@ class Router(nn.Module):
         x: torch.Tensor,
         # [num_tokens, hidden]
         residual: torch.Tensor | None,
-        defer: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PendingChoice | None]:
-        """(topk_weights, topk_ids, norm(x + residual), x + residual, pending choice). Decode
-        batches on CUDA: norm, router matmul and expert choice in one launch
-        (ops/moe_router.py); with `defer` (the experts run the Triton decode kernels) and where
-        the router allows it, without the choice: the returned PendingChoice's expert kernel
-        writes topk_weights / topk_ids."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(topk_weights, topk_ids, norm(x + residual), x + residual). Decode batches on CUDA:
+        norm, router matmul and expert choice in one launch (ops/moe_router.py)."""
         m = self.m
         w, b, counter = self.weight, self.e_score_correction_bias, self.route_counter
         if fusable(x, w, m.scoring, m.n_group, m.topk_group):
-            args = (x, residual, norm.weight, norm.eps, w, b, counter)
-            if defer and defers(x, w, m.n_group, m.topk_group):
-                choice, normed, residual = norm_route_deferred(
-                    *args, router_bias=self.bias, **self.routing()
-                )
-                return choice.weights, choice.ids, normed, residual, choice
-            return *norm_route(*args, self.bias, **self.routing()), None
+            args = (x, residual, norm.weight, norm.eps, w, b, counter, self.bias)
+            return norm_route(*args, **self.routing())
         normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
         weights, ids = self(normed)
-        return weights, ids, normed, residual, None
+        return weights, ids, normed, residual
 
 
 class StackedExperts(nn.Module):
@@ -197,7 +180,7 @@ class StackedExperts(nn.Module):
         topk_ids: torch.Tensor,
         **kw: Any,
     ) -> torch.Tensor:
-        """[num_tokens, hidden]: `fused_moe` (`kw`: its activation keywords and `choice`)."""
+        """[num_tokens, hidden]: `fused_moe` (`kw`: its activation keywords)."""
         if self.w13_bias is not None:
             kw = {**kw, "w13_bias": self.w13_bias, "w2_bias": self.w2_bias}
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, **kw)
@@ -251,16 +234,6 @@ class Mxfp4Experts(nn.Module):
         return fused_moe_mxfp4(x, *blocks, topk_weights, topk_ids, **kw)
 
 
-def _decode_kernels(x: torch.Tensor) -> bool:
-    """Whether StackedExperts run `x` [T, H] through the Triton decode kernels (fused_moe's
-    "auto" path), which can make a deferred expert choice."""
-    if not _use_triton(x):
-        return False
-    from specserve.ops.moe_triton import uses_decode_path
-
-    return uses_decode_path(x.shape[0])
-
-
 class SparseMoE(nn.Module):
     """The MoE feed-forward block: router -> fused experts (+ shared experts on every token:
     fused, experts E.. of `experts`; unfused, the `shared_experts` MLP)."""
@@ -306,9 +279,8 @@ class SparseMoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual)), x + residual), the norm fused into the router where
         the router runs its decode kernel."""
-        defer = isinstance(self.experts, StackedExperts) and _decode_kernels(x)
-        weights, ids, x, residual, choice = self.gate.norm_forward(norm, x, residual, defer)
-        return self.experts_forward(x, weights, ids, choice), residual
+        weights, ids, x, residual = self.gate.norm_forward(norm, x, residual)
+        return self.experts_forward(x, weights, ids), residual
 
     def experts_forward(
         self,
@@ -318,10 +290,8 @@ class SparseMoE(nn.Module):
         weights: torch.Tensor,
         # [num_tokens, top_k + fused shared]
         ids: torch.Tensor,
-        choice: PendingChoice | None = None,
     ) -> torch.Tensor:
-        kw = self.expert_kw if choice is None else {**self.expert_kw, "choice": choice}
-        out = self.experts(x, weights, ids, **kw)
+        out = self.experts(x, weights, ids, **self.expert_kw)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -21,15 +21,11 @@ SwiGLU of transformers' GptOssExperts._apply_gate:
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from specserve.ops.fused import _use_triton
-
-if TYPE_CHECKING:
-    from specserve.ops.moe_router import PendingChoice
 
 PATHS = ("auto", "decode", "gemm")  # which Triton kernels fused_moe runs (CUDA)
 
@@ -121,21 +117,16 @@ def fused_moe(
     alpha: float = 1.702,
     limit: float = 7.0,
     path: str = "auto",
-    choice: PendingChoice | None = None,
 ) -> torch.Tensor:
     """[num_tokens, hidden] in x's dtype. `path` picks the Triton kernels ("auto": decode
     kernels up to moe_triton.DECODE_MAX_TOKENS tokens, the grouped GEMM above; "decode";
-    "gemm"); the reference ignores it. `choice` (ops/moe_router.norm_route_deferred, Triton's
-    decode path only): the routing the decode kernels choose and write into topk_weights /
-    topk_ids, which are its outputs."""
+    "gemm"); the reference ignores it."""
     _check_options(path, activation)
     if _use_triton(x):
         from specserve.ops.moe_triton import Epilogue, fused_moe_triton
 
         epilogue = Epilogue(w13_bias, w2_bias, activation, alpha, limit)
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, path, epilogue, choice)
-    if choice is not None:
-        raise ValueError("fused_moe: a PendingChoice needs the Triton decode path")
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, path=path, epilogue=epilogue)
     return fused_moe_ref(
         x,
         w13,
@@ -172,7 +163,6 @@ def fused_moe_mxfp4(
     alpha: float = 1.702,
     limit: float = 7.0,
     path: str = "auto",
-    choice: PendingChoice | None = None,
 ) -> torch.Tensor:
     """`fused_moe` with 4-bit experts (models/mxfp4.py's layout, rows as `fused_moe`'s w13 and
     w2). Triton (ops/moe_mxfp4.py) on CUDA outside autograd, and on CPU tensors under

@@ -40,6 +40,12 @@ the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
   Fewer warps a program (reductions within a warp, no shared-memory rounds): (2, 2048, 2) and
   (2, 1024, 2) at Qwen3-30B-A3B 5.42 / 5.41 us a layer vs 5.39, (2, 1024, 2) and (2, 1024, 1)
   at gpt-oss-20b 4.17 us all three (session 15): the reductions are not where its time goes.
+- Tried and dropped (H100, session 26; benchmarks/experiments/moe-defer-choice.patch): the
+  choice left to the MoE gate_up kernel, every program making its token's and column block 0
+  writing it for down. Without the choice this kernel takes 2.3 us a layer instead of 5.4
+  (Qwen3-30B-A3B; 2.3 vs 4.7 at GLM-4.7-Flash), but the choice in every gate_up program
+  costs more: +3.5 us a layer with `_choice`'s k rounds, +5.7 with a rank count (Qwen3 step
+  2841 -> 2857 / 2812 -> 3005 us); GLM-4.7-Flash's 3840 gate_up programs, 24.5 -> 128 us.
 
 Ties among experts: the kernel takes the lowest expert index first (torch.topk does not promise
 an order among equal values); the choice is otherwise the reference's, the weights equal up to
@@ -47,9 +53,6 @@ float32 summation order.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,31 +80,6 @@ ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
     (8, 1024, 8),
 )
 SCORINGS = ("softmax", "sigmoid", "softmax_topk")
-
-
-# The choice made by the expert kernel's programs instead of the router's last one (issue 18:
-# the router's atomic, its logit reads and the choice's rounds are ~2.4-2.9 us of a layer's
-# dependent chain, H100; RESULTS.md session 26). Switch for benchmarks and tests.
-DEFER_CHOICE = False
-
-
-@dataclass(frozen=True)
-class PendingChoice:
-    """A decode batch's expert choice, left to the MoE decode kernels (`norm_route_deferred`):
-    the router's logits and the choice's constexprs; `weights` / `ids` are select_experts_ref's
-    outputs, written by the gate_up kernel (ops/moe_triton.py) before the down kernel reads them."""
-
-    # [T, E] float32, written by the router kernel
-    logits: torch.Tensor
-    # [E] float32: the correction bias (sigmoid routers; the logits as a dummy where none)
-    bias: torch.Tensor
-    # [T, k + n_shared] float32, unwritten until the gate_up kernel runs
-    weights: torch.Tensor
-    # [T, k + n_shared] int64, unwritten until the gate_up kernel runs
-    ids: torch.Tensor
-    scale: float
-    # _choice's constexprs (SIGMOID, HAS_BIAS, .., BLOCK_TOPK, BLOCK_ALL_E)
-    consts: dict[str, Any]
 
 
 def select_experts_ref(
@@ -220,17 +198,6 @@ def fusable(
     )
 
 
-DEFER_MAX_EXPERTS = 128  # the ranks' [E, 32] comparison chunks, in registers beside the weights
-
-
-def defers(x: torch.Tensor, router_weight: torch.Tensor, n_group: int, topk_group: int) -> bool:
-    """Whether the choice of a routed batch `x` (where `fusable`) may be left to the expert
-    kernel: DEFER_CHOICE, at most DEFER_MAX_EXPERTS experts, and no group-limited choice (its
-    [n_group, E / n_group] tiles stay in the router's last program)."""
-    E = router_weight.shape[0]
-    return DEFER_CHOICE and E <= DEFER_MAX_EXPERTS and topk_group >= n_group
-
-
 def norm_route(
     # [T, H]: the attention output
     x: torch.Tensor,
@@ -318,9 +285,11 @@ if triton is not None:
         return val, choice
 
     @triton.jit
-    def _choice(
+    def _choose(
         logits_ptr,
         bias_ptr,
+        topk_w_ptr,
+        topk_ids_ptr,
         T,
         E,
         scale,
@@ -336,9 +305,8 @@ if triton is not None:
         BLOCK_TOPK: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
     ):
-        """(weights float32, ids int32) [BLOCK_T, BLOCK_TOPK]: the expert choice of every token
-        from the float32 logits [T, E] (select_experts_ref), then N_SHARED appended experts
-        E.. at weight 1.0 (BLOCK_TOPK >= TOP_K + N_SHARED; columns past them are 0)."""
+        """The expert choice of every token from the float32 logits (select_experts_ref), then
+        N_SHARED appended experts E.. at weight 1.0 (BLOCK_TOPK >= TOP_K + N_SHARED)."""
         t = tl.arange(0, BLOCK_T)
         e = tl.arange(0, BLOCK_ALL_E)
         ok = (t < T)[:, None] & (e < E)[None, :]
@@ -397,117 +365,10 @@ if triton is not None:
             shared = (kk >= TOP_K)[None, :]
             weights = tl.where(shared, 1.0, weights)
             ids = tl.where(shared, E + kk[None, :] - TOP_K, ids)
-        return weights, ids
-
-    @triton.jit
-    def _choose(
-        logits_ptr,
-        bias_ptr,
-        topk_w_ptr,
-        topk_ids_ptr,
-        T,
-        E,
-        scale,
-        SIGMOID: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        TOPK_SOFTMAX: tl.constexpr,
-        RENORM: tl.constexpr,
-        TOP_K: tl.constexpr,
-        N_SHARED: tl.constexpr,
-        N_GROUP: tl.constexpr,
-        TOPK_GROUP: tl.constexpr,
-        BLOCK_T: tl.constexpr,
-        BLOCK_TOPK: tl.constexpr,
-        BLOCK_ALL_E: tl.constexpr,
-    ):
-        """`_choice`, stored: topk_w / topk_ids [T, TOP_K + N_SHARED]."""
-        weights, ids = _choice(
-            logits_ptr, bias_ptr, T, E, scale, SIGMOID, HAS_BIAS, TOPK_SOFTMAX, RENORM, TOP_K,
-            N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK, BLOCK_ALL_E,
-        )  # fmt: skip
-        t = tl.arange(0, BLOCK_T)
-        kk = tl.arange(0, BLOCK_TOPK)
         out = t[:, None] * (TOP_K + N_SHARED) + kk[None, :]
         out_ok = (t < T)[:, None] & (kk < TOP_K + N_SHARED)[None, :]
         tl.store(topk_w_ptr + out, weights, mask=out_ok)
         tl.store(topk_ids_ptr + out, ids.to(tl.int64), mask=out_ok)
-
-    @triton.jit
-    def _rank_scores(logits_ptr, bias_ptr, e, E, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """(s, val, c) at experts e of one token's float32 logits: the logits (-inf past E),
-        what the weights come from (sigmoid(s), else s) and what the choice ranks (val plus
-        the correction bias; -inf past E). .cg: the router kernel (other SMs) wrote them."""
-        e_ok = e < E
-        s = tl.load(logits_ptr + e, mask=e_ok, other=0.0, cache_modifier=".cg")
-        s = tl.where(e_ok, s, float("-inf"))
-        if SIGMOID:
-            val = 1.0 / (1.0 + tl.exp(-s))
-            c = val
-            if HAS_BIAS:
-                c += tl.load(bias_ptr + e, mask=e_ok, other=0.0)
-        else:
-            val = s
-            c = s
-        return s, val, tl.where(e_ok, c, float("-inf"))
-
-    @triton.jit
-    def _ranks(
-        logits_ptr,
-        bias_ptr,
-        E,
-        SIGMOID: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        BLOCK_ALL_E: tl.constexpr,
-        RANK_CHUNK: tl.constexpr = 32,
-    ):
-        """(e, s, val, rank) [BLOCK_ALL_E] of ONE token's float32 logits (a PendingChoice's
-        row; s, val as `_rank_scores`): rank is each expert's place in the choice's order (0
-        the best; ties to the lower id), counted by comparisons against every expert, in
-        column chunks of RANK_CHUNK loaded anew (independent L2 loads; an [E, E] tile would
-        take 64-128 registers a thread at E = 128), and summed: no serial rounds as
-        `_choice`'s, so every program of the expert kernel can afford it. Softmax routers rank
-        the logits themselves (the softmax is monotonic; `_choice` ranks the probabilities:
-        the same order but where two logits an ulp apart round to one probability)."""
-        e = tl.arange(0, BLOCK_ALL_E)
-        s, val, c = _rank_scores(logits_ptr, bias_ptr, e, E, SIGMOID, HAS_BIAS)
-        rank = tl.zeros([BLOCK_ALL_E], dtype=tl.int32)
-        for c0 in tl.static_range(0, BLOCK_ALL_E, RANK_CHUNK):
-            ej = c0 + tl.arange(0, RANK_CHUNK)
-            cj = _rank_scores(logits_ptr, bias_ptr, ej, E, SIGMOID, HAS_BIAS)[2]
-            ahead = (cj[None, :] > c[:, None]) | (
-                (cj[None, :] == c[:, None]) & (ej[None, :] < e[:, None])
-            )
-            rank += tl.sum(ahead.to(tl.int32), axis=1)
-        return e, s, val, rank
-
-    @triton.jit
-    def _ranked_weight(
-        e,
-        s,
-        val,
-        rank,
-        j,
-        scale,
-        SIGMOID: tl.constexpr,
-        TOPK_SOFTMAX: tl.constexpr,
-        RENORM: tl.constexpr,
-        TOP_K: tl.constexpr,
-    ):
-        """The routing weight of choice j (< TOP_K) from `_ranks`: select_experts_ref's
-        arithmetic (softmax over every expert; sigmoid; the k best logits' own softmax),
-        renormalized over the k chosen, times scale."""
-        top = rank < TOP_K
-        if SIGMOID:
-            p = val
-        else:  # softmax over every expert, or over the k best (the largest logit is among them)
-            p = tl.exp(s - tl.max(s, axis=0))
-            if TOPK_SOFTMAX:
-                p = tl.where(top, p, 0.0)
-            p = p / tl.sum(p, axis=0)
-        w = tl.sum(tl.where(rank == j, p, 0.0), axis=0)
-        if RENORM:
-            w = w / (tl.sum(tl.where(top, p, 0.0), axis=0) + (1e-20 if SIGMOID else 0.0))
-        return w * scale
 
     @triton.jit
     def _x_row(x_ptr, res_ptr, k, k_ok, HAS_RES: tl.constexpr):
@@ -558,7 +419,6 @@ if triton is not None:
         K_TILES: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
         PDL: tl.constexpr,
-        DEFER: tl.constexpr = False,
     ):
         # logits[t, e] = W[e] @ rms_norm(x[t] + res[t]) for this program's BLOCK_E experts.
         # normed / res_out rows are [T, H] contiguous (fresh outputs). H <= K_TILES * BLOCK_K.
@@ -608,17 +468,15 @@ if triton is not None:
             acc = acc.to(w_ptr.dtype.element_ty).to(tl.float32)
         out_ok = (rows < T)[:, None] & e_ok[None, :]
         tl.store(logits_ptr + rows[:, None] * E + e[None, :], acc, mask=out_ok)
-        # DEFER: the expert kernel makes the choice (PendingChoice); else the last program to
-        # get here makes it from every program's logits.
-        if not DEFER:
-            tl.debug_barrier()
-            if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-                tl.store(counter_ptr, 0)
-                _choose(
-                    logits_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, T, E, scale, SIGMOID,
-                    HAS_BIAS, TOPK_SOFTMAX, RENORM, TOP_K, N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T,
-                    BLOCK_TOPK, BLOCK_ALL_E,
-                )  # fmt: skip
+        # The last program to get here makes the choice from every program's logits.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.store(counter_ptr, 0)
+            _choose(
+                logits_ptr, bias_ptr, topk_w_ptr, topk_ids_ptr, T, E, scale, SIGMOID, HAS_BIAS,
+                TOPK_SOFTMAX, RENORM, TOP_K, N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK,
+                BLOCK_ALL_E,
+            )  # fmt: skip
 
 
 def route_block_k(H: int, config: tuple[int, int, int]) -> int:
@@ -646,45 +504,6 @@ def norm_route_triton(
     config: tuple[int, int, int] = ROUTE_CONFIG,
     *,
     router_bias: torch.Tensor | None = None,
-    **routing: Any,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
-    args = (x, residual, norm_weight, eps, router_weight, correction_bias, counter, config)
-    choice, normed, res_out = _route_launch(*args, router_bias, False, **routing)
-    return choice.weights, choice.ids, normed, res_out
-
-
-def norm_route_deferred(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    router_weight: torch.Tensor,
-    correction_bias: torch.Tensor | None,
-    counter: torch.Tensor,
-    config: tuple[int, int, int] = ROUTE_CONFIG,
-    *,
-    router_bias: torch.Tensor | None = None,
-    **routing: Any,
-) -> tuple[PendingChoice, torch.Tensor, torch.Tensor]:
-    """(the choice left to the expert kernel, normed, x + residual): `norm_route_triton`'s
-    launch without the choice (only where `defers`)."""
-    args = (x, residual, norm_weight, eps, router_weight, correction_bias, counter, config)
-    return _route_launch(*args, router_bias, True, **routing)
-
-
-def _route_launch(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    router_weight: torch.Tensor,
-    correction_bias: torch.Tensor | None,
-    counter: torch.Tensor,
-    config: tuple[int, int, int],
-    router_bias: torch.Tensor | None,
-    defer: bool,
-    *,
     scoring: str,
     top_k: int,
     renormalize: bool,
@@ -692,7 +511,8 @@ def _route_launch(
     n_group: int = 1,
     topk_group: int = 1,
     n_shared: int = 0,
-) -> tuple[PendingChoice, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
     T, H = x.shape
     E = router_weight.shape[0]
     bad_bias = router_bias is not None and router_bias.shape != (E,)
@@ -717,22 +537,8 @@ def _route_launch(
     # The token tile of the rows a captured graph runs (graph_rows), when it fits the kernel.
     bound = graph_rows.row_bound(T)
     block_t = triton.next_power_of_2(bound if bound <= ROUTE_MAX_TOKENS else T)
+    block_all_e = triton.next_power_of_2(E)
     sigmoid = scoring == "sigmoid"
-    grouped = topk_group < n_group
-    # The choice's constexprs (the router kernel's, and the expert kernel's when deferred).
-    consts = dict(
-        SIGMOID=sigmoid,
-        HAS_BIAS=sigmoid and correction_bias is not None,
-        TOPK_SOFTMAX=scoring == "softmax_topk",
-        RENORM=renormalize,
-        TOP_K=top_k,
-        N_SHARED=n_shared,
-        N_GROUP=n_group if grouped else 1,
-        TOPK_GROUP=topk_group if grouped else 1,
-        BLOCK_TOPK=triton.next_power_of_2(top_k + n_shared),
-        BLOCK_ALL_E=triton.next_power_of_2(E),
-    )
-    bias = correction_bias if correction_bias is not None else logits
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x,
         residual if residual is not None else x,
@@ -741,7 +547,7 @@ def _route_launch(
         norm_weight,
         router_weight,
         router_bias if router_bias is not None else logits,
-        bias,
+        correction_bias if correction_bias is not None else logits,
         logits,
         counter,
         topk_w,
@@ -755,15 +561,23 @@ def _route_launch(
         eps,
         scale,
         HAS_RES=residual is not None,
+        SIGMOID=sigmoid,
         ROUND_LOGITS=not sigmoid,
         HAS_ROUTER_BIAS=router_bias is not None,
+        HAS_BIAS=sigmoid and correction_bias is not None,
+        TOPK_SOFTMAX=scoring == "softmax_topk",
+        RENORM=renormalize,
+        TOP_K=top_k,
+        N_SHARED=n_shared,
+        N_GROUP=n_group if topk_group < n_group else 1,
+        TOPK_GROUP=topk_group if topk_group < n_group else 1,
         BLOCK_T=block_t,
+        BLOCK_TOPK=triton.next_power_of_2(top_k + n_shared),
         BLOCK_E=block_e,
         BLOCK_K=block_k,
         K_TILES=triton.cdiv(H, block_k),
+        BLOCK_ALL_E=block_all_e,
         num_warps=route_warps(block_t, config),
-        DEFER=defer,
-        **consts,
         **pdl.launch_kwargs(dev),
     )
-    return PendingChoice(logits, bias, topk_w, topk_ids, scale, consts), normed, res_out
+    return topk_w, topk_ids, normed, res_out

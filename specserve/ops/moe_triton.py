@@ -44,7 +44,6 @@ import triton
 import triton.language as tl
 
 from specserve.ops import graph_rows, l2, pdl, skinny
-from specserve.ops.moe_router import PendingChoice, _ranked_weight, _ranks
 
 DECODE_MAX_TOKENS = 8
 # Decode launch configs: (BLOCK_N, BLOCK_K, num_warps). gate_up: a [BLOCK_N, BLOCK_K] gate
@@ -397,15 +396,10 @@ def _moe_decode_gate_up_kernel(
     b_ptr,
     topk_ids_ptr,
     inter_ptr,
-    logits_ptr,
-    cbias_ptr,
-    topk_w_ptr,
     N,
     K,
     P,
     top_k,
-    E,
-    scale,
     stride_xm,
     stride_we,
     stride_wn,
@@ -421,18 +415,6 @@ def _moe_decode_gate_up_kernel(
     EARLY_TRIGGER: tl.constexpr,
     W_EVICT: tl.constexpr = "",
     PERSISTENT: tl.constexpr = False,
-    # CHOOSE (a PendingChoice): the choice's constexprs (moe_router's, prefixed C_)
-    CHOOSE: tl.constexpr = False,
-    C_SIGMOID: tl.constexpr = False,
-    C_HAS_BIAS: tl.constexpr = False,
-    C_TOPK_SOFTMAX: tl.constexpr = False,
-    C_RENORM: tl.constexpr = False,
-    C_TOP_K: tl.constexpr = 1,
-    C_N_SHARED: tl.constexpr = 0,
-    C_N_GROUP: tl.constexpr = 1,
-    C_TOPK_GROUP: tl.constexpr = 1,
-    C_BLOCK_TOPK: tl.constexpr = 1,
-    C_BLOCK_ALL_E: tl.constexpr = 1,
 ):
     # inter[pair, n] = act(W13[e, n] @ x[t] (+ b13[e, n]), W13[e, N + n] @ x[t] (+ b13[e, N + n])),
     # e = topk_ids[pair]; act = silu(gate) * up, or swiglu_oai.
@@ -447,21 +429,9 @@ def _moe_decode_gate_up_kernel(
     n_ok = n < N
     # The expert id is the router's output (the previous kernel): nothing to preload.
     pdl.wait(PDL)
-    if CHOOSE:
-        # The router left the choice to us: every program ranks its token's experts (the
-        # same arithmetic in every program, so the same choice) and takes its pair's; the
-        # programs of column block 0 (pid < P) write their pair's id and weight for down,
-        # once their first weights are on their way (_publish_choice).
-        j = pair % top_k
-        e_all, s_all, val, rank = _ranks(
-            logits_ptr + (pair // top_k) * E, cbias_ptr, E, C_SIGMOID, C_HAS_BIAS, C_BLOCK_ALL_E
-        )
-        expert = tl.sum(tl.where(rank == j, e_all, 0), axis=0)
-        expert = tl.where(j < C_TOP_K, expert, E + j - C_TOP_K).to(tl.int64)  # shared: E..
-    else:
-        if EARLY_TRIGGER:  # after the wait: down preloads the routing, which the router wrote
-            pdl.trigger(PDL)
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    if EARLY_TRIGGER:  # after the wait: down preloads the routing, which the router wrote
+        pdl.trigger(PDL)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
     w_expert = w_ptr + expert * stride_we
     gate_rows = w_expert + n.to(tl.int64)[:, None] * stride_wn
@@ -474,11 +444,6 @@ def _moe_decode_gate_up_kernel(
         first_rows = gate_rows + k[None, :]
         gate = tl.load(first_rows, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
         up = tl.load(first_rows + N * stride_wn, mask=tile_ok, other=0.0, eviction_policy=W_EVICT)
-        if CHOOSE:
-            _publish_choice(
-                topk_ids_ptr, topk_w_ptr, pair, expert, e_all, s_all, val, rank, j, scale, P,
-                PDL, EARLY_TRIGGER, C_SIGMOID, C_TOPK_SOFTMAX, C_RENORM, C_TOP_K,
-            )  # fmt: skip
         step = tl.num_programs(0) // P  # blocks between a program's consecutive ones
         for block in range(pid // P, tl.cdiv(N, BLOCK_N), step):
             cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -499,11 +464,6 @@ def _moe_decode_gate_up_kernel(
         if not EARLY_TRIGGER:
             pdl.trigger(PDL)
     else:
-        if CHOOSE:
-            _publish_choice(
-                topk_ids_ptr, topk_w_ptr, pair, expert, e_all, s_all, val, rank, j, scale, P,
-                PDL, EARLY_TRIGGER, C_SIGMOID, C_TOPK_SOFTMAX, C_RENORM, C_TOP_K,
-            )  # fmt: skip
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -527,54 +487,6 @@ def _moe_decode_gate_up_kernel(
 
 
 @triton.jit
-def _publish_choice(
-    topk_ids_ptr,
-    topk_w_ptr,
-    pair,
-    expert,
-    e_all,
-    s_all,
-    val,
-    rank,
-    j,
-    scale,
-    P,
-    PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
-    C_SIGMOID: tl.constexpr,
-    C_TOPK_SOFTMAX: tl.constexpr,
-    C_RENORM: tl.constexpr,
-    C_TOP_K: tl.constexpr,
-):
-    """A deferred choice's gate_up program: column block 0's (pid < P) writes its pair's id and
-    weight (1.0 for a fused shared expert); then every program lets down launch (EARLY_TRIGGER).
-    Down loads the routing before its PDL wait, once every program here has triggered, so the
-    writes must be in the L2 (down reads it with .cg) before the trigger: a GPU-scope fence in
-    the writing threads, then a CTA barrier that holds every warp's trigger back."""
-    if tl.program_id(0) < P:
-        w = _ranked_weight(
-            e_all, s_all, val, rank, j, scale, C_SIGMOID, C_TOPK_SOFTMAX, C_RENORM, C_TOP_K
-        )
-        tl.store(topk_ids_ptr + pair, expert)
-        tl.store(topk_w_ptr + pair, tl.where(j < C_TOP_K, w, 1.0))
-        if PDL:  # (without PDL, down starts after we finish: the kernel boundary orders them)
-            _fence_gpu()
-    tl.debug_barrier()
-    if EARLY_TRIGGER:
-        pdl.trigger(PDL)
-
-
-@triton.jit
-def _fence_gpu():
-    """fence.acq_rel.gpu: this thread's earlier writes are visible GPU-wide (in the L2) before
-    its later instructions (PDL's trigger is not a memory operation, so no store can carry
-    release semantics to it)."""
-    tl.inline_asm_elementwise(
-        "fence.acq_rel.gpu; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
 def _down_program(N, T, top_k, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr):
     """A down kernel program's share of the grid (T tokens x N / BLOCK_N column tiles): its
     token t, output columns n [BLOCK_N] and n_ok, and the token's (token, expert) pair indices
@@ -587,18 +499,11 @@ def _down_program(N, T, top_k, BLOCK_N: tl.constexpr, BLOCK_TOPK: tl.constexpr):
 
 
 @triton.jit
-def _routing(topk_ids_ptr, topk_w_ptr, pair, ok, CG: tl.constexpr = False):
-    """(expert int64, routing weight fp32) of each pair (0 / 0.0 where not ok). CG: from the L2
-    (.cg), where the gate_up kernel, still running, wrote them (a PendingChoice). Otherwise the
-    router wrote them before the previous kernel started, and the L1 may serve this SM's other
-    programs (.cg at Qwen3-30B-A3B batch 1: down 5.8 -> 6.6 us a layer, H100, session 26)."""
-    if CG:
-        expert = tl.load(topk_ids_ptr + pair, mask=ok, other=0, cache_modifier=".cg")
-        route_w = tl.load(topk_w_ptr + pair, mask=ok, other=0.0, cache_modifier=".cg")
-    else:
-        expert = tl.load(topk_ids_ptr + pair, mask=ok, other=0)
-        route_w = tl.load(topk_w_ptr + pair, mask=ok, other=0.0)
-    return expert.to(tl.int64), route_w.to(tl.float32)
+def _routing(topk_ids_ptr, topk_w_ptr, pair, ok):
+    """(expert int64, routing weight fp32) of each pair (0 / 0.0 where not ok)."""
+    expert = tl.load(topk_ids_ptr + pair, mask=ok, other=0).to(tl.int64)
+    route_w = tl.load(topk_w_ptr + pair, mask=ok, other=0.0).to(tl.float32)
+    return expert, route_w
 
 
 @triton.jit
@@ -634,7 +539,6 @@ def _moe_decode_down_kernel(
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
     W_EVICT: tl.constexpr = "",
-    ROUTING_CG: tl.constexpr = False,
 ):
     # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
     # The K loop is unrolled (STEPS = cdiv(K, BLOCK_K) on the host) and its weight tiles are
@@ -651,7 +555,7 @@ def _moe_decode_down_kernel(
     k = tl.arange(0, BLOCK_K)
     if not PRELOAD:
         pdl.wait(PDL)
-    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, j_ok, ROUTING_CG)
+    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, j_ok)
     # [BLOCK_TOPK, BLOCK_N, 1] row starts
     w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
     rows_ok = j_ok[:, None, None] & n_ok[None, :, None]
@@ -857,12 +761,9 @@ def fused_moe_decode(
     topk_ids: torch.Tensor,
     configs: tuple[DecodeConfig, DecodeConfig] | None = None,
     epilogue: Epilogue = PLAIN,
-    choice: PendingChoice | None = None,
 ) -> torch.Tensor:
     """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`.
-    `configs`: (gate_up, down) launch configs, default the shape tables'. `choice`: the
-    router's choice left to the gate_up kernel, which writes topk_weights / topk_ids (its
-    `weights` / `ids`, which must be the tensors passed)."""
+    `configs`: (gate_up, down) launch configs, default the shape tables'."""
     T, top_k = topk_ids.shape
     E, two_i, H = w13.shape
     inter_size, P = two_i // 2, T * top_k
@@ -882,19 +783,12 @@ def fused_moe_decode(
     per_pair = triton.cdiv(inter_size, gn)  # column blocks of a pair
     if persistent_launch:  # as many programs as the SMs hold at once, at most one a block
         per_pair = min(per_pair, triton.cdiv(per_sm * _sm_count(x.device), P))
-    if choice is not None:
-        if choice.ids is not topk_ids or choice.weights is not topk_weights:
-            raise ValueError("fused_moe_decode: a PendingChoice's weights and ids must be passed")
-        logits, cbias, scale = choice.logits, choice.bias, choice.scale
-        consts = {f"C_{name}": value for name, value in choice.consts.items()}
-    else:
-        logits, cbias, scale, consts = topk_weights, topk_weights, 1.0, {}
     _moe_decode_gate_up_kernel[(P * per_pair,)](
-        x, w13, b13, topk_ids, inter, logits, cbias, topk_weights, inter_size, H, P, top_k,
-        logits.shape[-1], scale, x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
+        x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
         BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=GATE_UP_EARLY_TRIGGER,
-        PERSISTENT=persistent_launch, CHOOSE=choice is not None, **consts,
+        PERSISTENT=persistent_launch,
         W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
@@ -906,7 +800,6 @@ def fused_moe_decode(
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk,
         STEPS=triton.cdiv(inter_size, dk), num_warps=dw,
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, W_EVICT=l2.weight_eviction(), **kw,
-        ROUTING_CG=choice is not None,
     )  # fmt: skip
     return out
 
@@ -960,11 +853,9 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     path: str = "auto",
     epilogue: Epilogue = PLAIN,
-    choice: PendingChoice | None = None,
 ) -> torch.Tensor:
     """`fused_moe` in Triton; path "auto" (decode kernels up to DECODE_MAX_TOKENS tokens, the
-    grouped GEMM above), "decode" or "gemm"; `epilogue` the gpt-oss biases and activation;
-    `choice` a router's choice left to the decode kernels (decode path only)."""
+    grouped GEMM above), "decode" or "gemm"; `epilogue` the gpt-oss biases and activation."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, epilogue)
     T = topk_ids.shape[0]
     if T == 0:
@@ -974,9 +865,5 @@ def fused_moe_triton(
     epilogue = replace(epilogue, w13_bias=b13, w2_bias=b2)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     if path == "decode" or (path == "auto" and uses_decode_path(T)):
-        return fused_moe_decode(
-            x, w13, w2, topk_weights, topk_ids, epilogue=epilogue, choice=choice
-        )
-    if choice is not None:
-        raise ValueError("fused_moe: a PendingChoice needs the decode path (<= 8 tokens)")
+        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
     return fused_moe_gemm(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
