@@ -143,69 +143,6 @@ def test_argmax(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", modes)
-def test_embedding(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Triton embedding copy (fused.EMBED_TRITON) equals F.embedding bit for bit: a hidden
-    size that is not a power of two, one wider than a column block (4096), repeated ids, no
-    tokens; ops dispatch falls back to F.embedding on CPU and past EMBED_MAX_TOKENS."""
-    pytest.importorskip("triton")
-    import torch.nn.functional as F
-
-    from specserve.ops.triton_kernels import embedding_triton
-
-    g = torch.Generator().manual_seed(0)
-    for hidden in (80, 5000):
-        for dtype in _dtypes(device):
-            w = torch.randn(300, hidden, generator=g).to(dtype=dtype, device=device)
-            ids = torch.tensor([5, 299, 0, 5, 17], device=device)
-            assert torch.equal(embedding_triton(ids, w), F.embedding(ids, w))
-            assert embedding_triton(ids[:0], w).shape == (0, hidden)
-    monkeypatch.setattr(fused, "EMBED_TRITON", True)
-    many = torch.arange(fused.EMBED_MAX_TOKENS + 1, device=device) % 300
-    assert torch.equal(fused.embedding(many, w), F.embedding(many, w))
-    assert torch.equal(fused.embedding(ids, w), F.embedding(ids, w))
-
-
-@pytest.mark.gpu
-def test_embedding_triton_engine_tokens_gpu(ckpt_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With fused.EMBED_TRITON the engine's CUDA-graph decode gives the tokens it gives without
-    (bf16 Qwen3-MoE: the copy feeds a norm-fused first projection; greedy and sampled)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from specserve import LLM, SamplingParams
-
-    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
-    path = ckpt_dir("qwen3_moe_embed", "qwen3_moe", **moe)
-    prompts = [{"prompt_token_ids": [5 + i, 9, 13 + 2 * i, 7]} for i in range(3)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
-
-    def run() -> list[list[int]]:
-        llm = LLM(path, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=4)
-        outs = llm.generate(prompts, [greedy, sampled, greedy])
-        del llm
-        return [o.outputs[0].token_ids for o in outs]
-
-    plain = run()
-    monkeypatch.setattr(fused, "EMBED_TRITON", True)
-    assert run() == plain
-
-
-def test_embedding_kernel_triggers_at_start() -> None:
-    """Compiled for sm_90 with PDL: the next kernel is let launch before this one waits or
-    loads anything (so the first layer's projection requests its weights during the copy)."""
-    pytest.importorskip("triton")
-    from specserve.ops.triton_kernels import _embedding_kernel
-
-    from .test_pdl import compile_sm90
-
-    ptx = compile_sm90(_embedding_kernel, dict(BLOCK=4096, PDL=True), types={"ids_ptr": "*i64"})
-    lines = ptx.splitlines()
-    first = min(i for i, ln in enumerate(lines) if "griddepcontrol" in ln)
-    assert "griddepcontrol.launch_dependents" in lines[first]
-    assert all("ld.global" not in ln for ln in lines[:first])
-
-
-@pytest.mark.parametrize("device", modes)
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("silu_mul", [False, True])

@@ -24,7 +24,6 @@ from specserve.models.layers import (
 )
 from specserve.models.loader import ModelLoadError
 from specserve.models.moe import SparseMoE
-from specserve.ops import fused
 
 
 @dataclass
@@ -248,7 +247,7 @@ class LlamaModel(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-norm hidden states [num_tokens, hidden] and, for EAGLE-3, the
         residual-stream inputs of the layers in `aux_layers`."""
-        x = fused.embedding(input_ids, self.embed_tokens.weight)
+        x = self.embed_tokens(input_ids)
         residual = None
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):

@@ -123,29 +123,6 @@ def silu_and_mul(
     return silu_and_mul_ref(x)
 
 
-# The token embedding of decode-sized batches as a Triton copy that launches the first
-# layer's projection at its start (PDL), instead of torch's index_select, which the projection
-# waited on (~1.9 us + ~1.5 us to the projection's start a step in an H100 trace, session 25).
-# Experiment, off: not yet timed on a GPU (`--variants "base;specserve.ops.fused.EMBED_TRITON=True"`).
-EMBED_TRITON = False
-EMBED_MAX_TOKENS = 64
-
-
-def embedding(
-    # [tokens] int, within [0, V)
-    ids: torch.Tensor,
-    # [V, hidden]
-    weight: torch.Tensor,
-) -> torch.Tensor:
-    """F.embedding(ids, weight): [tokens, hidden], bit for bit."""
-    small = ids.dim() == 1 and ids.shape[0] <= EMBED_MAX_TOKENS and weight.stride(-1) == 1
-    if EMBED_TRITON and _use_triton(weight) and small:
-        from specserve.ops.triton_kernels import embedding_triton
-
-        return embedding_triton(ids, weight)
-    return F.embedding(ids, weight)
-
-
 def argmax(
     # [rows, V] float
     x: torch.Tensor,

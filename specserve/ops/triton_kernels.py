@@ -335,33 +335,3 @@ def argmax_triton(x: torch.Tensor, block: int = 8192) -> torch.Tensor:
         vals, idx, out, chunks, BLOCK_C=triton.next_power_of_2(chunks), **kw
     )
     return out
-
-
-@triton.jit
-def _embedding_kernel(
-    ids_ptr, w_ptr, out_ptr, H, stride_w, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
-    """out[t, cols] = w[ids[t], cols]: token t, column block program_id(1). Triggers at its
-    start, so the next kernel (the first layer's projection) launches and requests its
-    weights while this one copies."""
-    pdl.start(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < H
-    tok = tl.load(ids_ptr + t).to(tl.int64)
-    row = tl.load(w_ptr + tok * stride_w + cols, mask=m)
-    tl.store(out_ptr + t * stride_o + cols, row, mask=m)
-
-
-def embedding_triton(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.embedding(ids [T], weight [V, H]) as one PDL launch (ids validated by the caller)."""
-    T, H = ids.shape[0], weight.shape[1]
-    out = torch.empty(T, H, dtype=weight.dtype, device=weight.device)
-    if T == 0:
-        return out
-    block = min(4096, triton.next_power_of_2(H))
-    _embedding_kernel[(T, triton.cdiv(H, block))](
-        ids, weight, out, H, weight.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-        **pdl.launch_kwargs(weight.device),
-    )  # fmt: skip
-    return out
