@@ -503,6 +503,22 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       --variants "$P;base;$P;base" -- benchmarks/spec_step.py --ks 4 --batches 1 \
       --modes fused --async-scheduling 2>&1 | tee "$OUT/overhead_spec.log" | grep -v tokenizer
     ;;
+  route-warp)
+    # One-warp router launches at one token (moe_router.ROUTE_CONFIG_ONE_TOKEN: the choice's
+    # reductions within a warp), with and without every K tile before the wait
+    # (ROUTE_PRELOAD_ALL): GPU tests, then batch-1 steps (ROUTE_SHAPES, default Qwen3).
+    R=specserve.ops.moe_router
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_router.py \
+        -k "one_token_configs" 2>&1 | tee "$OUT/route_warp_tests.log" | tail -3
+    fi
+    for s in ${ROUTE_SHAPES:-qwen3-30b-a3b}; do
+      timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape "$s" --step-ms \
+        --variants "base;$R.ROUTE_CONFIG_ONE_TOKEN=(1,1024,1);$R.ROUTE_CONFIG_ONE_TOKEN=(2,512,1);\
+$R.ROUTE_CONFIG_ONE_TOKEN=(2,512,1),$R.ROUTE_PRELOAD_ALL=True;base" 2>&1 \
+        | tee "$OUT/route_warp_$s.log" | grep -E "^variant|^base|^spec|_norm_route"
+    done
+    ;;
   confirm26)
     # Issue 21's and 18's figures with the defaults.
     timeout 400 python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
@@ -512,7 +528,7 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp" >&2
     exit 2
     ;;
 esac

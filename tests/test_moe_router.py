@@ -103,7 +103,10 @@ def router_bias(scoring: str, E: int, dtype: torch.dtype, seed: int) -> torch.Te
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("case", ROUTE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
+def test_norm_route_matches_reference(
+    case: tuple, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specserve.ops import moe_router as mr
     from specserve.ops.moe_router import norm_route_triton
 
     T, E, H, top_k, scoring, renorm, scale, n_group, topk_group, n_shared = case
@@ -113,7 +116,10 @@ def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
     rb = router_bias(scoring, E, dtype, seed=T)
     counter = torch.zeros(1, dtype=torch.int32)
     ref = norm_route_ref(x, res, norm_w, 1e-6, w, bias, rb, **routing)
-    for config in ((4, 512, 4), (8, 32, 4), (1, 16, 2)):  # one program per expert included
+    # one program per expert included; several K tiles, all requested before the wait
+    runs = ((4, 512, 4), False), ((8, 32, 4), False), ((1, 16, 2), False), ((1, 16, 1), True)
+    for config, preload_all in runs:
+        monkeypatch.setattr(mr, "ROUTE_PRELOAD_ALL", preload_all)
         out = norm_route_triton(
             x, res, norm_w, 1e-6, w, bias, counter, config, router_bias=rb, **routing
         )
@@ -161,6 +167,18 @@ def test_norm_route_without_residual_and_ties() -> None:
     assert out[1].tolist() == [[5, 0, 1], [5, 0, 1]]
     ref = norm_route_ref(x.abs(), None, norm_w.abs(), 1e-6, w, None, **routing)
     torch.testing.assert_close(out[0], ref[0])
+
+
+def test_route_config_one_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROUTE_CONFIG_ONE_TOKEN applies to one-token tiles only, read at call time."""
+    pytest.importorskip("triton")
+    from specserve.ops import moe_router as mr
+
+    assert mr.route_config(1) == mr.route_config(4) == mr.ROUTE_CONFIG
+    monkeypatch.setattr(mr, "ROUTE_CONFIG_ONE_TOKEN", (1, 1024, 1))
+    assert mr.route_config(1) == (1, 1024, 1) and mr.route_config(2) == mr.ROUTE_CONFIG
+    monkeypatch.setattr(mr, "ROUTE_CONFIG", (4, 1024, 4))
+    assert mr.route_config(8) == (4, 1024, 4)
 
 
 def test_norm_route_cpu_is_reference_and_select_experts_validates() -> None:
@@ -282,6 +300,20 @@ def test_router_kernels_compile_for_sm90() -> None:
             assert "atom.global.gpu.acq_rel.add" in ptx
             if pdl:  # the router rows are requested before the wait
                 assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+    # ROUTE_PRELOAD_ALL at the one-warp (2, 512, 1), one token, Qwen3-30B-A3B / GLM-4.7-Flash:
+    # all four K tiles' router rows requested before the wait, no spills.
+    for sigmoid, E, top_k, n_shared in ((False, 128, 8, 0), (True, 64, 4, 1)):
+        consts = dict(HAS_RES=True, SIGMOID=sigmoid, ROUND_LOGITS=not sigmoid)
+        consts.update(HAS_ROUTER_BIAS=False, TOPK_SOFTMAX=False, HAS_BIAS=sigmoid, RENORM=True)
+        consts.update(TOP_K=top_k, N_SHARED=n_shared, N_GROUP=1, TOPK_GROUP=1, BLOCK_T=1)
+        consts.update(BLOCK_TOPK=8, BLOCK_E=2, BLOCK_K=512, BLOCK_ALL_E=E, PDL=True)
+        w_type = "*fp32" if sigmoid else "*bf16"
+        loads = []
+        for preload_all in (False, True):
+            consts.update(K_TILES=4, PRELOAD_ALL=preload_all)
+            ptx = _compile(mr._norm_route_kernel, consts, 1, 3, {**types, "w_ptr": w_type})
+            loads.append(ptx[: ptx.index("griddepcontrol.wait")].count("ld.global"))
+        assert loads[1] == 4 * loads[0], loads
     for pdl in (True, False):
         consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_HQ=32, BLOCK_HK=4, PDL=pdl)
         types = {"q_eps": "fp32", "k_eps": "fp32", "stride_qh": "i32", "stride_kh": "i32"}
@@ -318,6 +350,22 @@ def test_norm_route_gpu_real_shapes(name: str, T: int) -> None:
         ref = norm_route_ref(x, res, norm_w, 1e-6, w, bias, rb, **routing)
         _check_route(out, ref, x.dtype)
     assert int(counter) == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air"])
+@pytest.mark.parametrize("one", [((1, 1024, 1), False), ((2, 512, 1), False), ((2, 512, 1), True)])
+def test_norm_route_gpu_one_token_configs(
+    name: str, one: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-token launch configs the next benchmark times (ROUTE_CONFIG_ONE_TOKEN, one warp a
+    program, with and without ROUTE_PRELOAD_ALL) route as the reference on the GPU."""
+    from specserve.ops import moe_router as mr
+
+    monkeypatch.setattr(mr, "ROUTE_CONFIG_ONE_TOKEN", one[0])
+    monkeypatch.setattr(mr, "ROUTE_PRELOAD_ALL", one[1])
+    test_norm_route_gpu_real_shapes(name, 1)
 
 
 @pytest.mark.gpu

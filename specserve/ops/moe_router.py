@@ -72,13 +72,24 @@ ROUTE_MAX_EXPERTS = 512  # the choice reads all of a token's logits in one tile
 # two router rows (8 KB at H = 2048, bf16) in one tile requested before the PDL wait.
 ROUTE_CONFIG = (2, 2048, 4)
 # What benchmarks/moe.py --route-sweep times at the real router shapes (one compile each).
+# One warp a program (1, 1024, 1) / (2, 512, 1): every reduction of the norm, the logits and
+# the choice within a warp (shuffles; the choice at (2, 2048, 4) is 29 barrier rounds on
+# sm_90), the router rows in several K tiles (see ROUTE_PRELOAD_ALL). Not yet timed.
 ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
     (2, 2048, 4),
     (2, 1024, 4),
     (4, 2048, 4),
     (4, 1024, 4),
     (8, 1024, 8),
+    (1, 1024, 1),
+    (2, 512, 1),
 )
+# Experiment (off, not yet timed): every K tile of a program's router rows requested before
+# the PDL wait, not only the first (configs whose tile is narrower than H: the one-warp ones).
+ROUTE_PRELOAD_ALL = False
+# Experiment (None: off, not yet timed): the config of one-token launches, e.g. a one-warp one
+# (which spills at 4 tokens on sm_90, so it cannot be ROUTE_CONFIG).
+ROUTE_CONFIG_ONE_TOKEN: tuple[int, int, int] | None = None
 SCORINGS = ("softmax", "sigmoid", "softmax_topk")
 
 
@@ -222,7 +233,7 @@ def norm_route(
     n_group: int = 1,
     topk_group: int = 1,
     n_shared: int = 0,
-    config: tuple[int, int, int] = ROUTE_CONFIG,
+    config: tuple[int, int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`norm_route_ref`, in one Triton launch where `fusable`."""
     routing = dict(scoring=scoring, top_k=top_k, renormalize=renormalize, scale=scale)
@@ -419,6 +430,7 @@ if triton is not None:
         K_TILES: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
         PDL: tl.constexpr,
+        PRELOAD_ALL: tl.constexpr = False,
     ):
         # logits[t, e] = W[e] @ rms_norm(x[t] + res[t]) for this program's BLOCK_E experts.
         # normed / res_out rows are [T, H] contiguous (fresh outputs). H <= K_TILES * BLOCK_K.
@@ -427,10 +439,14 @@ if triton is not None:
         e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
         e_ok = e < E
         w_rows = w_ptr + e.to(tl.int64)[:, None] * stride_we
-        # The first weight tile (the whole slab when K_TILES == 1) before the wait: weights
-        # never depend on the previous kernel, so they stream during its tail.
-        k = tl.arange(0, BLOCK_K)
-        w0 = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & (k < H)[None, :], other=0.0)
+        # The first weight tile (the whole slab when K_TILES == 1; every tile with
+        # PRELOAD_ALL) before the wait: weights never depend on the previous kernel, so they
+        # stream during its tail. NOTE: a tuple of tiles, as the MoE down kernel's.
+        tiles = ()
+        for kt in tl.static_range(K_TILES if PRELOAD_ALL else 1):
+            k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
+            tile_ok = e_ok[:, None] & (k < H)[None, :]
+            tiles = tiles + (tl.load(w_rows + k[None, :], mask=tile_ok, other=0.0),)
         if HAS_ROUTER_BIAS:
             r_bias = tl.load(router_bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
         pdl.start(PDL)
@@ -448,8 +464,8 @@ if triton is not None:
         for kt in tl.static_range(K_TILES):
             k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < H
-            if kt == 0:
-                w = w0.to(tl.float32)
+            if kt == 0 or PRELOAD_ALL:
+                w = tiles[kt].to(tl.float32)
             else:
                 w = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
                 w = w.to(tl.float32)
@@ -479,6 +495,12 @@ if triton is not None:
             )  # fmt: skip
 
 
+def route_config(block_t: int) -> tuple[int, int, int]:
+    """The launch config for a token tile: ROUTE_CONFIG_ONE_TOKEN at one token where set,
+    else ROUTE_CONFIG (read at call time, so benchmarks can switch them)."""
+    return (ROUTE_CONFIG_ONE_TOKEN if block_t == 1 else None) or ROUTE_CONFIG
+
+
 def route_block_k(H: int, config: tuple[int, int, int]) -> int:
     """The K tile of a launch: the config's, or one tile over all of H where H would leave a
     partial second tile (gpt-oss's 2880 in 2048-wide tiles: the second tile's router rows
@@ -501,7 +523,7 @@ def norm_route_triton(
     router_weight: torch.Tensor,
     correction_bias: torch.Tensor | None,
     counter: torch.Tensor,
-    config: tuple[int, int, int] = ROUTE_CONFIG,
+    config: tuple[int, int, int] | None = None,
     *,
     router_bias: torch.Tensor | None = None,
     scoring: str,
@@ -532,11 +554,12 @@ def norm_route_triton(
     logits = torch.empty(T, E, dtype=torch.float32, device=dev)
     topk_w = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=dev)
     topk_ids = torch.empty(T, top_k + n_shared, dtype=torch.int64, device=dev)
-    block_e = config[0]
-    block_k = route_block_k(H, config)
     # The token tile of the rows a captured graph runs (graph_rows), when it fits the kernel.
     bound = graph_rows.row_bound(T)
     block_t = triton.next_power_of_2(bound if bound <= ROUTE_MAX_TOKENS else T)
+    config = config or route_config(block_t)
+    block_e = config[0]
+    block_k = route_block_k(H, config)
     block_all_e = triton.next_power_of_2(E)
     sigmoid = scoring == "sigmoid"
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
@@ -578,6 +601,7 @@ def norm_route_triton(
         K_TILES=triton.cdiv(H, block_k),
         BLOCK_ALL_E=block_all_e,
         num_warps=route_warps(block_t, config),
+        PRELOAD_ALL=ROUTE_PRELOAD_ALL,
         **pdl.launch_kwargs(dev),
     )
     return topk_w, topk_ids, normed, res_out
