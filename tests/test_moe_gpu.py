@@ -76,6 +76,32 @@ def test_moe_bf16_graphs_equal_eager_and_track_transformers(ckpt_dir, prompts, n
     assert [g[0] for g in graphs] == first
 
 
+ROUTER_VARIANTS = [  # experiments of ops/moe_router.py (off by default)
+    {"ROUTE_TOPK_SORT": True},
+    {"ROUTE_CONFIG_ONE_TOKEN": (1, 1024, 1)},
+    {"ROUTE_CONFIG_ONE_TOKEN": (2, 512, 1), "ROUTE_PRELOAD_ALL": True, "ROUTE_TOPK_SORT": True},
+]
+
+
+@pytest.mark.parametrize("variant", ROUTER_VARIANTS, ids=str)
+@pytest.mark.parametrize("name", list(MOE_ARCHS))
+def test_moe_router_variants_greedy(
+    ckpt_dir, prompts, name: str, variant: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under each router experiment, bf16 greedy decode in CUDA graphs equals enforce_eager
+    token for token, and float32 matches transformers."""
+    from specserve.ops import moe_router
+
+    for attr, value in variant.items():
+        monkeypatch.setattr(moe_router, attr, value)
+    path = moe_ckpt(ckpt_dir, name)
+    graphs = _gen(cuda_llm(path, dtype="bfloat16"), prompts)
+    eager = _gen(cuda_llm(path, dtype="bfloat16", enforce_eager=True), prompts)
+    assert graphs == eager
+    refs = [hf_greedy(path, p, GREEDY.max_tokens) for p in prompts[:2]]
+    assert _gen(cuda_llm(path), prompts[:2]) == refs
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_glm_mtp_greedy_equivalence_cuda(ckpt_dir, tmp_path, prompts, k: int) -> None:
     path = append_mtp_layers(moe_ckpt(ckpt_dir, "glm4_moe"), str(tmp_path / "glm_mtp"))

@@ -116,10 +116,13 @@ def test_norm_route_matches_reference(
     rb = router_bias(scoring, E, dtype, seed=T)
     counter = torch.zeros(1, dtype=torch.int32)
     ref = norm_route_ref(x, res, norm_w, 1e-6, w, bias, rb, **routing)
-    # one program per expert included; several K tiles, all requested before the wait
-    runs = ((4, 512, 4), False), ((8, 32, 4), False), ((1, 16, 2), False), ((1, 16, 1), True)
-    for config, preload_all in runs:
+    # one program per expert included; several K tiles, all requested before the wait; the
+    # choice by k rounds and by one partial sort (tl.topk)
+    runs = [((4, 512, 4), False, False), ((8, 32, 4), False, False), ((1, 16, 2), False, False)]
+    runs += [((1, 16, 1), True, False), ((4, 512, 4), False, True), ((1, 16, 1), True, True)]
+    for config, preload_all, topk_sort in runs:
         monkeypatch.setattr(mr, "ROUTE_PRELOAD_ALL", preload_all)
+        monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", topk_sort)
         out = norm_route_triton(
             x, res, norm_w, 1e-6, w, bias, counter, config, router_bias=rb, **routing
         )
@@ -165,6 +168,14 @@ def test_norm_route_without_residual_and_ties() -> None:
     out = norm_route_triton(x.abs(), None, norm_w.abs(), 1e-6, w, None, counter, **routing)
     assert out[3] is not None and torch.equal(out[3], x.abs())
     assert out[1].tolist() == [[5, 0, 1], [5, 0, 1]]
+    from specserve.ops import moe_router as mr
+
+    mr.ROUTE_TOPK_SORT = True  # the one-sort choice breaks ties alike
+    try:
+        args = (x.abs(), None, norm_w.abs(), 1e-6, w, None, counter)
+        assert norm_route_triton(*args, **routing)[1].tolist() == [[5, 0, 1], [5, 0, 1]]
+    finally:
+        mr.ROUTE_TOPK_SORT = False
     ref = norm_route_ref(x.abs(), None, norm_w.abs(), 1e-6, w, None, **routing)
     torch.testing.assert_close(out[0], ref[0])
 
@@ -300,6 +311,15 @@ def test_router_kernels_compile_for_sm90() -> None:
             assert "atom.global.gpu.acq_rel.add" in ptx
             if pdl:  # the router rows are requested before the wait
                 assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+            if config == mr.ROUTE_CONFIG and pdl:  # ROUTE_TOPK_SORT: no spills, fewer rounds
+                consts.update(TOPK_SORT=True)
+                sort_ptx = _compile(
+                    mr._norm_route_kernel, consts, warps, 3, {**types, "w_ptr": f"*{w_dtype}"}
+                )
+                consts.update(TOPK_SORT=False)
+                assert sort_ptx.count("bar.sync") <= ptx.count("bar.sync"), (E, block_t)
+                if block_t == 1 and n_group == 1 and E >= 64:  # Qwen3, GLM batch 1: < 60%
+                    assert sort_ptx.count("bar.sync") < 0.6 * ptx.count("bar.sync"), E
     # ROUTE_PRELOAD_ALL at the one-warp (2, 512, 1), one token, Qwen3-30B-A3B / GLM-4.7-Flash:
     # all four K tiles' router rows requested before the wait, no spills.
     for sigmoid, E, top_k, n_shared in ((False, 128, 8, 0), (True, 64, 4, 1)):
@@ -350,6 +370,18 @@ def test_norm_route_gpu_real_shapes(name: str, T: int) -> None:
         ref = norm_route_ref(x, res, norm_w, 1e-6, w, bias, rb, **routing)
         _check_route(out, ref, x.dtype)
     assert int(counter) == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("name", list(GPU_SHAPES))
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_norm_route_gpu_topk_sort(name: str, T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice by one partial sort (ROUTE_TOPK_SORT) routes as the reference on the GPU."""
+    from specserve.ops import moe_router as mr
+
+    monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", True)
+    test_norm_route_gpu_real_shapes(name, T)
 
 
 @pytest.mark.gpu
