@@ -44,8 +44,10 @@ the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
   choice left to the MoE gate_up kernel, every program making its token's and column block 0
   writing it for down. Without the choice this kernel takes 2.3 us a layer instead of 5.4
   (Qwen3-30B-A3B; 2.3 vs 4.7 at GLM-4.7-Flash), but the choice in every gate_up program
-  costs more: +3.5 us a layer with `_choice`'s k rounds, +5.7 with a rank count (Qwen3 step
+  costs more: +3.5 us a layer with this kernel's k rounds, +5.7 with a rank count (Qwen3 step
   2841 -> 2857 / 2812 -> 3005 us); GLM-4.7-Flash's 3840 gate_up programs, 24.5 -> 128 us.
+  So the choice stays here, to be made shorter: ROUTE_TOPK_SORT (one partial sort instead of
+  the k rounds) and ROUTE_CONFIG_ONE_TOKEN (one warp a program), prepared, not yet timed.
 
 Ties among experts: the kernel takes the lowest expert index first (torch.topk does not promise
 an order among equal values); the choice is otherwise the reference's, the weights equal up to
