@@ -509,6 +509,7 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     # every K tile before the wait (ROUTE_PRELOAD_ALL): GPU tests, then batch-1 steps
     # (ROUTE_SHAPES, default Qwen3; then ROUTE_SHAPES=glm47-flash SKIP_TESTS=1).
     R=specserve.ops.moe_router
+    S=$R.ROUTE_TOPK_SORT=True
     if [ -z "${SKIP_TESTS:-}" ]; then
       timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_router.py \
         tests/test_moe_gpu.py -k "one_token_configs or topk_sort or router_variants" 2>&1 \
@@ -516,9 +517,8 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     fi
     for s in ${ROUTE_SHAPES:-qwen3-30b-a3b}; do
       timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape "$s" --step-ms \
-        --variants "${ROUTE_VARIANTS:-base;$R.ROUTE_TOPK_SORT=True;\
-$R.ROUTE_CONFIG_ONE_TOKEN=(1,1024,1);$R.ROUTE_CONFIG_ONE_TOKEN=(2,512,1),$R.ROUTE_PRELOAD_ALL=True;\
-base;$R.ROUTE_TOPK_SORT=True}" 2>&1 \
+        --variants "${ROUTE_VARIANTS:-base;$S;$S,$R.ROUTE_CONFIG_ONE_TOKEN=(1,1024,1);\
+$S,$R.ROUTE_CONFIG_ONE_TOKEN=(2,512,1),$R.ROUTE_PRELOAD_ALL=True;base;$S}" 2>&1 \
         | tee "$OUT/route_warp_$s.log" | grep -E "^variant|^base|^spec|_norm_route"
     done
     ;;
