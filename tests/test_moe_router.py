@@ -156,8 +156,9 @@ def test_norm_route_matches_reference(
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
-def test_norm_route_without_residual_and_ties() -> None:
+def test_norm_route_without_residual_and_ties(monkeypatch: pytest.MonkeyPatch) -> None:
     """No residual (x is returned as it); equal logits pick the lowest expert ids first."""
+    from specserve.ops import moe_router as mr
     from specserve.ops.moe_router import norm_route_triton
 
     x, _, norm_w, _, _ = make_route(2, 8, 32, "softmax", torch.float32, residual=False)
@@ -168,14 +169,9 @@ def test_norm_route_without_residual_and_ties() -> None:
     out = norm_route_triton(x.abs(), None, norm_w.abs(), 1e-6, w, None, counter, **routing)
     assert out[3] is not None and torch.equal(out[3], x.abs())
     assert out[1].tolist() == [[5, 0, 1], [5, 0, 1]]
-    from specserve.ops import moe_router as mr
-
-    mr.ROUTE_TOPK_SORT = True  # the one-sort choice breaks ties alike
-    try:
-        args = (x.abs(), None, norm_w.abs(), 1e-6, w, None, counter)
-        assert norm_route_triton(*args, **routing)[1].tolist() == [[5, 0, 1], [5, 0, 1]]
-    finally:
-        mr.ROUTE_TOPK_SORT = False
+    monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", True)  # the one-sort choice breaks ties alike
+    args = (x.abs(), None, norm_w.abs(), 1e-6, w, None, counter)
+    assert norm_route_triton(*args, **routing)[1].tolist() == [[5, 0, 1], [5, 0, 1]]
     ref = norm_route_ref(x.abs(), None, norm_w.abs(), 1e-6, w, None, **routing)
     torch.testing.assert_close(out[0], ref[0])
 
