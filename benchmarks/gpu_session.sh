@@ -504,23 +504,32 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       --modes fused --async-scheduling 2>&1 | tee "$OUT/overhead_spec.log" | grep -v tokenizer
     ;;
   route-warp)
-    # The router's choice in fewer barrier rounds: one partial sort (moe_router.ROUTE_TOPK_SORT),
-    # one-warp launches at one token (ROUTE_CONFIG_ONE_TOKEN: reductions within a warp), with
-    # every K tile before the wait (ROUTE_PRELOAD_ALL): GPU tests, then batch-1 steps
-    # (ROUTE_SHAPES, default Qwen3; then ROUTE_SHAPES=glm47-flash SKIP_TESTS=1).
+    # The router's choice: one partial sort (moe_router.ROUTE_TOPK_SORT, the default since
+    # session 27) against the k rounds (ROUTE_TOPK_SORT=False, the fallback): GPU tests, then
+    # batch-1 steps (ROUTE_SHAPES, default Qwen3; then ROUTE_SHAPES=glm47-flash SKIP_TESTS=1).
+    # The one-warp / preload-all experiments were dropped (session 27; commit 7c598c7).
     R=specserve.ops.moe_router
-    S=$R.ROUTE_TOPK_SORT=True
+    K=$R.ROUTE_TOPK_SORT=False
     if [ -z "${SKIP_TESTS:-}" ]; then
       timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_router.py \
-        tests/test_moe_gpu.py -k "one_token_configs or topk_sort or router_variants" 2>&1 \
+        tests/test_moe_gpu.py -k "real_shapes or k_rounds or router_variants" 2>&1 \
         | tee "$OUT/route_warp_tests.log" | tail -3
     fi
     for s in ${ROUTE_SHAPES:-qwen3-30b-a3b}; do
       timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape "$s" --step-ms \
-        --variants "${ROUTE_VARIANTS:-base;$S;$S,$R.ROUTE_CONFIG_ONE_TOKEN=(1,1024,1);\
-$S,$R.ROUTE_CONFIG_ONE_TOKEN=(2,512,1),$R.ROUTE_PRELOAD_ALL=True;base;$S}" 2>&1 \
+        --variants "${ROUTE_VARIANTS:-base;$K;base;$K}" 2>&1 \
         | tee "$OUT/route_warp_$s.log" | grep -E "^variant|^base|^spec|_norm_route"
     done
+    ;;
+  confirm27)
+    # Issue 18's EAGLE-3 step with the router's sort on / off (k rounds), then issue 21's
+    # figures with the defaults.
+    # (A budget of 60 s skips every row: the model's build counts against it.)
+    timeout 300 python benchmarks/ab.py --tail 7 --variants \
+      "specserve.ops.moe_router.ROUTE_TOPK_SORT=False;base" -- \
+      benchmarks/moe_decode.py --quick --models qwen3 --budget-s 150 2>&1 | tee "$OUT/ab_qwen3.log"
+    timeout $((590 - SECONDS)) python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
+      | tee "$OUT/mla_decode.log" | tail -16
     ;;
   confirm26)
     # Issue 21's and 18's figures with the defaults.
@@ -531,7 +540,7 @@ $S,$R.ROUTE_CONFIG_ONE_TOKEN=(2,512,1),$R.ROUTE_PRELOAD_ALL=True;base;$S}" 2>&1 
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp confirm27" >&2
     exit 2
     ;;
 esac

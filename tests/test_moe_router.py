@@ -116,12 +116,11 @@ def test_norm_route_matches_reference(
     rb = router_bias(scoring, E, dtype, seed=T)
     counter = torch.zeros(1, dtype=torch.int32)
     ref = norm_route_ref(x, res, norm_w, 1e-6, w, bias, rb, **routing)
-    # one program per expert included; several K tiles, all requested before the wait; the
-    # choice by k rounds and by one partial sort (tl.topk)
-    runs = [((4, 512, 4), False, False), ((8, 32, 4), False, False), ((1, 16, 2), False, False)]
-    runs += [((1, 16, 1), True, False), ((4, 512, 4), False, True), ((1, 16, 1), True, True)]
-    for config, preload_all, topk_sort in runs:
-        monkeypatch.setattr(mr, "ROUTE_PRELOAD_ALL", preload_all)
+    # one program per expert included; several K tiles; the choice by one partial sort
+    # (tl.topk, the default) and by k rounds
+    runs = [((4, 512, 4), True), ((8, 32, 4), True), ((1, 16, 2), True), ((1, 16, 1), True)]
+    runs += [((4, 512, 4), False), ((1, 16, 2), False)]
+    for config, topk_sort in runs:
         monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", topk_sort)
         out = norm_route_triton(
             x, res, norm_w, 1e-6, w, bias, counter, config, router_bias=rb, **routing
@@ -157,7 +156,8 @@ def test_norm_route_matches_reference(
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 def test_norm_route_without_residual_and_ties(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No residual (x is returned as it); equal logits pick the lowest expert ids first."""
+    """No residual (x is returned as it); equal logits pick the lowest expert ids first, by
+    the one-sort choice (the default) and by k rounds alike."""
     from specserve.ops import moe_router as mr
     from specserve.ops.moe_router import norm_route_triton
 
@@ -169,23 +169,11 @@ def test_norm_route_without_residual_and_ties(monkeypatch: pytest.MonkeyPatch) -
     out = norm_route_triton(x.abs(), None, norm_w.abs(), 1e-6, w, None, counter, **routing)
     assert out[3] is not None and torch.equal(out[3], x.abs())
     assert out[1].tolist() == [[5, 0, 1], [5, 0, 1]]
-    monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", True)  # the one-sort choice breaks ties alike
+    monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", False)  # the k rounds break ties alike
     args = (x.abs(), None, norm_w.abs(), 1e-6, w, None, counter)
     assert norm_route_triton(*args, **routing)[1].tolist() == [[5, 0, 1], [5, 0, 1]]
     ref = norm_route_ref(x.abs(), None, norm_w.abs(), 1e-6, w, None, **routing)
     torch.testing.assert_close(out[0], ref[0])
-
-
-def test_route_config_one_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROUTE_CONFIG_ONE_TOKEN applies to one-token tiles only, read at call time."""
-    pytest.importorskip("triton")
-    from specserve.ops import moe_router as mr
-
-    assert mr.route_config(1) == mr.route_config(4) == mr.ROUTE_CONFIG
-    monkeypatch.setattr(mr, "ROUTE_CONFIG_ONE_TOKEN", (1, 1024, 1))
-    assert mr.route_config(1) == (1, 1024, 1) and mr.route_config(2) == mr.ROUTE_CONFIG
-    monkeypatch.setattr(mr, "ROUTE_CONFIG", (4, 1024, 4))
-    assert mr.route_config(8) == (4, 1024, 4)
 
 
 def test_norm_route_cpu_is_reference_and_select_experts_validates() -> None:
@@ -251,7 +239,10 @@ def test_router_kernels_compile_for_sm90() -> None:
     router, 128 experts, top-8, 1 and 8 tokens; every ROUTE_CONFIGS entry at 1 token, with and
     without PDL), GLM-4.7-Flash (64 experts), GLM-4.5-Air (sigmoid, float32 router) and
     DeepSeek-V3 (256 experts, 8 groups, top-4 groups) and gpt-oss (biased router, softmax of
-    the k best) shapes, the sigmoid ones also with a fused shared expert appended, and requests its router rows before the PDL wait; qk-norm at Qwen3's 32 q / 4 kv heads of 128."""
+    the k best) shapes, the sigmoid ones also with a fused shared expert appended, and
+    requests its router rows before the PDL wait; the choice by one partial sort (the
+    default) and, at ROUTE_CONFIG, by k rounds (more barriers); qk-norm at Qwen3's 32 q / 4 kv
+    heads of 128."""
     pytest.importorskip("triton")
     from specserve.ops import moe_router as mr
     from specserve.ops import triton_kernels as tk
@@ -298,7 +289,7 @@ def test_router_kernels_compile_for_sm90() -> None:
             block_topk = 1 << (top_k + n_shared - 1).bit_length()  # next power of two
             consts.update(BLOCK_T=block_t, BLOCK_TOPK=block_topk)
             consts.update(BLOCK_E=block_e, BLOCK_K=block_k, K_TILES=-(-H // block_k))
-            consts.update(BLOCK_ALL_E=E, PDL=pdl)
+            consts.update(BLOCK_ALL_E=E, PDL=pdl, TOPK_SORT=True)
             warps = mr.route_warps(block_t, config)
             ptx = _compile(
                 mr._norm_route_kernel, consts, warps, 3, {**types, "w_ptr": f"*{w_dtype}"}
@@ -307,29 +298,14 @@ def test_router_kernels_compile_for_sm90() -> None:
             assert "atom.global.gpu.acq_rel.add" in ptx
             if pdl:  # the router rows are requested before the wait
                 assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
-            if config == mr.ROUTE_CONFIG and pdl:  # ROUTE_TOPK_SORT: no spills, fewer rounds
-                consts.update(TOPK_SORT=True)
-                sort_ptx = _compile(
-                    mr._norm_route_kernel, consts, warps, 3, {**types, "w_ptr": f"*{w_dtype}"}
-                )
-                consts.update(TOPK_SORT=False)
-                assert sort_ptx.count("bar.sync") <= ptx.count("bar.sync"), (E, block_t)
+            if config == mr.ROUTE_CONFIG and pdl:  # the k rounds: no spills, more barriers
+                rounds_ptx = _compile(
+                    mr._norm_route_kernel, {**consts, "TOPK_SORT": False}, warps, 3,
+                    {**types, "w_ptr": f"*{w_dtype}"},
+                )  # fmt: skip
+                assert ptx.count("bar.sync") <= rounds_ptx.count("bar.sync"), (E, block_t)
                 if block_t == 1 and n_group == 1 and E >= 64:  # Qwen3, GLM batch 1: < 60%
-                    assert sort_ptx.count("bar.sync") < 0.6 * ptx.count("bar.sync"), E
-    # ROUTE_PRELOAD_ALL at the one-warp (2, 512, 1), one token, Qwen3-30B-A3B / GLM-4.7-Flash:
-    # all four K tiles' router rows requested before the wait, no spills.
-    for sigmoid, E, top_k, n_shared in ((False, 128, 8, 0), (True, 64, 4, 1)):
-        consts = dict(HAS_RES=True, SIGMOID=sigmoid, ROUND_LOGITS=not sigmoid)
-        consts.update(HAS_ROUTER_BIAS=False, TOPK_SOFTMAX=False, HAS_BIAS=sigmoid, RENORM=True)
-        consts.update(TOP_K=top_k, N_SHARED=n_shared, N_GROUP=1, TOPK_GROUP=1, BLOCK_T=1)
-        consts.update(BLOCK_TOPK=8, BLOCK_E=2, BLOCK_K=512, BLOCK_ALL_E=E, PDL=True)
-        w_type = "*fp32" if sigmoid else "*bf16"
-        loads = []
-        for preload_all in (False, True):
-            consts.update(K_TILES=4, PRELOAD_ALL=preload_all)
-            ptx = _compile(mr._norm_route_kernel, consts, 1, 3, {**types, "w_ptr": w_type})
-            loads.append(ptx[: ptx.index("griddepcontrol.wait")].count("ld.global"))
-        assert loads[1] == 4 * loads[0], loads
+                    assert ptx.count("bar.sync") < 0.6 * rounds_ptx.count("bar.sync"), E
     for pdl in (True, False):
         consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_HQ=32, BLOCK_HK=4, PDL=pdl)
         types = {"q_eps": "fp32", "k_eps": "fp32", "stride_qh": "i32", "stride_kh": "i32"}
@@ -372,28 +348,13 @@ def test_norm_route_gpu_real_shapes(name: str, T: int) -> None:
 @needs_cuda
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 @pytest.mark.parametrize("T", [1, 3, 8])
-def test_norm_route_gpu_topk_sort(name: str, T: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The choice by one partial sort (ROUTE_TOPK_SORT) routes as the reference on the GPU."""
+def test_norm_route_gpu_k_rounds(name: str, T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice by k rounds (ROUTE_TOPK_SORT off; the kernel's fallback where the k best do
+    not fit tl.topk) routes as the reference on the GPU."""
     from specserve.ops import moe_router as mr
 
-    monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", True)
+    monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", False)
     test_norm_route_gpu_real_shapes(name, T)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "glm-4.5-air"])
-@pytest.mark.parametrize("one", [((1, 1024, 1), False), ((2, 512, 1), False), ((2, 512, 1), True)])
-def test_norm_route_gpu_one_token_configs(
-    name: str, one: tuple, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The one-token launch configs the next benchmark times (ROUTE_CONFIG_ONE_TOKEN, one warp a
-    program, with and without ROUTE_PRELOAD_ALL) route as the reference on the GPU."""
-    from specserve.ops import moe_router as mr
-
-    monkeypatch.setattr(mr, "ROUTE_CONFIG_ONE_TOKEN", one[0])
-    monkeypatch.setattr(mr, "ROUTE_PRELOAD_ALL", one[1])
-    test_norm_route_gpu_real_shapes(name, 1)
 
 
 @pytest.mark.gpu

@@ -28,11 +28,12 @@ the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
   PDL wait, a program's whole [BLOCK_E, H] slab in one go where it fits a tile (K_TILES = 1 at
   H = 2048), so they arrive during the previous kernel's tail;
 - the K loops are unrolled (K_TILES constexpr), so no load waits on the previous tile's math;
-- the choice takes the k best in k rounds of ONE max reduction each over (score, expert)
-  packed in an int64 (the weight decoded from the winning key) instead of three (max, the
-  lowest id at the max, the weight's gather): a round is a cross-warp reduction through shared
-  memory and a barrier, and the rounds are serial. (A one-shot rank from an [E, E] comparison
-  was tried: it spills at E = 128 with 4 warps.)
+- the choice ranks (score, expert) packed in an int64 (the weight decoded from the winning
+  key) and takes the k best in one partial bitonic sort (tl.topk, ROUTE_TOPK_SORT): 5 barrier
+  rounds at 128 experts on 4 warps. Before it, k rounds of ONE max reduction each over those
+  keys (still the fallback where the k + n_shared tile exceeds the experts' row): a round is a
+  cross-warp reduction through shared memory and a barrier, and the rounds are serial. (A
+  one-shot rank from an [E, E] comparison was tried: it spills at E = 128 with 4 warps.)
 - Tried and dropped (H100, session 15, benchmarks/timeline_sweep.py): the choosing program
   bulk-prefetching the first 0.5-2 MB of each chosen expert's gate and up rows into L2 before
   writing the choice. Busy time a step: Qwen3-30B-A3B 2966-2971 us (1 MB / 2 MB) vs 2945 us,
@@ -46,8 +47,11 @@ the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
   (Qwen3-30B-A3B; 2.3 vs 4.7 at GLM-4.7-Flash), but the choice in every gate_up program
   costs more: +3.5 us a layer with this kernel's k rounds, +5.7 with a rank count (Qwen3 step
   2841 -> 2857 / 2812 -> 3005 us); GLM-4.7-Flash's 3840 gate_up programs, 24.5 -> 128 us.
-  So the choice stays here, to be made shorter: ROUTE_TOPK_SORT (one partial sort instead of
-  the k rounds) and ROUTE_CONFIG_ONE_TOKEN (one warp a program), prepared, not yet timed.
+  So the choice stays here, made shorter instead: ROUTE_TOPK_SORT (session 27, the default).
+- Tried and dropped (H100, session 27, batch-1 step): one-warp launches at one token with the
+  sort, (1, 1024, 1) 2789 us a step and (2, 512, 1) with every K tile's router rows before the
+  PDL wait 2843 us, against 2760 with the sort alone (router 5.06 / 6.16 vs 4.42 us a layer,
+  Qwen3-30B-A3B). The code (ROUTE_CONFIG_ONE_TOKEN, ROUTE_PRELOAD_ALL) is at commit 7c598c7.
 
 Ties among experts: the kernel takes the lowest expert index first (torch.topk does not promise
 an order among equal values); the choice is otherwise the reference's, the weights equal up to
@@ -74,28 +78,20 @@ ROUTE_MAX_EXPERTS = 512  # the choice reads all of a token's logits in one tile
 # two router rows (8 KB at H = 2048, bf16) in one tile requested before the PDL wait.
 ROUTE_CONFIG = (2, 2048, 4)
 # What benchmarks/moe.py --route-sweep times at the real router shapes (one compile each).
-# One warp a program (1, 1024, 1) / (2, 512, 1): every reduction of the norm, the logits and
-# the choice within a warp (shuffles; the choice at (2, 2048, 4) is 29 barrier rounds on
-# sm_90), the router rows in several K tiles (see ROUTE_PRELOAD_ALL). Not yet timed.
 ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
     (2, 2048, 4),
     (2, 1024, 4),
     (4, 2048, 4),
     (4, 1024, 4),
     (8, 1024, 8),
-    (1, 1024, 1),
-    (2, 512, 1),
 )
-# Experiment (off, not yet timed): every K tile of a program's router rows requested before
-# the PDL wait, not only the first (configs whose tile is narrower than H: the one-warp ones).
-ROUTE_PRELOAD_ALL = False
-# Experiment (None: off, not yet timed): the config of one-token launches, e.g. a one-warp one
-# (which spills at 4 tokens on sm_90, so it cannot be ROUTE_CONFIG).
-ROUTE_CONFIG_ONE_TOKEN: tuple[int, int, int] | None = None
-# Experiment (off, not yet timed): the k best in one partial bitonic sort (tl.topk) instead of
-# k rounds of one max reduction each; sm_90 at 128 experts on 4 warps: 5 barrier rounds
-# against 23. Ties still go to the lower id (the id, inverted, is the key's low bits).
-ROUTE_TOPK_SORT = False
+# The k best in one partial bitonic sort (tl.topk) instead of k rounds of one max reduction
+# each; sm_90 at 128 experts on 4 warps: 5 barrier rounds against 23. Ties still go to the
+# lower id (the id, inverted, is the key's low bits). Measured (H100, session 27, batch-1
+# step): Qwen3-30B-A3B 2760 / 2760 us vs 2805 / 2806 (router 4.42 vs 5.35 us a layer),
+# GLM-4.7-Flash 3317 / 3303 vs 3334 / 3337 (4.05 vs 4.70). False: the k rounds, which the
+# kernel also takes where next_power_of_2(top_k + n_shared) > the experts' row (tl.topk's k).
+ROUTE_TOPK_SORT = True
 SCORINGS = ("softmax", "sigmoid", "softmax_topk")
 
 
@@ -450,7 +446,6 @@ if triton is not None:
         K_TILES: tl.constexpr,
         BLOCK_ALL_E: tl.constexpr,
         PDL: tl.constexpr,
-        PRELOAD_ALL: tl.constexpr = False,
         TOPK_SORT: tl.constexpr = False,
     ):
         # logits[t, e] = W[e] @ rms_norm(x[t] + res[t]) for this program's BLOCK_E experts.
@@ -460,14 +455,10 @@ if triton is not None:
         e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
         e_ok = e < E
         w_rows = w_ptr + e.to(tl.int64)[:, None] * stride_we
-        # The first weight tile (the whole slab when K_TILES == 1; every tile with
-        # PRELOAD_ALL) before the wait: weights never depend on the previous kernel, so they
-        # stream during its tail. NOTE: a tuple of tiles, as the MoE down kernel's.
-        tiles = ()
-        for kt in tl.static_range(K_TILES if PRELOAD_ALL else 1):
-            k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
-            tile_ok = e_ok[:, None] & (k < H)[None, :]
-            tiles = tiles + (tl.load(w_rows + k[None, :], mask=tile_ok, other=0.0),)
+        # The first weight tile (the whole slab when K_TILES == 1) before the wait: weights
+        # never depend on the previous kernel, so they stream during its tail.
+        k0 = tl.arange(0, BLOCK_K)
+        w0 = tl.load(w_rows + k0[None, :], mask=e_ok[:, None] & (k0 < H)[None, :], other=0.0)
         if HAS_ROUTER_BIAS:
             r_bias = tl.load(router_bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32)
         pdl.start(PDL)
@@ -485,8 +476,8 @@ if triton is not None:
         for kt in tl.static_range(K_TILES):
             k = kt * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = k < H
-            if kt == 0 or PRELOAD_ALL:
-                w = tiles[kt].to(tl.float32)
+            if kt == 0:
+                w = w0.to(tl.float32)
             else:
                 w = tl.load(w_rows + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
                 w = w.to(tl.float32)
@@ -514,12 +505,6 @@ if triton is not None:
                 TOPK_SOFTMAX, RENORM, TOP_K, N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK,
                 BLOCK_ALL_E, TOPK_SORT,
             )  # fmt: skip
-
-
-def route_config(block_t: int) -> tuple[int, int, int]:
-    """The launch config for a token tile: ROUTE_CONFIG_ONE_TOKEN at one token where set,
-    else ROUTE_CONFIG (read at call time, so benchmarks can switch them)."""
-    return (ROUTE_CONFIG_ONE_TOKEN if block_t == 1 else None) or ROUTE_CONFIG
 
 
 def route_block_k(H: int, config: tuple[int, int, int]) -> int:
@@ -578,7 +563,7 @@ def norm_route_triton(
     # The token tile of the rows a captured graph runs (graph_rows), when it fits the kernel.
     bound = graph_rows.row_bound(T)
     block_t = triton.next_power_of_2(bound if bound <= ROUTE_MAX_TOKENS else T)
-    config = config or route_config(block_t)
+    config = config or ROUTE_CONFIG  # read at call time: benchmarks switch it
     block_e = config[0]
     block_k = route_block_k(H, config)
     block_all_e = triton.next_power_of_2(E)
@@ -622,7 +607,6 @@ def norm_route_triton(
         K_TILES=triton.cdiv(H, block_k),
         BLOCK_ALL_E=block_all_e,
         num_warps=route_warps(block_t, config),
-        PRELOAD_ALL=ROUTE_PRELOAD_ALL,
         # tl.topk takes at most the row: BLOCK_TOPK <= BLOCK_ALL_E
         TOPK_SORT=ROUTE_TOPK_SORT and triton.next_power_of_2(top_k + n_shared) <= block_all_e,
         **pdl.launch_kwargs(dev),
