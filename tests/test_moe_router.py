@@ -397,3 +397,127 @@ def test_qk_norm_gpu_qwen3_shape() -> None:
     assert out_q.data_ptr() == q.data_ptr()  # in place
     torch.testing.assert_close(out_q, ref_q, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out_k, ref_k, atol=1e-2, rtol=1e-2)
+
+
+# ---- the ready word (ROUTE_READY_FLAG) -----------------------------------------------------------
+def _route_then_experts(device: str, ready: torch.Tensor | None, seed: int) -> tuple:
+    """norm_route (Qwen3-like softmax routing, 3 tokens) then the MoE decode kernels, with or
+    without the ready word between them: (routing, normed x, experts' output)."""
+    from specserve.ops import moe_triton as mt
+    from specserve.ops.moe_router import norm_route_triton
+
+    E, H, inter, top_k = 8, 64, 48, 2
+    x, res, norm_w, w, _ = make_route(3, E, H, "softmax", torch.float32, device, seed=seed)
+    g = torch.Generator(device).manual_seed(seed)
+    w13 = torch.randn(E, 2 * inter, H, generator=g, device=device) / 8
+    w2 = torch.randn(E, H, inter, generator=g, device=device) / 8
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    routing = dict(scoring="softmax", top_k=top_k, renormalize=True)
+    tw, ids, normed, _ = norm_route_triton(
+        x, res, norm_w, 1e-6, w, None, counter, ready=ready, **routing
+    )
+    if ready is not None:
+        assert ready.tolist() == [1, 0]  # set by the router's last program
+    out = mt.fused_moe_decode(normed, w13, w2, tw, ids, ready=ready)
+    return tw, ids, normed, out, (normed, w13, w2, tw, ids)
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
+def test_ready_word_set_read_and_reset() -> None:
+    """The router sets the ready word once its routing is out; the MoE decode kernels read the
+    routing behind it, compute what they compute without it, and leave both words at 0 for the
+    next layer (down's last program resets them)."""
+    from specserve.ops.moe import fused_moe_ref
+
+    ready = torch.zeros(2, dtype=torch.int32)
+    with_ready = _route_then_experts("cpu", ready, seed=3)
+    plain = _route_then_experts("cpu", None, seed=3)
+    for a, b in zip(with_ready[:4], plain[:4]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(with_ready[3], fused_moe_ref(*with_ready[4]), atol=1e-4, rtol=1e-4)
+    assert ready.tolist() == [0, 0]
+    # Again over the same words: a second layer (or a graph replay) starts from zeros.
+    _route_then_experts("cpu", ready, seed=4)
+    assert ready.tolist() == [0, 0]
+
+
+def test_ready_word_only_where_both_kernels_run() -> None:
+    """A ready word nobody would set, or nobody would reset, is refused, not left to hang."""
+    from specserve.ops.moe_router import norm_route
+
+    x, res, norm_w, w, _ = make_route(2, 8, 32, "softmax", torch.float32)
+    counter = torch.zeros(1, dtype=torch.int32)
+    ready = torch.zeros(2, dtype=torch.int32)
+    routing = dict(scoring="softmax", top_k=2, renormalize=True)
+    with pytest.raises(ValueError, match="ready"):  # CPU: the reference, which sets nothing
+        norm_route(x, res, norm_w, 1e-6, w, None, counter, ready=ready, **routing)
+    pytest.importorskip("triton")
+    from specserve.ops import moe_triton as mt
+
+    args = (x, torch.randn(8, 64, 32), torch.randn(8, 32, 32))
+    tw, ids = torch.rand(2, 2), torch.randint(0, 8, (2, 2))
+    with pytest.raises(ValueError, match="ready"):  # the grouped GEMM never resets it
+        mt.fused_moe_triton(*args, tw, ids, path="gemm", ready=ready)
+
+
+def test_ready_word_compiles_for_sm90() -> None:
+    """sm_90: the router releases the ready word after its choice; gate_up and down poll it
+    (volatile reads, one acquire) before their first routing or weight load, gate_up keeps
+    its PDL wait for its end (it finishes after the router), down counts its programs in;
+    gate_up's registers at Qwen3's wave config and GLM-4.7-Flash's do not grow."""
+    pytest.importorskip("triton")
+    import re
+
+    from specserve.ops import moe_router as mr
+    from specserve.ops import moe_triton as mt
+
+    from .test_moe_ops import _compile, _cuobjdump
+
+    types = {"logits_ptr": "*fp32", "counter_ptr": "*i32", "topk_w_ptr": "*fp32"}
+    types.update(topk_ids_ptr="*i64", bias_ptr="*fp32", eps="fp32", scale="fp32")
+    types.update(w_ptr="*bf16", ready_ptr="*i32")
+    consts = dict(HAS_RES=True, SIGMOID=False, ROUND_LOGITS=True, HAS_ROUTER_BIAS=False)
+    consts.update(TOPK_SOFTMAX=False, HAS_BIAS=False, RENORM=True, TOP_K=8, N_SHARED=0)
+    consts.update(N_GROUP=1, TOPK_GROUP=1, BLOCK_T=1, BLOCK_TOPK=8, BLOCK_E=2, BLOCK_K=2048)
+    consts.update(K_TILES=1, BLOCK_ALL_E=128, PDL=True, TOPK_SORT=True, SET_READY=True)
+    ptx = _compile(mr._norm_route_kernel, consts, 4, 3, types)
+    release = ptx.index("atom.global.gpu.release.exch")
+    assert ptx.rindex("st.global") < release  # after the routing's stores
+    silu = dict(ACT="silu", ALPHA=1.702, LIMIT=7.0)
+    for (bn, bk, warps), persistent in (((4, 2048, 4), False), ((2, 2048, 8), False)):
+        regs = []
+        for poll in (False, True):
+            consts = dict(PDL=True, HAS_BIAS=False, EARLY_TRIGGER=True, BLOCK_N=bn, BLOCK_K=bk)
+            consts.update(PERSISTENT=persistent, POLL_READY=poll, **silu)
+            out: list = []
+            ptx = _compile(mt._moe_decode_gate_up_kernel, consts, warps, 3,
+                           {"ready_ptr": "*i32"}, out)  # fmt: skip
+            regs.append(
+                int(re.search(r"REG:(\d+)", _cuobjdump(out[0], "--dump-resource-usage"))[1])
+            )
+            if poll:
+                first = ptx.index("ld.global.v4")
+                assert ptx.index("ld.volatile.global") < ptx.index("atom.global.acquire") < first
+                assert ptx.index("griddepcontrol.wait") > ptx.rindex("ld.global.v4")
+        assert regs[1] <= regs[0], regs
+    consts = dict(BLOCK_TOPK=8, BLOCK_N=2, BLOCK_K=256, STEPS=3, PDL=True, PRELOAD=True)
+    ptx = _compile(mt._moe_decode_down_kernel, dict(HAS_BIAS=False, POLL_READY=True, **consts), 4,
+                   3, {"ready_ptr": "*i32"})  # fmt: skip
+    acquire = ptx.index("atom.global.acquire")
+    assert ptx.index("ld.volatile.global") < acquire < ptx.index("atom.global.gpu.relaxed.add")
+    assert acquire < ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_ready_word_gpu() -> None:
+    """On the GPU under PDL, three layers' worth over the same words: the experts' output
+    equals the plain chain's bit for bit and both words are back at 0 each time."""
+    ready = torch.zeros(2, dtype=torch.int32, device="cuda")
+    with torch.inference_mode():
+        for seed in (1, 2, 3):
+            with_ready = _route_then_experts("cuda", ready, seed)
+            assert torch.equal(with_ready[3], _route_then_experts("cuda", None, seed)[3])
+            assert ready.tolist() == [0, 0]
