@@ -531,19 +531,6 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     timeout $((590 - SECONDS)) python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
       | tee "$OUT/mla_decode.log" | tail -16
     ;;
-  ready27)
-    # The MoE decode kernels behind the router's ready word (moe_router.ROUTE_READY_FLAG)
-    # instead of the router grid's completion: GPU tests, then batch-1 steps.
-    R=specserve.ops.moe_router.ROUTE_READY_FLAG=True
-    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_router.py \
-      tests/test_moe_gpu.py -k "ready_word or READY_FLAG" 2>&1 | tee "$OUT/ready_tests.log" | tail -3
-    timeout $((400 - SECONDS)) python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
-      --step-ms --variants "base;$R;base;$R" 2>&1 | tee "$OUT/ready_qwen3.log" \
-      | grep -E "^variant|^base|^spec|_norm_route|_gate_up|_down"
-    timeout $((590 - SECONDS)) python benchmarks/timeline_sweep.py --shape glm47-flash \
-      --step-ms --variants "base;$R" 2>&1 | tee "$OUT/ready_glm.log" \
-      | grep -E "^variant|^base|^spec|_norm_route|_gate_up|_down"
-    ;;
   confirm26)
     # Issue 21's and 18's figures with the defaults.
     timeout 400 python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
@@ -553,7 +540,7 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp confirm27 ready27" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp confirm27" >&2
     exit 2
     ;;
 esac

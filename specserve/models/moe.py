@@ -33,7 +33,6 @@ from torch import nn
 
 from specserve.models.layers import MLP, RMSNorm
 from specserve.models.mxfp4 import BLOCK
-from specserve.ops import moe_router
 from specserve.ops.moe import fused_moe, fused_moe_mxfp4
 from specserve.ops.moe_router import fusable, norm_route, select_experts_ref
 
@@ -104,9 +103,6 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(m.num_experts, dtype=dtype)) if m.router_bias else None
         # The fused decode router's completion counter (ops/moe_router.py; reset by the kernel).
         self.register_buffer("route_counter", torch.zeros(1, dtype=torch.int32), persistent=False)
-        # Its ready word and the MoE down kernel's arrival count (moe_router.ROUTE_READY_FLAG;
-        # reset by that kernel).
-        self.register_buffer("route_sync", torch.zeros(2, dtype=torch.int32), persistent=False)
 
     def routing(self) -> dict[str, Any]:
         """select_experts_ref's keywords for this router."""
@@ -140,17 +136,14 @@ class Router(nn.Module):
         x: torch.Tensor,
         # [num_tokens, hidden]
         residual: torch.Tensor | None,
-        ready: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(topk_weights, topk_ids, norm(x + residual), x + residual). Decode batches on CUDA:
-        norm, router matmul and expert choice in one launch (ops/moe_router.py), which sets
-        route_sync's ready word if `ready` (the caller's decode kernels then read it)."""
+        norm, router matmul and expert choice in one launch (ops/moe_router.py)."""
         m = self.m
         w, b, counter = self.weight, self.e_score_correction_bias, self.route_counter
         if fusable(x, w, m.scoring, m.n_group, m.topk_group):
             args = (x, residual, norm.weight, norm.eps, w, b, counter, self.bias)
-            sync = self.route_sync if ready else None
-            return norm_route(*args, ready=sync, **self.routing())
+            return norm_route(*args, **self.routing())
         normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
         weights, ids = self(normed)
         return weights, ids, normed, residual
@@ -286,22 +279,8 @@ class SparseMoE(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward(norm(x + residual)), x + residual), the norm fused into the router where
         the router runs its decode kernel."""
-        ready = self._ready(x)
-        weights, ids, x, residual = self.gate.norm_forward(norm, x, residual, ready)
-        sync = self.gate.route_sync if ready else None
-        return self.experts_forward(x, weights, ids, sync), residual
-
-    def _ready(self, x: torch.Tensor) -> bool:
-        """Whether the router kernel and the MoE decode kernels both run for x, so the latter
-        may read the routing behind the router's ready word (moe_router.ROUTE_READY_FLAG)."""
-        m = self.gate.m
-        if not (moe_router.ROUTE_READY_FLAG and isinstance(self.experts, StackedExperts)):
-            return False
-        if not fusable(x, self.gate.weight, m.scoring, m.n_group, m.topk_group):
-            return False
-        from specserve.ops.moe_triton import uses_decode_path
-
-        return uses_decode_path(x.shape[0])
+        weights, ids, x, residual = self.gate.norm_forward(norm, x, residual)
+        return self.experts_forward(x, weights, ids), residual
 
     def experts_forward(
         self,
@@ -311,11 +290,8 @@ class SparseMoE(nn.Module):
         weights: torch.Tensor,
         # [num_tokens, top_k + fused shared]
         ids: torch.Tensor,
-        # [2] int32: the router's ready word and arrival count (_ready), or None
-        ready: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        kw = self.expert_kw if ready is None else {**self.expert_kw, "ready": ready}
-        out = self.experts(x, weights, ids, **kw)
+        out = self.experts(x, weights, ids, **self.expert_kw)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -117,20 +117,16 @@ def fused_moe(
     alpha: float = 1.702,
     limit: float = 7.0,
     path: str = "auto",
-    ready: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[num_tokens, hidden] in x's dtype. `path` picks the Triton kernels ("auto": decode
     kernels up to moe_triton.DECODE_MAX_TOKENS tokens, the grouped GEMM above; "decode";
-    "gemm"); the reference ignores it. `ready`: the routing's ready word where the norm_route
-    kernel wrote it (moe_router.ROUTE_READY_FLAG; decode kernels only)."""
+    "gemm"); the reference ignores it."""
     _check_options(path, activation)
     if _use_triton(x):
         from specserve.ops.moe_triton import Epilogue, fused_moe_triton
 
         epilogue = Epilogue(w13_bias, w2_bias, activation, alpha, limit)
-        return fused_moe_triton(
-            x, w13, w2, topk_weights, topk_ids, path=path, epilogue=epilogue, ready=ready
-        )
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, path=path, epilogue=epilogue)
     return fused_moe_ref(
         x,
         w13,

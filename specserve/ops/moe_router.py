@@ -52,6 +52,10 @@ the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
   sort, (1, 1024, 1) 2789 us a step and (2, 512, 1) with every K tile's router rows before the
   PDL wait 2843 us, against 2760 with the sort alone (router 5.06 / 6.16 vs 4.42 us a layer,
   Qwen3-30B-A3B). The code (ROUTE_CONFIG_ONE_TOKEN, ROUTE_PRELOAD_ALL) is at commit 7c598c7.
+  Also (session 27; benchmarks/experiments/route-ready-flag.patch): the MoE kernels polling a
+  ready word this kernel's last program releases, instead of waiting for its grid: the
+  polling programs slow everything beside them (Qwen3-30B-A3B step 2761 -> 2992 us, router
+  4.4 -> 7.6 us a layer; GLM-4.7-Flash 3301 -> 4290 us).
 
 Ties among experts: the kernel takes the lowest expert index first (torch.topk does not promise
 an order among equal values); the choice is otherwise the reference's, the weights equal up to
@@ -92,12 +96,6 @@ ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
 # GLM-4.7-Flash 3317 / 3303 vs 3334 / 3337 (4.05 vs 4.70). False: the k rounds, which the
 # kernel also takes where next_power_of_2(top_k + n_shared) > the experts' row (tl.topk's k).
 ROUTE_TOPK_SORT = True
-# Experiment (off, not yet timed): the router's last program sets a ready word once the routing
-# is written, and the MoE decode kernels (moe_triton) poll it instead of waiting for this
-# kernel's grid to complete (griddepcontrol.wait) before reading the routing; the down
-# kernel's last program resets it. models/moe.py's SparseMoE passes the word (Router's
-# route_sync) where both sides run these kernels.
-ROUTE_READY_FLAG = False
 SCORINGS = ("softmax", "sigmoid", "softmax_topk")
 
 
@@ -242,20 +240,14 @@ def norm_route(
     topk_group: int = 1,
     n_shared: int = 0,
     config: tuple[int, int, int] | None = None,
-    ready: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`norm_route_ref`, in one Triton launch where `fusable` (`ready`: see ROUTE_READY_FLAG;
-    only where fusable)."""
+    """`norm_route_ref`, in one Triton launch where `fusable`."""
     routing = dict(scoring=scoring, top_k=top_k, renormalize=renormalize, scale=scale)
     routing.update(n_group=n_group, topk_group=topk_group, n_shared=n_shared)
     args = (x, residual, norm_weight, eps, router_weight, correction_bias)
     if not fusable(x, router_weight, scoring, n_group, topk_group):
-        if ready is not None:  # its reader would wait for a word nobody sets
-            raise ValueError("norm_route: `ready` only where the kernel runs (fusable)")
         return norm_route_ref(*args, router_bias, **routing)
-    return norm_route_triton(
-        *args, counter, config, router_bias=router_bias, ready=ready, **routing
-    )
+    return norm_route_triton(*args, counter, config, router_bias=router_bias, **routing)
 
 
 if triton is not None:
@@ -459,8 +451,6 @@ if triton is not None:
         BLOCK_ALL_E: tl.constexpr,
         PDL: tl.constexpr,
         TOPK_SORT: tl.constexpr = False,
-        ready_ptr=None,
-        SET_READY: tl.constexpr = False,
     ):
         # logits[t, e] = W[e] @ rms_norm(x[t] + res[t]) for this program's BLOCK_E experts.
         # normed / res_out rows are [T, H] contiguous (fresh outputs). H <= K_TILES * BLOCK_K.
@@ -519,9 +509,6 @@ if triton is not None:
                 TOPK_SOFTMAX, RENORM, TOP_K, N_SHARED, N_GROUP, TOPK_GROUP, BLOCK_T, BLOCK_TOPK,
                 BLOCK_ALL_E, TOPK_SORT,
             )  # fmt: skip
-            if SET_READY:  # the routing is out: the MoE decode kernels may read it (moe_triton)
-                tl.debug_barrier()
-                tl.atomic_xchg(ready_ptr, 1, sem="release", scope="gpu")
 
 
 def route_block_k(H: int, config: tuple[int, int, int]) -> int:
@@ -556,10 +543,8 @@ def norm_route_triton(
     n_group: int = 1,
     topk_group: int = 1,
     n_shared: int = 0,
-    ready: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens). `ready`: [2] int32 (see
-    ROUTE_READY_FLAG), its word 0 set to 1 once the routing is written."""
+    """`norm_route_ref` as one launch (T <= ROUTE_MAX_TOKENS tokens)."""
     T, H = x.shape
     E = router_weight.shape[0]
     bad_bias = router_bias is not None and router_bias.shape != (E,)
@@ -628,8 +613,6 @@ def norm_route_triton(
         num_warps=route_warps(block_t, config),
         # tl.topk takes at most the row: BLOCK_TOPK <= BLOCK_ALL_E
         TOPK_SORT=ROUTE_TOPK_SORT and triton.next_power_of_2(top_k + n_shared) <= block_all_e,
-        ready_ptr=ready,
-        SET_READY=ready is not None,
         **pdl.launch_kwargs(dev),
     )
     return topk_w, topk_ids, normed, res_out

@@ -93,6 +93,10 @@ DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
 # 5.8 -> 8.3 us a layer (the next gemv's programs take the slots its second wave needs),
 # GLM-4.7-Flash 3336 -> 3344 us.
 GATE_UP_EARLY_TRIGGER = True
+# Tried and dropped (session 27, H100; benchmarks/experiments/gate-up-fixed-first.patch): the
+# fused shared experts' gate_up programs (their ids are fixed) requesting their weights before
+# the wait. GLM-4.7-Flash gate_up 24.5 -> 23.2-23.4 us a layer, but the step does not move
+# (3304-3327 vs 3307-3311 us): down or the router, which the early stream competes with, slow.
 # One-token steps whose table config is a key here run the persistent gate_up kernel instead,
 # at the value's own config (one K tile: BLOCK_K >= H) and programs an SM; everything else
 # runs one program a column block, in waves. Each persistent program serves one pair's column
@@ -389,21 +393,6 @@ def _moe_sum_kernel(
     tl.store(out_ptr + t * H + h, tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=h < H)
 
 
-@triton.jit
-def _wait_ready(ready_ptr):
-    """Spin until the router kernel has set the ready word (moe_router.ROUTE_READY_FLAG): plain
-    volatile reads (L2, no atomic traffic while it waits), then one acquire (a compare-and-swap
-    that changes nothing, its result used so it stays) and a CTA barrier, so the routing the
-    router released is visible to every thread."""
-    flag = tl.load(ready_ptr, volatile=True)
-    while flag == 0:
-        flag = tl.load(ready_ptr, volatile=True)
-    flag = tl.atomic_cas(ready_ptr, 1, 1, sem="acquire", scope="gpu")
-    while flag == 0:  # never taken: the word was seen set
-        flag = tl.atomic_cas(ready_ptr, 1, 1, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
 @triton.jit(do_not_specialize=["P"])
 def _moe_decode_gate_up_kernel(
     x_ptr,
@@ -430,8 +419,6 @@ def _moe_decode_gate_up_kernel(
     EARLY_TRIGGER: tl.constexpr,
     W_EVICT: tl.constexpr = "",
     PERSISTENT: tl.constexpr = False,
-    ready_ptr=None,
-    POLL_READY: tl.constexpr = False,
 ):
     # inter[pair, n] = act(W13[e, n] @ x[t] (+ b13[e, n]), W13[e, N + n] @ x[t] (+ b13[e, N + n])),
     # e = topk_ids[pair]; act = silu(gate) * up, or swiglu_oai.
@@ -445,12 +432,7 @@ def _moe_decode_gate_up_kernel(
     n = (pid // P) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     # The expert id is the router's output (the previous kernel): nothing to preload.
-    # POLL_READY: the router's ready word instead of the router grid's completion; the PDL
-    # wait then comes last (this kernel still finishes after its predecessor).
-    if POLL_READY:
-        _wait_ready(ready_ptr)
-    else:
-        pdl.wait(PDL)
+    pdl.wait(PDL)
     if EARLY_TRIGGER:  # after the wait: down preloads the routing, which the router wrote
         pdl.trigger(PDL)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
@@ -506,8 +488,6 @@ def _moe_decode_gate_up_kernel(
             acc, acc_up, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
             HAS_BIAS, ACT, ALPHA, LIMIT,
         )  # fmt: skip
-    if POLL_READY:
-        pdl.wait(PDL)
 
 
 @triton.jit
@@ -563,8 +543,6 @@ def _moe_decode_down_kernel(
     PDL: tl.constexpr,
     PRELOAD: tl.constexpr,
     W_EVICT: tl.constexpr = "",
-    ready_ptr=None,
-    POLL_READY: tl.constexpr = False,
 ):
     # out[t, n] = sum_j topk_weights[t, j] * (W2[e_j, n] @ inter[t * top_k + j] (+ b2[e_j, n])).
     # The K loop is unrolled (STEPS = cdiv(K, BLOCK_K) on the host) and its weight tiles are
@@ -581,16 +559,6 @@ def _moe_decode_down_kernel(
     k = tl.arange(0, BLOCK_K)
     if not PRELOAD:
         pdl.wait(PDL)
-    if POLL_READY:
-        # gate_up triggers this launch after its poll, not after a grid wait: the routing is
-        # read behind the ready word too. Every program counts itself in (word 1) once past
-        # it; the last one resets both words: every reader of this layer's word, gate_up's
-        # programs and this kernel's, has read it, and the next router sets it only after its
-        # own PDL wait, so after this kernel has finished.
-        _wait_ready(ready_ptr)
-        if tl.atomic_add(ready_ptr + 1, 1, sem="relaxed", scope="gpu") == tl.num_programs(0) - 1:
-            tl.store(ready_ptr + 1, 0)
-            tl.store(ready_ptr, 0)
     expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, j_ok)
     # [BLOCK_TOPK, BLOCK_N, 1] row starts
     w_rows = w_ptr + expert[:, None, None] * stride_we + n.to(tl.int64)[None, :, None] * stride_wn
@@ -797,12 +765,9 @@ def fused_moe_decode(
     topk_ids: torch.Tensor,
     configs: tuple[DecodeConfig, DecodeConfig] | None = None,
     epilogue: Epilogue = PLAIN,
-    ready: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decode path (meant for T <= DECODE_MAX_TOKENS, correct for any); as `fused_moe`.
-    `configs`: (gate_up, down) launch configs, default the shape tables'. `ready`: the
-    router's ready word and an arrival count ([2] int32, moe_router.ROUTE_READY_FLAG): both
-    kernels read the routing once the router has set it; down resets both."""
+    `configs`: (gate_up, down) launch configs, default the shape tables'."""
     T, top_k = topk_ids.shape
     E, two_i, H = w13.shape
     inter_size, P = two_i // 2, T * top_k
@@ -827,7 +792,7 @@ def fused_moe_decode(
         x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
         BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=GATE_UP_EARLY_TRIGGER,
-        PERSISTENT=persistent_launch, ready_ptr=ready, POLL_READY=ready is not None,
+        PERSISTENT=persistent_launch,
         W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
@@ -838,8 +803,7 @@ def fused_moe_decode(
         HAS_BIAS=epilogue.w2_bias is not None,
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk,
         STEPS=triton.cdiv(inter_size, dk), num_warps=dw,
-        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, W_EVICT=l2.weight_eviction(),
-        ready_ptr=ready, POLL_READY=ready is not None, **kw,
+        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     return out
 
@@ -893,11 +857,9 @@ def fused_moe_triton(
     topk_ids: torch.Tensor,
     path: str = "auto",
     epilogue: Epilogue = PLAIN,
-    ready: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fused_moe` in Triton; path "auto" (decode kernels up to DECODE_MAX_TOKENS tokens, the
-    grouped GEMM above), "decode" or "gemm"; `epilogue` the gpt-oss biases and activation;
-    `ready` as fused_moe_decode's (the decode path only)."""
+    grouped GEMM above), "decode" or "gemm"; `epilogue` the gpt-oss biases and activation."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids, epilogue)
     T = topk_ids.shape[0]
     if T == 0:
@@ -907,7 +869,5 @@ def fused_moe_triton(
     epilogue = replace(epilogue, w13_bias=b13, w2_bias=b2)
     topk_weights, topk_ids = topk_weights.contiguous(), topk_ids.contiguous()
     if path == "decode" or (path == "auto" and uses_decode_path(T)):
-        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue, ready=ready)
-    if ready is not None:  # nobody would reset it for the next layer's router
-        raise ValueError("fused_moe: `ready` is for the decode kernels only")
+        return fused_moe_decode(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
     return fused_moe_gemm(x, w13, w2, topk_weights, topk_ids, epilogue=epilogue)
