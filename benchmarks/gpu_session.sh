@@ -531,6 +531,21 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     timeout $((590 - SECONDS)) python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
       | tee "$OUT/mla_decode.log" | tail -16
     ;;
+  softmax28)
+    # Renormalized softmax routers as the k best logits' softmax (moe_router.ROUTE_SOFTMAX_TOPK:
+    # the choosing program without the full softmax's reductions): GPU tests, Qwen3 batch-1
+    # steps, then issue 18's figures with and without it.
+    S=specserve.ops.moe_router.ROUTE_SOFTMAX_TOPK=True
+    timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_router.py \
+      tests/test_moe_gpu.py -k "softmax_topk or SOFTMAX_TOPK" 2>&1 | tee "$OUT/softmax_tests.log" \
+      | tail -3
+    timeout $((400 - SECONDS)) python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
+      --step-ms --variants "base;$S;base;$S" 2>&1 | tee "$OUT/softmax_qwen3.log" \
+      | grep -E "^variant|^base|^spec|_norm_route"
+    timeout $((590 - SECONDS)) python benchmarks/ab.py --tail 7 --variants "base;$S" -- \
+      benchmarks/moe_decode.py --quick --models qwen3 --budget-s 150 2>&1 \
+      | tee "$OUT/softmax_moe_decode.log"
+    ;;
   confirm26)
     # Issue 21's and 18's figures with the defaults.
     timeout 400 python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
@@ -540,7 +555,7 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp confirm27" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp confirm27 softmax28" >&2
     exit 2
     ;;
 esac

@@ -155,6 +155,43 @@ def test_norm_route_matches_reference(
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("case", [c for c in ROUTE_CASES if c[4] == "softmax"])
+def test_norm_route_softmax_topk_switch(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROUTE_SOFTMAX_TOPK: a renormalized softmax router routed as the k best logits' softmax
+    equals the reference (float32); without renormalization the switch changes nothing."""
+    from specserve.ops import moe_router as mr
+    from specserve.ops.moe_router import norm_route_triton
+
+    T, E, H, top_k, scoring, renorm, scale, n_group, topk_group, n_shared = case
+    routing = dict(scoring=scoring, top_k=top_k, renormalize=renorm, scale=scale)
+    routing.update(n_group=n_group, topk_group=topk_group, n_shared=n_shared)
+    x, res, norm_w, w, _ = make_route(T, E, H, scoring, torch.float32, seed=T + E)
+    counter = torch.zeros(1, dtype=torch.int32)
+    args = (x, res, norm_w, 1e-6, w, None, counter, (4, 512, 4))
+    plain = norm_route_triton(*args, **routing)
+    monkeypatch.setattr(mr, "ROUTE_SOFTMAX_TOPK", True)
+    kernel, launched = mr._norm_route_kernel, []
+
+    class Spy:  # records the path each launch takes
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launched.append((kw["TOPK_SOFTMAX"], kw["RENORM"]))
+                return kernel[grid](*a, **kw)
+
+            return launch
+
+    monkeypatch.setattr(mr, "_norm_route_kernel", Spy())
+    out = norm_route_triton(*args, **routing)
+    assert launched == [(renorm, False)]  # renormalized: the k best logits' softmax
+    _check_route(out, norm_route_ref(x, res, norm_w, 1e-6, w, None, **routing), torch.float32)
+    assert torch.equal(out[1], plain[1])
+    if not renorm:  # the switch does not apply: the same launch
+        assert torch.equal(out[0], plain[0])
+
+
+@pytest.mark.interpret
+@needs_interpreter
+@pytest.mark.usefixtures("interpreter")
 def test_norm_route_without_residual_and_ties(monkeypatch: pytest.MonkeyPatch) -> None:
     """No residual (x is returned as it); equal logits pick the lowest expert ids first, by
     the one-sort choice (the default) and by k rounds alike."""
@@ -346,6 +383,17 @@ def test_norm_route_gpu_real_shapes(name: str, T: int) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_norm_route_gpu_softmax_topk(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROUTE_SOFTMAX_TOPK at Qwen3-30B-A3B's router routes as the reference on the GPU."""
+    from specserve.ops import moe_router as mr
+
+    monkeypatch.setattr(mr, "ROUTE_SOFTMAX_TOPK", True)
+    test_norm_route_gpu_real_shapes("qwen3-30b-a3b", T)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 @pytest.mark.parametrize("T", [1, 3, 8])
 def test_norm_route_gpu_k_rounds(name: str, T: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -397,3 +445,25 @@ def test_qk_norm_gpu_qwen3_shape() -> None:
     assert out_q.data_ptr() == q.data_ptr()  # in place
     torch.testing.assert_close(out_q, ref_q, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out_k, ref_k, atol=1e-2, rtol=1e-2)
+
+
+def test_softmax_topk_switch_compiles_for_sm90() -> None:
+    """ROUTE_SOFTMAX_TOPK at Qwen3-30B-A3B's batch-1 router: no spills, and the choosing
+    program (after the arrival atomic) without the full softmax's max and sum reductions:
+    fewer than 60% of the barrier rounds."""
+    pytest.importorskip("triton")
+    from specserve.ops import moe_router as mr
+
+    from .test_moe_ops import _compile
+
+    types = {"logits_ptr": "*fp32", "counter_ptr": "*i32", "topk_w_ptr": "*fp32"}
+    types.update(topk_ids_ptr="*i64", bias_ptr="*fp32", eps="fp32", scale="fp32", w_ptr="*bf16")
+    consts = dict(HAS_RES=True, SIGMOID=False, ROUND_LOGITS=True, HAS_ROUTER_BIAS=False)
+    consts.update(HAS_BIAS=False, TOP_K=8, N_SHARED=0, N_GROUP=1, TOPK_GROUP=1, BLOCK_T=1)
+    consts.update(BLOCK_TOPK=8, BLOCK_E=2, BLOCK_K=2048, K_TILES=1, BLOCK_ALL_E=128, PDL=True)
+    rounds = []
+    for topk_softmax in (False, True):
+        consts.update(TOPK_SOFTMAX=topk_softmax, RENORM=not topk_softmax, TOPK_SORT=True)
+        ptx = _compile(mr._norm_route_kernel, consts, 4, 3, types)
+        rounds.append(ptx[ptx.index("atom.global.gpu.acq_rel") :].count("bar.sync"))
+    assert rounds[1] < 0.6 * rounds[0], rounds

@@ -96,6 +96,13 @@ ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
 # GLM-4.7-Flash 3317 / 3303 vs 3334 / 3337 (4.05 vs 4.70). False: the k rounds, which the
 # kernel also takes where next_power_of_2(top_k + n_shared) > the experts' row (tl.topk's k).
 ROUTE_TOPK_SORT = True
+# Experiment (off, not yet timed): renormalized softmax routers (Qwen3-MoE) take the
+# softmax_topk path: the k best logits, then their softmax among themselves, which equals the
+# full softmax's k best renormalized up to float32 rounding (ties aside: exp may round two
+# close logits to one probability, where torch.topk promises no order either). The choosing
+# program skips the full softmax's max and sum reductions: sm_90 barrier rounds after its
+# atomic 13 -> 7 at Qwen3-30B-A3B batch 1 (tests/test_moe_router.py).
+ROUTE_SOFTMAX_TOPK = False
 SCORINGS = ("softmax", "sigmoid", "softmax_topk")
 
 
@@ -572,6 +579,11 @@ def norm_route_triton(
     block_k = route_block_k(H, config)
     block_all_e = triton.next_power_of_2(E)
     sigmoid = scoring == "sigmoid"
+    # A renormalized softmax's weights are the chosen logits' softmax among themselves (the
+    # full softmax's denominator cancels), and its choice the k best logits (exp is monotone).
+    topk_softmax = scoring == "softmax_topk" or (
+        ROUTE_SOFTMAX_TOPK and scoring == "softmax" and renormalize and router_bias is None
+    )
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x,
         residual if residual is not None else x,
@@ -598,8 +610,8 @@ def norm_route_triton(
         ROUND_LOGITS=not sigmoid,
         HAS_ROUTER_BIAS=router_bias is not None,
         HAS_BIAS=sigmoid and correction_bias is not None,
-        TOPK_SOFTMAX=scoring == "softmax_topk",
-        RENORM=renormalize,
+        TOPK_SOFTMAX=topk_softmax,
+        RENORM=renormalize and not (topk_softmax and scoring == "softmax"),
         TOP_K=top_k,
         N_SHARED=n_shared,
         N_GROUP=n_group if topk_group < n_group else 1,
