@@ -5,10 +5,11 @@ under gate_up launch variants, as us a call and TB/s of expert weights.
 
 A variant is `BLOCK_N,BLOCK_K,warps,per_sm`: gate_up's decode config, and per_sm
 its `moe_triton.GATE_UP_PERSISTENT` entry (0: one program a column block, in waves; k: the
-persistent kernel, k programs an SM); "table": the shape tables as they stand. down keeps its table config. Each call reads `top_k` experts of one
-token, different random experts at each of `--reps` calls captured back to back in one CUDA
-graph, so the weights come from HBM (128 experts of 6-9 MB against a 50 MB L2). Outputs are
-checked against the first variant's. Writes $OUT/moe_stream.json when OUT is set.
+persistent kernel, k programs an SM); "table": the shape tables as they stand. down keeps its
+table config. Each call reads `top_k` experts of one token, different random experts at each
+of `--reps` calls captured back to back in one CUDA graph, so the weights come from HBM (128
+experts of 6-9 MB against a 50 MB L2). Outputs are checked against the first variant's.
+Writes $OUT/moe_stream.json when OUT is set.
 """
 
 from __future__ import annotations

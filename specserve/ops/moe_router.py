@@ -581,9 +581,7 @@ def norm_route_triton(
     sigmoid = scoring == "sigmoid"
     # A renormalized softmax's weights are the chosen logits' softmax among themselves (the
     # full softmax's denominator cancels), and its choice the k best logits (exp is monotone).
-    topk_softmax = scoring == "softmax_topk" or (
-        ROUTE_SOFTMAX_TOPK and scoring == "softmax" and renormalize and router_bias is None
-    )
+    as_topk = ROUTE_SOFTMAX_TOPK and scoring == "softmax" and renormalize and router_bias is None
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x,
         residual if residual is not None else x,
@@ -610,8 +608,8 @@ def norm_route_triton(
         ROUND_LOGITS=not sigmoid,
         HAS_ROUTER_BIAS=router_bias is not None,
         HAS_BIAS=sigmoid and correction_bias is not None,
-        TOPK_SOFTMAX=topk_softmax,
-        RENORM=renormalize and not (topk_softmax and scoring == "softmax"),
+        TOPK_SOFTMAX=as_topk or scoring == "softmax_topk",
+        RENORM=renormalize and not as_topk,  # the k best's softmax sums to 1 already
         TOP_K=top_k,
         N_SHARED=n_shared,
         N_GROUP=n_group if topk_group < n_group else 1,
