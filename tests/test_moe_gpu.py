@@ -78,7 +78,7 @@ def test_moe_bf16_graphs_equal_eager_and_track_transformers(ckpt_dir, prompts, n
 
 ROUTER_VARIANTS = [  # ops/moe_router.py's non-default paths: the k-rounds choice (fallback),
     {"ROUTE_TOPK_SORT": False},
-    {"ROUTE_SOFTMAX_TOPK": True},  # experiment: softmax routers as the k best logits' softmax
+    {"ROUTE_SOFTMAX_TOPK": False},  # renormalized softmax routers by the full softmax
 ]
 
 

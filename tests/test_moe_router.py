@@ -157,8 +157,9 @@ def test_norm_route_matches_reference(
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("case", [c for c in ROUTE_CASES if c[4] == "softmax"])
 def test_norm_route_softmax_topk_switch(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROUTE_SOFTMAX_TOPK: a renormalized softmax router routed as the k best logits' softmax
-    equals the reference (float32); without renormalization the switch changes nothing."""
+    """ROUTE_SOFTMAX_TOPK (the default): a renormalized softmax router routed as the k best
+    logits' softmax equals the reference (float32) and the full softmax's choice; without
+    renormalization the switch changes nothing."""
     from specserve.ops import moe_router as mr
     from specserve.ops.moe_router import norm_route_triton
 
@@ -168,6 +169,7 @@ def test_norm_route_softmax_topk_switch(case: tuple, monkeypatch: pytest.MonkeyP
     x, res, norm_w, w, _ = make_route(T, E, H, scoring, torch.float32, seed=T + E)
     counter = torch.zeros(1, dtype=torch.int32)
     args = (x, res, norm_w, 1e-6, w, None, counter, (4, 512, 4))
+    monkeypatch.setattr(mr, "ROUTE_SOFTMAX_TOPK", False)
     plain = norm_route_triton(*args, **routing)
     monkeypatch.setattr(mr, "ROUTE_SOFTMAX_TOPK", True)
     kernel, launched = mr._norm_route_kernel, []
@@ -396,11 +398,12 @@ def test_norm_route_gpu_real_shapes(name: str, T: int) -> None:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 3, 8])
-def test_norm_route_gpu_softmax_topk(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROUTE_SOFTMAX_TOPK at Qwen3-30B-A3B's router routes as the reference on the GPU."""
+def test_norm_route_gpu_full_softmax(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROUTE_SOFTMAX_TOPK off (the full softmax, then the k best renormalized) at
+    Qwen3-30B-A3B's router routes as the reference on the GPU."""
     from specserve.ops import moe_router as mr
 
-    monkeypatch.setattr(mr, "ROUTE_SOFTMAX_TOPK", True)
+    monkeypatch.setattr(mr, "ROUTE_SOFTMAX_TOPK", False)
     test_norm_route_gpu_real_shapes("qwen3-30b-a3b", T)
 
 

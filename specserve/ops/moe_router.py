@@ -96,13 +96,15 @@ ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
 # GLM-4.7-Flash 3317 / 3303 vs 3334 / 3337 (4.05 vs 4.70). False: the k rounds, which the
 # kernel also takes where next_power_of_2(top_k + n_shared) > the experts' row (tl.topk's k).
 ROUTE_TOPK_SORT = True
-# Experiment (off, not yet timed): renormalized softmax routers (Qwen3-MoE) take the
-# softmax_topk path: the k best logits, then their softmax among themselves, which equals the
-# full softmax's k best renormalized up to float32 rounding (ties aside: exp may round two
-# close logits to one probability, where torch.topk promises no order either). The choosing
-# program skips the full softmax's max and sum reductions: sm_90 barrier rounds after its
-# atomic 13 -> 7 at Qwen3-30B-A3B batch 1 (tests/test_moe_router.py).
-ROUTE_SOFTMAX_TOPK = False
+# Renormalized softmax routers (Qwen3-MoE) take the softmax_topk path: the k best logits, then
+# their softmax among themselves, which equals the full softmax's k best renormalized up to
+# float32 rounding (ties aside: exp may round two close logits to one probability, where
+# torch.topk promises no order either). The choosing program skips the full softmax's max and
+# sum reductions: sm_90 barrier rounds after its atomic 13 -> 7 at Qwen3-30B-A3B batch 1
+# (tests/test_moe_router.py). Measured (H100, session 28, batch-1 step): Qwen3-30B-A3B 2750 /
+# 2748 us vs 2762 / 2764 (router 4.15 vs 4.44 us a layer); EAGLE-3 K=3 4.91 vs 4.94 ms.
+# False: the full softmax, then the k best renormalized.
+ROUTE_SOFTMAX_TOPK = True
 SCORINGS = ("softmax", "sigmoid", "softmax_topk")
 
 
