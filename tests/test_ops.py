@@ -253,8 +253,10 @@ def test_decode_matmul_auto_gpu() -> None:
     assert len(lins) == 4 and len(report) == 4 * len(BUCKETS)  # gate_up: fused SiLU only
     for lin in lins:
         plan = lin.silu_plan if lin is model[0].gate_up_proj else lin.plan
-        assert all(plan[b] in candidates(b) for b in BUCKETS)
-    assert all(set(r["us"]) == {str(c) for c in candidates(r["rows"])} for r in report)
+        assert all(plan[b] in candidates(b, lin.weight.shape[1]) for b in BUCKETS)
+    assert all(
+        set(r["us"]) == {str(c) for c in candidates(r["rows"], r["shape"][1])} for r in report
+    )
     with torch.inference_mode():
         for x, ref in zip(xs, refs):
             _close(model[2](model[1](model[0](x))), ref, torch.bfloat16)

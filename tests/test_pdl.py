@@ -108,6 +108,30 @@ def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool, overlap: bool) -> No
     assert "griddepcontrol" not in plain
 
 
+def test_gemv_plan_candidates_keep_their_rows_in_registers() -> None:
+    """Every gemv config the one-row plan times compiles for sm_90 without spills (a whole-row
+    config holds its row in registers: 64 a thread at (4, 4096, 8, 1) and (2, 4096, 4, 1)),
+    with its whole first K tile requested before the PDL wait."""
+    from specserve.ops.gemv import _gemv_kernel
+    from specserve.ops.gemv_plan import CANDIDATES
+
+    from .test_moe_ops import _cuobjdump
+
+    div = tuple(
+        n
+        for n in _gemv_kernel.arg_names
+        if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")
+    )
+    for block_n, block_k, warps, stages in CANDIDATES:
+        consts = dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RES=False, BLOCK_M=1)
+        consts.update(BLOCK_N=block_n, BLOCK_K=block_k, PDL=True, EARLY_TRIGGER=False)
+        out: list = []
+        ptx = compile_sm90(_gemv_kernel, {**consts, "PRELOAD": True}, warps, stages, None, div, out)
+        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+        usage = _cuobjdump(out[-1], "--dump-resource-usage")
+        assert "STACK:0 " in usage and "LOCAL:0 " in usage, (block_n, block_k, usage)
+
+
 def test_norm_rope_activation_compile_with_pdl() -> None:
     from specserve.ops import triton_kernels as k
 

@@ -243,6 +243,8 @@ CONFIGS = [
     (4, 2048, 4, 2),  # one K tile of a 2048-deep row, loaded before the PDL wait (gemv_plan)
     (8, 2048, 4, 2),
     (2, 4096, 4, 1),  # a whole 4096-deep row
+    (4, 4096, 8, 1),  # the same, half the programs (all resident: gemv_plan)
+    (2, 8192, 8, 1),  # a whole row up to 8192 deep (GLM-4.7-Flash's 5120-deep o)
 ]
 DEFAULT_CONFIG = (16, 512, 4, 3)
 Config = tuple[int, int, int, int]

@@ -36,13 +36,24 @@ logger = logging.getLogger("specserve")
 # benchmarks/timeline_sweep.py, RESULTS.md session 14). Of seven tried, the other two never won.
 # Then (2, 4096, 4, 1), a whole 4096-deep row a program: Qwen3-30B-A3B's o 5.40 -> 3.27 us a
 # layer, busy 3003 -> 2951 us (of four 4096-wide configs tried, the best).
+# Then two more whole-row configs (session 28, H100, timeline_sweep.py --step-ms): (4, 4096, 8,
+# 1), the same 64 registers a thread as (2, 4096, 4, 1) on twice the threads, so half the
+# programs: Qwen3-30B-A3B's o projection (512 programs, 4 an SM: the whole grid preloads during
+# attention) 3.29 -> 2.24 us a layer, step 2747-2750 -> 2724-2728 us; Llama-3-8B's 5301 -> 5291
+# us; gpt-oss-20b's o 1669 vs 1670 (its plan does not tie it). And (2, 8192, 8, 1), a whole row
+# of up to 8192 (GLM-4.7-Flash's 5120-deep o, where (4, 2048, 4, 2) preloaded 2048 of each
+# row): o 7.93 -> 6.53 us a layer, step 3302 -> 3255 us. The tie rule below takes the first
+# whole-row config in this order, so each sits before the wider ones. (16, 512, 4, 3) left
+# the list then: it won no shape of the four families' plans (Llama-3-8B, Qwen3-30B-A3B,
+# GLM-4.7-Flash, gpt-oss-20b; same session), and each candidate is a compile at start-up.
 CANDIDATES: tuple[Config, ...] = (
     (8, 512, 4, 4),
     (8, 1024, 4, 3),
-    (16, 512, 4, 3),
     (4, 2048, 4, 2),
     (8, 2048, 4, 2),
+    (4, 4096, 8, 1),
     (2, 4096, 4, 1),
+    (2, 8192, 8, 1),
 )
 # Skinny-matmul configs tried (at the buckets below). From a 48-config sweep on the H100
 # (benchmarks/skinny.py --sweep, Llama-3-8B shapes, 4 and 16 rows; RESULTS.md session 10): 3
@@ -95,9 +106,21 @@ Timer = Callable[[list[DecodeLinear], int, bool, PlanConfig], float]
 _PLANS: dict[tuple, tuple[PlanConfig, dict[str, float]]] = {}
 
 
-def candidates(rows: int) -> tuple[PlanConfig, ...]:
-    """What bucket `rows` chooses among: cuBLAS (None), then Triton configs."""
-    return (None, *BUCKET_CANDIDATES.get(rows, ()))
+def candidates(rows: int, k: int | None = None) -> tuple[PlanConfig, ...]:
+    """What bucket `rows` chooses among: cuBLAS (None), then Triton configs; for weights `k`
+    deep, without gemv configs whose K tile is at least twice the row and wider than the
+    narrowest (more than half of every tile masked: registers for nothing, and a compile at
+    start-up; Qwen3-30B-A3B's 4096-deep o timed (2, 8192, 8, 1) ~1% ahead of (4, 4096, 8, 1)
+    alone, and 2777 vs 2726 us a step in place, RESULTS.md session 28)."""
+    cands = BUCKET_CANDIDATES.get(rows, ())
+    if k is not None:
+        narrowest = min((c[1] for c in cands if _is_gemv(c)), default=0)
+        cands = tuple(c for c in cands if not _is_gemv(c) or c[1] < 2 * k or c[1] <= narrowest)
+    return (None, *cands)
+
+
+def _is_gemv(cfg: PlanConfig) -> bool:
+    return cfg is not None and not isinstance(cfg, SkinnyConfig)
 
 
 def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 10) -> float:
@@ -178,7 +201,7 @@ def fastest(
     """The fastest of bucket `m`'s candidates over `layers`' weights (near ties, within
     TIE_MARGIN of the best: a whole-row gemv config where `whole_row_wins_ties`, else the
     first, cuBLAS before Triton), and every candidate's time."""
-    cands = candidates(m)
+    cands = candidates(m, layers[0].weight.shape[1])
     us = [timer(layers, m, silu_mul, c) for c in cands]
     best = min(us)
     ties = [c for c, t in zip(cands, us) if t <= best * (1 + TIE_MARGIN)]
@@ -197,8 +220,7 @@ def whole_row_wins_ties(lin: DecodeLinear, cfg: PlanConfig) -> bool:
     (2, 4096, 4, 1), attention and merge 0.2 us slower (H100, RESULTS.md session 22). A
     norm-fed weight follows the previous layer's weight stream: there it lost (qkv 10.76 ->
     12.78 us), so only a clear win picks it."""
-    gemv_cfg = cfg is not None and not isinstance(cfg, SkinnyConfig)
-    return gemv_cfg and not lin.norm_fed and cfg[1] >= lin.weight.shape[1]
+    return _is_gemv(cfg) and not lin.norm_fed and cfg[1] >= lin.weight.shape[1]
 
 
 @torch.inference_mode()
@@ -241,7 +263,7 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
             layers,
             group[3],
             b,
-            (layers[0].weight.device, group, len(layers), group[3], b, candidates(b)),
+            (layers[0].weight.device, group, len(layers), group[3], b, candidates(b, group[0][1])),
         )
         for group, layers in groups.items()
         if group[1] in (torch.bfloat16, torch.float16)
@@ -252,7 +274,8 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
     todo = [t for t in tasks if timer is None and t[4] not in _PLANS]
 
     def jobs_of(lin: DecodeLinear, silu_mul: bool, b: int) -> list[plan_compile.Job]:
-        return [plan_compile.job(lin, b, silu_mul, c) for c in candidates(b) if c is not None]
+        cands = candidates(b, lin.weight.shape[1])
+        return [plan_compile.job(lin, b, silu_mul, c) for c in cands if c is not None]
 
     compiles = plan_compile.Compiles(
         {j: layers[0] for _, layers, silu, b, _ in todo for j in jobs_of(layers[0], silu, b)},
