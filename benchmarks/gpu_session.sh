@@ -76,6 +76,8 @@
 #                                                 # GPU tests with it on, GLM steps A/B
 #   bash benchmarks/gpu_session.sh tma            # issue 23: a TMA swap-AB matmul prototype
 #                                                 # (verify_tile.py --kernel tma) vs cuBLAS
+#   bash benchmarks/gpu_session.sh confirm28      # issue 18 (Qwen3, twice) and 21 (GLM) batch-1
+#                                                 # figures with the defaults
 #   bash benchmarks/gpu_session.sh split-tiles    # GQA split launches' key tile
 #                                                 # (triton_paged.SPLIT_BLOCK_N, 16 by default)
 #                                                 # and SPLIT_EARLY_KV: GPU tests, steps A/B
@@ -546,6 +548,16 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       benchmarks/moe_decode.py --quick --models qwen3 --budget-s 150 2>&1 \
       | tee "$OUT/softmax_moe_decode.log"
     ;;
+  confirm28)
+    # Issue 18's and 21's batch-1 figures with session 28's defaults: Qwen3-30B-A3B twice (the
+    # floor moves with each run's copy measurement), then GLM-4.7-Flash.
+    for i in 1 2; do
+      timeout 200 python benchmarks/moe_decode.py --quick --models qwen3 --budget-s 150 2>&1 \
+        | tee "$OUT/moe_decode_$i.log" | grep -E "copy bandwidth|^ Qwen3|target|check"
+    done
+    timeout $((590 - SECONDS)) python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
+      | tee "$OUT/mla_decode.log" | tail -18
+    ;;
   confirm26)
     # Issue 21's and 18's figures with the defaults.
     timeout 400 python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
@@ -555,7 +567,7 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp confirm27 softmax28" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp confirm27 softmax28 confirm28" >&2
     exit 2
     ;;
 esac
