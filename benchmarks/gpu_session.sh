@@ -78,6 +78,8 @@
 #                                                 # (verify_tile.py --kernel tma) vs cuBLAS
 #   bash benchmarks/gpu_session.sh confirm28      # issue 18 (Qwen3, twice) and 21 (GLM) batch-1
 #                                                 # figures with the defaults
+#   bash benchmarks/gpu_session.sh early28        # Qwen3 attention's early first tile / 32-key
+#                                                 # split tiles beside the preloading o, A/B
 #   bash benchmarks/gpu_session.sh split-tiles    # GQA split launches' key tile
 #                                                 # (triton_paged.SPLIT_BLOCK_N, 16 by default)
 #                                                 # and SPLIT_EARLY_KV: GPU tests, steps A/B
@@ -558,6 +560,15 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     timeout $((590 - SECONDS)) python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
       | tee "$OUT/mla_decode.log" | tail -18
     ;;
+  early28)
+    # With the o projection's whole grid preloading during attention (session 28), attention
+    # shares HBM with that stream: its first key tile before the PDL wait (SPLIT_EARLY_KV), and
+    # 32-key split tiles (fewer live splits to merge), A/B on Qwen3-30B-A3B's batch-1 step.
+    T=specserve.attention.triton_paged
+    timeout 400 python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b --step-ms --variants \
+      "base;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base;$T.SPLIT_EARLY_KV=True" 2>&1 \
+      | tee "$OUT/early28.log" | grep -E "^variant|^base|^spec|_paged_attention|_combine"
+    ;;
   confirm26)
     # Issue 21's and 18's figures with the defaults.
     timeout 400 python benchmarks/mla_decode.py --quick --budget-s 330 2>&1 \
@@ -567,7 +578,7 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
     ;;
   *)
     echo "usage: $0 MODE (the modes are listed at the top of this file):" >&2
-    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp confirm27 softmax28 confirm28" >&2
+    echo "  tests e2e ptd speed recheck splits fuse overlap check decode next-tests next-sweep final-kernels final-tests confirm final-engine moe warmup mla-prefill oss serve-plain serve-eagle3 serve-long serve-short moe-decode step timelines verify remeasure mla-check coldplan b16 attn16 spec-timeline skinny-norm ncu early-params pps sol persist confirm24 mla-early tma split-tiles overhead confirm26 route-warp confirm27 softmax28 confirm28 early28" >&2
     exit 2
     ;;
 esac
