@@ -41,9 +41,10 @@ FP8_WEIGHTS_MODES = ("auto", "keep", "dequantize")
 
 def keep_fp8(mode: str, device: torch.device) -> bool:
     """EngineConfig.fp8_weights resolved: "keep" keeps fp8 linear weights 8-bit. "auto"
-    dequantizes for now, on every device: the kept path has not yet compiled or run on a GPU,
-    and at batch 1 it competes with the planned bf16 gemv (issue 21); it becomes "keep on CUDA"
-    once measured."""
+    dequantizes for now, on every device: the kept path passes its GPU tests (graph == eager,
+    kept == dequantized in float32: benchmarks/RESULTS.md sessions 11-12) but its speed against
+    the planned bf16 gemv at batch 1 is not measured (issue 21); it becomes "keep on CUDA" once
+    it is."""
     if mode not in FP8_WEIGHTS_MODES:
         raise ModelLoadError(
             f"fp8_weights must be one of {', '.join(FP8_WEIGHTS_MODES)}, got {mode!r}"
