@@ -283,13 +283,17 @@ def timeline(
     for e in dev:
         if e["args"].get("correlation") not in graph_corr:
             outside.setdefault(e["name"][:70], []).append(e["dur"])
-    # Busy = union of device intervals (kernels may overlap under PDL).
-    busy, end = 0.0, -1.0
+    # Busy = union of device intervals (kernels may overlap under PDL); idle gaps keyed by the
+    # kernels on either side (the last to end before the gap, the one starting after it).
+    busy, end, last = 0.0, -1.0, None
+    gaps: dict[str, list[float]] = {}
     for e in dev:
         s0, s1 = e["ts"], e["ts"] + e["dur"]
+        if last is not None and s0 > end:
+            gaps.setdefault(f"{last['name'][:35]} -> {e['name'][:35]}", []).append(s0 - end)
         if s1 > end:
             busy += s1 - max(s0, end)
-            end = s1
+            end, last = s1, e
     span = dev[-1]["ts"] + dev[-1]["dur"] - dev[0]["ts"]
     n = steps
     out_rows = sorted(((sum(v) / n, len(v) / n, k) for k, v in outside.items()), reverse=True)
@@ -306,6 +310,11 @@ def timeline(
     print(f"outside it {sum(r[0] for r in out_rows):.0f}:")
     for us, calls, name in out_rows[:25]:
         print(f"{us:>9.1f} us {calls:>5.1f}x  {name}")
+    # Under the profiler the host's launches lag: a gap before the graph can be the profiler's.
+    gap_rows = sorted(((sum(v) / n, len(v) / n, k) for k, v in gaps.items()), reverse=True)
+    print("idle gaps (us a step, between the kernels named):")
+    for us, calls, name in gap_rows[:8]:
+        print(f"{us:>9.2f} us {calls:>5.1f}x  {name}")
     # The decode_matmul=auto plan at this step's row bucket: what each weight shape runs and
     # what every candidate cost when the plan timed it (to compare with the chain above).
     from specserve.ops.gemv import bucket as row_bucket
@@ -334,6 +343,7 @@ def timeline(
         "graph_kernels": launches,
         "graph_chain": [{"us": r[0], "calls": r[1], "name": r[2]} for r in chain_rows],
         "outside": [{"us": r[0], "calls": r[1], "name": r[2]} for r in out_rows],
+        "gaps": [{"us": r[0], "calls": r[1], "between": r[2]} for r in gap_rows],
         "plan": plan,
     }
 
