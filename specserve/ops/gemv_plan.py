@@ -40,9 +40,9 @@ logger = logging.getLogger("specserve")
 # 1), the same 64 registers a thread as (2, 4096, 4, 1) on twice the threads, so half the
 # programs: Qwen3-30B-A3B's o projection (512 programs, 4 an SM: the whole grid preloads during
 # attention) 3.29 -> 2.24 us a layer, step 2747-2750 -> 2724-2728 us; Llama-3-8B's 5301 -> 5291
-# us; gpt-oss-20b's step 1669 vs 1670 with it forced (its plan does not tie it). And (2, 8192, 8, 1), a whole row
-# of up to 8192 (GLM-4.7-Flash's 5120-deep o, where (4, 2048, 4, 2) preloaded 2048 of each
-# row): o 7.93 -> 6.53 us a layer, step 3302 -> 3255 us. The tie rule below takes the first
+# us; gpt-oss-20b's step 1669 vs 1670 with it forced (its plan does not tie it). And (2, 8192,
+# 8, 1), a whole row of up to 8192 (GLM-4.7-Flash's 5120-deep o, where (4, 2048, 4, 2)
+# preloaded 2048 of each row): o 7.93 -> 6.53 us a layer, step 3302 -> 3255 us. The tie rule below takes the first
 # whole-row config in this order, so each sits before the wider ones. (16, 512, 4, 3) left
 # the list then: it won no shape of the four families' plans (Llama-3-8B, Qwen3-30B-A3B,
 # GLM-4.7-Flash, gpt-oss-20b; same session), and each candidate is a compile at start-up.
