@@ -550,6 +550,28 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       benchmarks/moe_decode.py --quick --models qwen3 --budget-s 150 2>&1 \
       | tee "$OUT/softmax_moe_decode.log"
     ;;
+  confirm29)
+    # The greedy epilogue's GPU tests (kernel and engine), then issue 18's batch-1 figure twice
+    # (the floor moves with each run's copy measurement).
+    timeout 200 python -m pytest -q -m gpu tests/test_ops.py -k "argmax" \
+      tests/test_gpu.py::test_greedy_head_epilogue_in_the_engine_cuda \
+      "tests/test_moe_gpu.py::test_moe_bf16_graphs_equal_eager_and_track_transformers" 2>&1 \
+      | tail -3
+    for i in 1 2; do
+      timeout 200 python benchmarks/moe_decode.py --quick --models qwen3 --budget-s 150 2>&1 \
+        | tee "$OUT/moe_decode_$i.log" | grep -E "copy bandwidth|^ Qwen3|target|check"
+    done
+    ;;
+  greedy29)
+    # The lm_head gemv's argmax epilogue (ops/greedy_head.py: no argmax launches after it),
+    # A/B on Qwen3-30B-A3B's batch-1 step; first its GPU tests. (Session 29's call 1 also ran
+    # the lm_head's first 16 / 32 MiB pinned in the L2, since removed: ops/l2.py.)
+    timeout 240 python -m pytest -q -m gpu tests/test_ops.py -k "argmax or gemv" 2>&1 | tail -3
+    G=specserve.ops.greedy_head
+    timeout $((585 - SECONDS)) python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b \
+      --step-ms --variants "$G.FUSED=False;base;$G.FUSED=False;base" 2>&1 \
+      | tee "$OUT/greedy29.log" | grep -E "^variant|^base|^spec|argmax|_take|^span|^outside"
+    ;;
   confirm28)
     # Issue 18's and 21's batch-1 figures with session 28's defaults: Qwen3-30B-A3B twice (the
     # floor moves with each run's copy measurement), then GLM-4.7-Flash.

@@ -60,6 +60,34 @@ def prompts() -> list[list[int]]:
     return random_prompts(6, 5, 60, seed=3)
 
 
+@pytest.mark.parametrize("eager", [False, True])
+def test_greedy_head_epilogue_in_the_engine_cuda(
+    ckpt_dir, prompts, eager: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 greedy decode taking its tokens from the lm_head gemv's argmax epilogue
+    (ops/greedy_head.py; decode_matmul "triton" puts every lm_head call of <= 8 rows on the
+    gemv) equals the same engine running lm_head then ops.argmax, token for token, at batch 1
+    and 6, in CUDA graphs and eager; and the epilogue's path ran."""
+    from specserve.ops import greedy_head
+
+    takes: list[int] = []
+    take = greedy_head.take_tokens_
+    monkeypatch.setattr(greedy_head, "take_tokens_", lambda k: takes.append(len(k)) or take(k))
+    path = ckpt_dir("llama_gqa", "llama")
+    llm = cuda_llm(path, dtype="bfloat16", decode_matmul="triton", enforce_eager=eager)
+    takes.clear()  # the warm-up's steps
+    for batch in ([prompts[0]], prompts):
+        reqs = [{"prompt_token_ids": p} for p in batch]
+        fused = [o.outputs[0].token_ids for o in llm.generate(reqs, GREEDY)]
+        assert takes and max(takes) == len(batch)
+        takes.clear()
+        monkeypatch.setattr(greedy_head, "FUSED", False)
+        plain = [o.outputs[0].token_ids for o in llm.generate(reqs, GREEDY)]
+        monkeypatch.setattr(greedy_head, "FUSED", True)
+        assert not takes
+        assert fused == plain
+
+
 @pytest.mark.parametrize("name", list(ARCHS))
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers_cuda(ckpt_dir, prompts, name: str, mode: str) -> None:

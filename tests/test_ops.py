@@ -144,6 +144,54 @@ def test_argmax(device: str) -> None:
 
 @pytest.mark.parametrize("device", modes)
 @pytest.mark.parametrize("m", [1, 3])
+def test_gemv_argmax_epilogue(request, device: str, m: int) -> None:
+    """The lm_head gemv's greedy tokens (ops/greedy_head.py) equal the argmax of the logits it
+    stores, over several steps on one key buffer: ties across programs and inside one (the
+    first column wins), all-negative rows (negative floats order backwards in their bits), a
+    -0.0 before a +0.0 max, a NaN row (NaN counts as +inf, as ops.argmax), a ragged last
+    program; the keys are empty again after each take."""
+    pytest.importorskip("triton")
+    if device == "cpu":
+        request.getfixturevalue("interpreter")
+    from specserve.ops.gemv import KEY_EMPTY, gemv
+    from specserve.ops.greedy_head import new_keys, take_tokens_, take_tokens_ref_
+
+    n, k = 203, 64
+    keys = new_keys(8, torch.device(device))
+    g = torch.Generator().manual_seed(m)
+    for dtype in _dtypes(device):
+        for step in range(4):
+            x = torch.randn(m, k, generator=g).to(dtype=dtype, device=device)
+            w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
+            if step == 1:  # row 0: one weight row twice, in different programs (and adjacent)
+                w[150] = w[40] = w[41] = w[(x[0].float() @ w.float().t()).argmax()] * 3
+            if step == 2:  # every logit of row 0 negative but column 7's -0.0 and 9's +0.0
+                x[0] = x[0].abs()
+                x[0, 0] = 0.25
+                w = -w.abs()
+                w[7] = w[9] = 0.0
+                # a quarter of the smallest subnormal: -0.0 once rounded to 16 bits
+                w[7, 0] = -torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+            if step == 3 and m > 1:  # row 1 all NaN after row 0's; row 0 a NaN at column 5
+                x[1, 0] = float("nan")
+                w[5, 0] = float("nan")
+            cfg = (4, 32, 1, 1) if step % 2 else (8, 64, 2, 1)
+            y = gemv(x, w, None, config=cfg, argmax_keys=keys)
+            ref = torch.where(y.float().isnan(), float("inf"), y.float()).argmax(-1)
+            if step == 2 and dtype != torch.float32:
+                assert y[0, 7] == 0 and y[0, 7].signbit() and ref[0] == 7
+            got = take_tokens_(keys[:m])
+            assert torch.equal(got.cpu(), ref.cpu()), (dtype, step, got, ref)
+            assert bool((keys == KEY_EMPTY).all())
+        y = gemv(x, w, None, argmax_keys=keys)
+        assert torch.equal(take_tokens_ref_(keys[:m].clone()).cpu(), ref.cpu())
+        take_tokens_(keys[:m])
+    with pytest.raises(ValueError, match="argmax keys"):
+        gemv(x, w, None, argmax_keys=keys[: m - 1])
+
+
+@pytest.mark.parametrize("device", modes)
+@pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("silu_mul", [False, True])
 def test_gemv_norm(request, device: str, m: int, with_residual: bool, silu_mul: bool) -> None:

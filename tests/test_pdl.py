@@ -108,6 +108,25 @@ def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool, overlap: bool) -> No
     assert "griddepcontrol" not in plain
 
 
+def test_gemv_argmax_epilogue_compiles_for_sm90() -> None:
+    """The lm_head gemv's argmax epilogue for sm_90: one 64-bit atomic max a row behind a
+    volatile read (ops/greedy_head.py), and the take kernel after it."""
+    from specserve.ops.gemv import _gemv_kernel
+    from specserve.ops.greedy_head import _take_kernel
+
+    consts = dict(HAS_BIAS=False, SILU_MUL=False, NORM=False, HAS_RES=False, BLOCK_M=1)
+    consts.update(BLOCK_N=4, BLOCK_K=2048, PDL=True, EARLY_TRIGGER=False, PRELOAD=True)
+    consts.update(W_EVICT="evict_first", ARGMAX=True)
+    ptx = compile_sm90(_gemv_kernel, consts, 4, 2, {"keys_ptr": "*i64"})
+    _pdl_ptx(ptx)
+    assert "atom.global" in ptx and ".max.s64" in ptx
+    assert "ld.volatile.global" in ptx
+    plain = compile_sm90(_gemv_kernel, {**consts, "ARGMAX": False}, 4, 2)
+    assert "atom." not in plain and "ld.volatile" not in plain
+    take = compile_sm90(_take_kernel, dict(BLOCK=1, PDL=True), 1, 1, {"keys_ptr": "*i64"})
+    _pdl_ptx(take)
+
+
 def test_gemv_plan_candidates_keep_their_rows_in_registers() -> None:
     """Every gemv config the one-row plan times compiles for sm_90 without spills (a whole-row
     config holds its row in registers: 64 a thread at (4, 4096, 8, 1) and (2, 4096, 4, 1)),

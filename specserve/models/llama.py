@@ -24,6 +24,7 @@ from specserve.models.layers import (
 )
 from specserve.models.loader import ModelLoadError
 from specserve.models.moe import SparseMoE
+from specserve.ops.greedy_head import greedy_logits
 
 
 @dataclass
@@ -300,6 +301,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def greedy_logits(
+        self,
+        # [M, H]
+        hidden: torch.Tensor,
+        # [>= M] int64 greedy keys (ops/greedy_head.new_keys)
+        keys: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(compute_logits(hidden), their argmax [M] int64) from the lm_head's gemv where it
+        runs one, else None (ops/greedy_head.py)."""
+        return greedy_logits(self.lm_head, hidden, keys)
 
     def checkpoint_rename(self, name: str) -> str | None:
         if self.config.tie_word_embeddings and name == "lm_head.weight":

@@ -29,6 +29,11 @@ except ImportError:  # CPU-only installs: the reference only
     triton = None
 
 MAX_M = 8
+# The greedy key of a row before any column is folded in (below every packed key), and the
+# column field's complement base: a key's low 31 bits hold KEY_COLUMNS - column (gemv's
+# ARGMAX epilogue, ops/greedy_head.py).
+KEY_EMPTY = -(2**63)
+KEY_COLUMNS = 2**31 - 1
 # Decoder layers run their RMSNorms inside the Triton gemv that follows (models/layers.py
 # norm_linear) wherever the plan picks Triton; a switch for benchmarks (decode.py --sweep).
 FUSE_NORM = True
@@ -163,6 +168,7 @@ if triton is not None:
         res_out_ptr,
         norm_w_ptr,
         eps,
+        keys_ptr,
         HAS_BIAS: tl.constexpr,
         SILU_MUL: tl.constexpr,
         NORM: tl.constexpr,
@@ -174,6 +180,7 @@ if triton is not None:
         EARLY_TRIGGER: tl.constexpr,
         PRELOAD: tl.constexpr,
         W_EVICT: tl.constexpr = "",
+        ARGMAX: tl.constexpr = False,
     ):
         # Each program owns BLOCK_N output columns and walks K in BLOCK_K tiles.
         # SILU_MUL: W is [2N, K] (gate rows, then up rows) and y = silu(gate) * up, so the MLP's
@@ -187,6 +194,7 @@ if triton is not None:
         # tile is requested before waiting for it (x is its output); EARLY_TRIGGER lets the
         # next kernel launch as soon as this grid's last wave is resident, so its programs can
         # do the same during this one's tail. Without them: trigger after the weight stream.
+        # ARGMAX: also each row's greedy token, folded into keys_ptr (`argmax_epilogue`).
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
@@ -227,7 +235,41 @@ if triton is not None:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
         rows = tl.arange(0, BLOCK_M)
         y = y_ptr + rows[:, None] * stride_ym + n[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & n_ok[None, :])
+        out = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y, out, mask=(rows < M)[:, None] & n_ok[None, :])
+        if ARGMAX:
+            argmax_epilogue(keys_ptr, out, rows, n, M, n_ok)
+
+    @triton.jit
+    def argmax_epilogue(
+        # [M] int64: each row's best key so far (KEY_EMPTY before the kernel)
+        keys_ptr,
+        # [BLOCK_M, BLOCK_N]: this program's outputs as stored (model dtype)
+        out,
+        rows,
+        n,
+        M,
+        n_ok,
+    ):
+        """Fold this program's columns into each row's greedy key: (value, column) packed in an
+        int64 whose signed order is the value's, then the lower column (ties go to the first
+        index, as torch.argmax; NaN counts as +inf, as ops.argmax). The key is read first and
+        only a better one is written (an atomic max): of the tens of thousands of lm_head
+        programs only a few a step find a new best, so they do not queue on one address."""
+        v = out.to(tl.float32)
+        v = tl.where(v != v, float("inf"), v)
+        bits = v.to(tl.int32, bitcast=True)
+        # Negative floats order by their magnitude backwards: flip it. -0.0 is +0.0.
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        key = tl.where(v == 0.0, 0, key)
+        # (KEY_COLUMNS and KEY_EMPTY as literals: the interpreter keeps constexpr arithmetic
+        # with a tensor a constexpr.)
+        packed = (key.to(tl.int64) << 32) | (2147483647 - n.to(tl.int64))[None, :]
+        ok = (rows < M)[:, None] & n_ok[None, :]
+        best = tl.max(tl.where(ok, packed, -9223372036854775807 - 1), axis=1)
+        r_ok = rows < M
+        cur = tl.load(keys_ptr + rows, mask=r_ok, other=0, volatile=True)
+        tl.atomic_max(keys_ptr + rows, best, mask=r_ok & (best > cur), sem="relaxed")
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages); benchmarks/gemv.py sweeps CONFIGS on the GPU.
@@ -260,12 +302,15 @@ def gemv(
     config: tuple[int, int, int, int] = DEFAULT_CONFIG,
     silu_mul: bool = False,
     early_trigger: bool = False,
+    # [>= M] int64 or None: also fold each row's greedy token into these keys (each KEY_EMPTY
+    # before the call; ops/greedy_head.py reads and resets them)
+    argmax_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y = x @ w.T (+ b) for decode-sized M, with the Triton kernel (semantics: `gemv_ref`);
     `silu_mul`: [M, N/2] = silu(gate) * up of that product (semantics: `gemv_silu_mul_ref`).
     A fixed launch config, not autotuning: graph capture and the interpreter both need one."""
     x = x if x.stride(-1) == 1 else x.contiguous()
-    return _launch(x, w, b, config, silu_mul, None, early_trigger)
+    return _launch(x, w, b, config, silu_mul, None, early_trigger, argmax_keys)
 
 
 def gemv_norm(
@@ -302,6 +347,7 @@ def _launch(
     norm: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, float] | None,
     # the successor may launch at this kernel's start (DecodeLinear.early_trigger)
     early_trigger: bool = False,
+    argmax_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0] // 2 if silu_mul else w.shape[0]
@@ -309,6 +355,10 @@ def _launch(
         raise ValueError(
             f"gemv takes [M <= {MAX_M}, K] x [N, K]; got {tuple(x.shape)}, {tuple(w.shape)}"
         )
+    if argmax_keys is not None and (
+        silu_mul or argmax_keys.dtype != torch.int64 or argmax_keys.shape[0] < M
+    ):
+        raise ValueError("gemv's argmax keys: int64, one a row, without silu_mul")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     res, res_out, norm_w, eps = norm if norm is not None else (None, x, w, 0.0)
     block_n, block_k, num_warps, num_stages = config
@@ -328,6 +378,7 @@ def _launch(
         res_out,
         norm_w,
         eps,
+        argmax_keys if argmax_keys is not None else x,
         HAS_BIAS=b is not None,
         SILU_MUL=silu_mul,
         NORM=norm is not None,
@@ -341,6 +392,7 @@ def _launch(
         EARLY_TRIGGER=kw["PDL"] and (pdl.GEMV_EARLY_TRIGGER or early_trigger),
         PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
         W_EVICT=l2.weight_eviction(),
+        ARGMAX=argmax_keys is not None,
         **kw,
     )
     return y

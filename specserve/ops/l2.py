@@ -21,6 +21,11 @@ attention, merge, o projection and routing run. The next qkv gemv got faster (Qw
 8.4 -> 4.7-6.7 us), but the 21-30 MB took HBM time from the kernels beside it: every variant's
 step was slower (Qwen3-30B-A3B 2919-3290 vs 2859-2868 us, gpt-oss-20b 1813-1840 vs 1722).
 
+Tried and dropped (session 29, RESULTS.md): the lm_head's first 16 or 32 MiB loaded
+evict-last, to stay in the L2 from one step to the next while the rest streams evict-first.
+Qwen3-30B-A3B's lm_head gemv took 195.9 / 197.9 us against 196.3-197.0 without, step 2727 /
+2725 vs 2725-2727 us: the rows do not survive a step's ~6 GB stream, or cost what they save.
+
 Read at each launch (a constexpr of the kernels): `--variants "base;specserve.ops.l2.
 WEIGHT_EVICTION=''"` A/B's it.
 """

@@ -26,6 +26,7 @@ from specserve.attention.backend import (
 from specserve.config import EngineConfig
 from specserve.engine.request import Request
 from specserve.engine.scheduler import SchedulerOutput
+from specserve.ops import greedy_head
 from specserve.ops.spec_kernels import (
     place_on_device_,
     prepare_target_inputs,
@@ -115,6 +116,8 @@ class ModelRunner:
             self.device,
         )
         self.kv_caches = self._allocate_kv(num_blocks)
+        # A greedy step's tokens from the lm_head gemv's argmax epilogue (ops/greedy_head.py).
+        self.greedy_keys = greedy_head.new_keys(config.max_num_seqs, self.device)
         self.windows = set(model.sliding_windows())
         if speculator is not None:
             self.windows |= speculator.sliding_windows()
@@ -261,9 +264,22 @@ class ModelRunner:
         verified = hidden
         if inp.num_tokens != B * k1 or (inp.num_draft_np != k).any():
             verified = hidden[inp.logits_indices.flatten()]
+        rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64, B)
+        # Without a speculator only sampling reads the sampling parameters, and greedy
+        # sampling reads none: no gathers then.
+        greedy_only = self.speculator is None and self.states.all_greedy(rows)
+        lpi = build_logits_processor_inputs(
+            [s.req for s in sched.scheduled], self.eos_token_ids, self.device
+        )
+        # Greedy tokens of the logits as the lm_head computes them: from its gemv's epilogue
+        # where it runs one (ops/greedy_head.py; no speculator, so one row a request).
+        fused = None
+        if greedy_only and gs is None and lpi is None:
+            fused = self.model.greedy_logits(verified, self.greedy_keys)
         # In the model dtype: sampling and logprobs convert what they need (argmax needs no
         # fp32 copy of a 128k-vocabulary row: one kernel less per decode step).
-        logits = self.model.compute_logits(verified).view(B, k1, -1)
+        logits = fused[0] if fused else self.model.compute_logits(verified)
+        logits = logits.view(B, k1, -1)
         if gs is not None:
             # The grammar step: forbidden tokens -> -inf at every slot, before verification and
             # sampling read the logits (logprobs too, as in vLLM). Masking before the logits
@@ -275,23 +291,20 @@ class ModelRunner:
         # Penalties, logit_bias, min_tokens: only when a request of the batch uses them (a new
         # tensor: logprobs keep the unprocessed logits, vLLM's default).
         target_logits = logits
-        lpi = build_logits_processor_inputs(
-            [s.req for s in sched.scheduled], self.eos_token_ids, self.device
-        )
         if lpi is not None:
             target_logits = apply_logits_processors(
                 logits, tok, inp.idx_mapping, inp.out_pos0, inp.max_seq_len, lpi
             )
         prompt_lp = self._prompt_logprobs(sched, inp, hidden)
-        rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64, B)
-        # Without a speculator only sampling reads the sampling parameters, and greedy
-        # sampling reads none: no gathers then.
-        greedy_only = self.speculator is None and self.states.all_greedy(rows)
         st = None if greedy_only else self.states.sampling_tensors(rows, inp.idx_mapping)
         num_acc = None  # nothing drafted: 0 accepted everywhere
         if not drafted:
             lg = target_logits[:, 0]
-            out_tokens = (ops.argmax(lg) if st is None else sample(lg, st, inp.out_pos0)).view(B, 1)
+            if fused:
+                out_tokens = fused[1].view(B, 1)
+            else:
+                out_tokens = ops.argmax(lg) if st is None else sample(lg, st, inp.out_pos0)
+                out_tokens = out_tokens.view(B, 1)
             if k:
                 out_tokens = torch.cat([out_tokens, out_tokens.new_full((B, k), -1)], 1)
         else:
