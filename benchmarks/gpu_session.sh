@@ -550,6 +550,26 @@ base;$T.SPLIT_BLOCK_N=0;$T.SPLIT_EARLY_KV=True;$T.SPLIT_BLOCK_N=32;base}" 2>&1 \
       benchmarks/moe_decode.py --quick --models qwen3 --budget-s 150 2>&1 \
       | tee "$OUT/softmax_moe_decode.log"
     ;;
+  head29)
+    # Session 29's call 6, dropped (slower): the lm_head captured in plain engines' decode
+    # graphs (batches 1-8) and the greedy keys taken by the token write (no launch of their
+    # own), from benchmarks/experiments/lm-head-in-graph.patch (applied to the device's copy
+    # here): GPU tests, an A/B of Qwen3-30B-A3B's batch-1 step against G.FUSED=False (neither),
+    # then issue 18's figure twice.
+    git apply benchmarks/experiments/lm-head-in-graph.patch || exit 1
+    timeout 300 python -m pytest -q -m gpu tests/test_ops.py tests/test_spec_kernels.py \
+      tests/test_gpu.py tests/test_moe_gpu.py -k "argmax or write_verified or greedy_head \
+or bf16_graphs_equal or test_cudagraph_equals_eager" 2>&1 | tail -4
+    G=specserve.ops.greedy_head
+    timeout 200 python benchmarks/timeline_sweep.py --shape qwen3-30b-a3b --step-ms \
+      --variants "$G.FUSED=False;base" 2>&1 | tee "$OUT/head29.log" \
+      | grep -E "^variant|^base|^spec|^span|^outside"
+    for i in 1 2; do
+      timeout $((590 - SECONDS)) python benchmarks/moe_decode.py --quick --models qwen3 \
+        --budget-s 150 2>&1 | tee "$OUT/moe_decode_$i.log" \
+        | grep -E "copy bandwidth|^ Qwen3|target|check"
+    done
+    ;;
   confirm29)
     # The greedy epilogue's GPU tests (kernel and engine), then issue 18's batch-1 figure twice
     # (the floor moves with each run's copy measurement).
