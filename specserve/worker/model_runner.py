@@ -278,7 +278,7 @@ class ModelRunner:
             fused = self.model.greedy_logits(verified, self.greedy_keys)
         # In the model dtype: sampling and logprobs convert what they need (argmax needs no
         # fp32 copy of a 128k-vocabulary row: one kernel less per decode step).
-        logits = fused[0] if fused else self.model.compute_logits(verified)
+        logits = fused[0] if fused is not None else self.model.compute_logits(verified)
         logits = logits.view(B, k1, -1)
         if gs is not None:
             # The grammar step: forbidden tokens -> -inf at every slot, before verification and
@@ -300,7 +300,7 @@ class ModelRunner:
         num_acc = None  # nothing drafted: 0 accepted everywhere
         if not drafted:
             lg = target_logits[:, 0]
-            if fused:
+            if fused is not None:
                 out_tokens = fused[1].view(B, 1)
             else:
                 out_tokens = ops.argmax(lg) if st is None else sample(lg, st, inp.out_pos0)
