@@ -8,7 +8,11 @@ epilogue, `gemv.argmax_epilogue`), and one small kernel turns the keys into toke
 resets them for the next step. The logits are still written: logprobs read them.
 
 Only where the plan runs the M <= 8 gemv on the lm_head (batch-1-like decode); skinny, cuBLAS
-and CPU steps take `ops.argmax` (`greedy_logits` returns None).
+and CPU steps take `ops.argmax` (`greedy_logits` returns None). Measured (H100, RESULTS.md
+session 29, Qwen3-30B-A3B batch 1): device time outside the decode graph 209 -> 206-207 us.
+Tried and dropped there: the lm_head captured at the end of the decode graphs, with the token
+write taking the keys: the final norm's gap to it closed, but every layer's kernels ran ~3%
+slower (step 2724 -> 2792 us; benchmarks/experiments/lm-head-in-graph.patch).
 """
 
 from __future__ import annotations
