@@ -181,7 +181,8 @@ def test_gemv_argmax_epilogue(request, device: str, m: int) -> None:
             ref = torch.where(y.float().isnan(), float("inf"), y.float()).argmax(-1)
             if step == 2:
                 assert y[0].max() < 0
-            if step == 4 and dtype != torch.float32:
+            if step == 4 and dtype != torch.float32 and device == "cpu":
+                # (on CUDA the fp32 product may flush to zero: then no -0.0 to check)
                 assert y[0, 7] == 0 and y[0, 7].signbit() and ref[0] == 7
             got = take_tokens_(keys[:m])
             assert torch.equal(got.cpu(), ref.cpu()), (dtype, step, got, ref)
