@@ -93,8 +93,6 @@ def greedy_logits(
     cfg = lm_head.config(hidden)
     if cfg is None or isinstance(cfg, skinny.SkinnyConfig):
         return None
-    M = hidden.shape[0]
-    x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     w, b = lm_head.weight, lm_head.bias
-    logits = gemv(x, w, b, cfg, early_trigger=lm_head.early_trigger, argmax_keys=keys)
-    return logits, take_tokens_(keys[:M])
+    logits = gemv(hidden, w, b, cfg, early_trigger=lm_head.early_trigger, argmax_keys=keys)
+    return logits, take_tokens_(keys[: hidden.shape[0]])
