@@ -83,6 +83,10 @@
 #   bash benchmarks/gpu_session.sh split-tiles    # GQA split launches' key tile
 #                                                 # (triton_paged.SPLIT_BLOCK_N, 16 by default)
 #                                                 # and SPLIT_EARLY_KV: GPU tests, steps A/B
+#   bash benchmarks/gpu_session.sh h200           # the first H200 lease: MoE GPU sanity, issue
+#                                                 # 18's batch-1 figure, the Qwen3 timeline
+#   bash benchmarks/gpu_session.sh h200-step      # issue 23 on the H200: decode B 1 / 16,
+#                                                 # EAGLE-3 K = 4 at B 1 / 16 / 64
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -569,6 +573,26 @@ or bf16_graphs_equal or test_cudagraph_equals_eager" 2>&1 | tail -4
         --budget-s 150 2>&1 | tee "$OUT/moe_decode_$i.log" \
         | grep -E "copy bandwidth|^ Qwen3|target|check"
     done
+    ;;
+  h200)
+    # Session 30: the first H200 lease (H100s no longer lent). MoE GPU sanity, issue 18's
+    # batch-1 figure on this chip, then the Qwen3-30B-A3B batch-1 kernel timeline.
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+    timeout 200 python -m pytest -q -m gpu \
+      "tests/test_moe_gpu.py::test_moe_bf16_graphs_equal_eager_and_track_transformers" \
+      tests/test_gpu.py::test_greedy_head_epilogue_in_the_engine_cuda 2>&1 | tail -3
+    timeout 200 python benchmarks/moe_decode.py --quick --models qwen3 --budget-s 150 2>&1 \
+      | tee "$OUT/moe_decode.log" | grep -E "copy bandwidth|^ Qwen3|target|check"
+    timeout $((590 - SECONDS)) python benchmarks/timeline.py --shape qwen3-30b-a3b --step-ms \
+      2>&1 | grep --line-buffered -v tokenizer | tee "$OUT/timeline.log" | tail -60
+    ;;
+  h200-step)
+    # Session 30: issue 23's figures on the H200 (H100s no longer lent): plain decode at batch
+    # 1 / 16 against the floor, the EAGLE-3 K = 4 step at batch 1 / 16 / 64.
+    timeout 150 python benchmarks/decode.py --no-hf --batch-sizes 1,16 2>&1 \
+      | tee "$OUT/decode.log" | tail -14
+    timeout $((580 - SECONDS)) python benchmarks/spec_step.py --ks 4 --batches 1,16,64 \
+      --modes fused --async-scheduling 2>&1 | tee "$OUT/spec_step.log" | tail -14
     ;;
   confirm29)
     # The greedy epilogue's GPU tests (kernel and engine), then issue 18's batch-1 figure twice
