@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+INTERPRET_WORKERS ?= 2
 
 .PHONY: install test lint gpu-test demo clean
 
@@ -26,8 +27,10 @@ lint: $(STAMP)
 test: $(STAMP)
 	$(MAKE) lint
 	$(BIN)/python -m pytest
-	@# Triton kernels against their torch references, on CPU through the interpreter.
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m interpret
+	@# Triton kernels against their torch references, on CPU through the interpreter, in
+	@# INTERPRET_WORKERS processes (the interpreter runs one Python thread; the suite above
+	@# stays serial: torch already spreads its tests over the cores).
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m interpret -n $(INTERPRET_WORKERS)
 
 gpu-test:
 	$(PY) -m pytest -m gpu tests

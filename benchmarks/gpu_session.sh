@@ -87,6 +87,7 @@
 #                                                 # 18's batch-1 figure, the Qwen3 timeline
 #   bash benchmarks/gpu_session.sh h200-step      # issue 23 on the H200: decode B 1 / 16,
 #                                                 # EAGLE-3 K = 4 at B 1 / 16 / 64
+#   bash benchmarks/gpu_session.sh h200-tests     # every GPU test, 4 xdist workers
 # (`check` in two calls: session 6's split of it, each well inside the 10-minute limit.)
 #
 # Logs and JSON go to $OUT (the device tool brings them back even when a call is cut off).
@@ -593,6 +594,14 @@ or bf16_graphs_equal or test_cudagraph_equals_eager" 2>&1 | tail -4
       | tee "$OUT/decode.log" | tail -14
     timeout $((580 - SECONDS)) python benchmarks/spec_step.py --ks 4 --batches 1,16,64 \
       --modes fused --async-scheduling 2>&1 | tee "$OUT/spec_step.log" | tail -14
+    ;;
+  h200-tests)
+    # Session 30: every GPU test on the H200, four pytest-xdist workers on the one GPU (the
+    # machine's 16 cores compile in parallel); failures are re-run alone in the time left.
+    # -o addopts="": pyproject's -q would cancel -v (session 30's call 3 printed dots only).
+    timeout ${LIMIT:-480} python -m pytest -o addopts="" -m gpu ${TESTS:-tests} -n 4 -v \
+      --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed" | tail -40
     ;;
   confirm29)
     # The greedy epilogue's GPU tests (kernel and engine), then issue 18's batch-1 figure twice
