@@ -118,3 +118,31 @@ def test_not_a_gguf_file_is_one_line(tmp_path) -> None:
     path.write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
         LLM(str(path))
+
+
+def test_conversion_beside_another_process_keeps_its_entry(tmp_path, monkeypatch) -> None:
+    """Two processes converting one GGUF file at once (two servers started together on a
+    fresh machine): the one that finishes second uses the first one's entry, no error."""
+    from specserve.models import gguf as gguf_module
+
+    path = str(tmp_path / "tiny-llama.gguf")
+    _tiny_gguf(path, "llama")
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    entries: list[str] = []
+
+    def convert(src: str, architecture: str, out: str) -> None:
+        # The other process renames its finished entry into place while this one converts.
+        entry = os.path.join(os.path.dirname(out), out.split(".")[1])
+        os.makedirs(entry)
+        with open(os.path.join(entry, "config.json"), "w") as f:
+            f.write('{"by": "the other process"}')
+        with open(os.path.join(out, "config.json"), "w") as f:
+            f.write('{"by": "this process"}')
+        entries.append(entry)
+
+    monkeypatch.setattr(gguf_module, "_convert", convert)
+    got = resolve_gguf(path)
+    assert got == entries[0]
+    with open(os.path.join(got, "config.json")) as f:
+        assert "other" in f.read()
+    assert os.listdir(os.path.dirname(got)) == [os.path.basename(got)]  # no temporary left

@@ -87,7 +87,14 @@ def resolve_gguf(path: str) -> str:
     tmp = tempfile.mkdtemp(prefix=f".{key}.", dir=os.path.dirname(out))
     try:
         _convert(path, architecture, tmp)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            # Another process (a second server started beside this one) converted the same
+            # file meanwhile: its finished entry is as good as this one.
+            if not os.path.isfile(os.path.join(out, "config.json")):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
