@@ -132,7 +132,8 @@ def test_conversion_beside_another_process_keeps_its_entry(tmp_path, monkeypatch
 
     def convert(src: str, architecture: str, out: str) -> None:
         # The other process renames its finished entry into place while this one converts.
-        entry = os.path.join(os.path.dirname(out), out.split(".")[1])
+        # `out` is the temporary sibling `.{key}.{random}` of the entry `{key}`.
+        entry = os.path.join(os.path.dirname(out), os.path.basename(out).split(".")[1])
         os.makedirs(entry)
         with open(os.path.join(entry, "config.json"), "w") as f:
             f.write('{"by": "the other process"}')
