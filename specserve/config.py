@@ -49,6 +49,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes
     num_gpu_blocks_override: int | None = None
+    # The most logprobs (sample or prompt) one request may ask for; -1: the vocabulary size
+    # (vLLM's field and default). Checked when a request is added.
+    max_logprobs: int = 20
     enforce_eager: bool = False
     # Schedule and launch step N+1 while step N runs: the host's per-step work no longer leaves
     # the GPU idle. None: on for CUDA (as in vLLM), off on CPU, where the host is the device
@@ -99,6 +102,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}.")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(
+                f"max_logprobs must be -1 or an integer >= 0, got {self.max_logprobs!r}."
+            )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -55,7 +55,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        # NOTE: `not t >= 0` also refuses NaN, which sampling would turn into garbage.
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
             raise bad("temperature", "must be a number >= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
@@ -75,8 +76,12 @@ class SamplingParams:
             raise bad("min_tokens", "must be <= max_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        # The seed rides in an int64 tensor, and choice i of n samples with seed + i: a seed
+        # outside that range would fail inside the engine's step, not here.
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed <= 2**63 - self.n
+        ):
+            raise bad("seed", "must be an integer in [-2**63, 2**63 - n]")
         if self.prompt_logprobs is not None and (
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
         ):

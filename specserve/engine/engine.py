@@ -270,6 +270,9 @@ class LLMEngine:
         bad_bias = [t for t in sampling_params.logit_bias or {} if t >= vocab]
         if bad_bias:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad_bias[0]}.")
+        _check_logprobs(
+            sampling_params, vocab if c.max_logprobs == -1 else min(c.max_logprobs, vocab)
+        )
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._rng.integers(0, 2**62))
@@ -633,4 +636,23 @@ def _check_token_ids(what: str, ids: list[int], vocab: int) -> None:
             raise ValueError(
                 f"{what} {t} (position {i}) is outside this model's vocabulary: "
                 f"token ids must be in [0, {vocab})"
+            )
+
+
+class LogprobsLimitError(ValueError):
+    """A request asks for more logprobs than the engine's max_logprobs."""
+
+    def __init__(self, msg: str, param: str) -> None:
+        super().__init__(msg)
+        self.param = param  # the request field the server names in its 400
+
+
+def _check_logprobs(sp: SamplingParams, limit: int) -> None:
+    """vLLM's check and wording. Why here: a top-k wider than the vocabulary would fail inside
+    the step, taking every running request down with it."""
+    for what, n in (("sample", sp.logprobs), ("prompt", sp.prompt_logprobs)):
+        if n is not None and n > limit:
+            raise LogprobsLimitError(
+                f"Requested {what} logprobs of {n}, which is greater than max allowed: {limit}",
+                "logprobs" if what == "sample" else "prompt_logprobs",
             )

@@ -1,0 +1,86 @@
+"""The offline API (`LLM`) refuses bad requests when they are added, with one clear message, and
+the engine goes on serving: a request that passed validation and then failed inside a step
+took every running request, and the engine, down with it (logprobs wider than the vocabulary,
+a seed past int64)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from specserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPT = {"prompt_token_ids": [5, 17, 42, 9]}
+VOCAB = 384  # tests/conftest.py TINY_DECODER
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt_dir: Any) -> LLM:
+    return LLM(ckpt_dir("llama"), max_model_len=64, max_num_seqs=4)
+
+
+def greedy(llm: LLM, **kw: Any) -> list[int]:
+    out = llm.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=6, **kw), use_tqdm=False
+    )
+    return list(out[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (
+            {"logprobs": 21},
+            "Requested sample logprobs of 21, which is greater than max allowed: 20",
+        ),
+        ({"logprobs": 10**6}, "greater than max allowed: 20"),
+        ({"prompt_logprobs": 21}, "Requested prompt logprobs of 21"),
+    ],
+)
+def test_logprobs_past_max_logprobs_refused_and_engine_serves(
+    llm: LLM, params: dict[str, Any], message: str
+) -> None:
+    before = greedy(llm)
+    with pytest.raises(ValueError, match=message):
+        greedy(llm, **params)
+    assert greedy(llm) == before
+    assert (
+        len(llm.generate([PROMPT], SamplingParams(max_tokens=2, logprobs=20), use_tqdm=False)) == 1
+    )
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": 2**63 - 1, "n": 2}, "seed"),  # choice 1 would sample with seed + 1
+        ({"temperature": float("nan")}, "temperature"),
+    ],
+)
+def test_out_of_range_sampling_params_refused(params: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        SamplingParams(**params)
+
+
+def test_extreme_seeds_in_range_sample(llm: LLM) -> None:
+    for seed in (2**63 - 1, -(2**63)):
+        sp = SamplingParams(temperature=1.0, max_tokens=4, seed=seed)
+        a = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
+        b = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].token_ids
+        assert len(a) == 4 and list(a) == list(b)
+
+
+def test_max_logprobs_setting(ckpt_dir: Any) -> None:
+    with pytest.raises(ValueError, match="max_logprobs must be -1 or an integer >= 0"):
+        LLM(ckpt_dir("llama"), max_logprobs=-2)
+    small = LLM(ckpt_dir("llama"), max_model_len=64, max_num_seqs=2, max_logprobs=2)
+    with pytest.raises(ValueError, match="greater than max allowed: 2"):
+        greedy(small, logprobs=3)
+    whole = LLM(ckpt_dir("llama"), max_model_len=64, max_num_seqs=2, max_logprobs=-1)
+    out = whole.generate([PROMPT], SamplingParams(max_tokens=2, logprobs=VOCAB), use_tqdm=False)
+    assert all(len(d) >= VOCAB for d in out[0].outputs[0].logprobs)
+    with pytest.raises(ValueError, match=f"greater than max allowed: {VOCAB}"):
+        greedy(whole, logprobs=VOCAB + 1)
