@@ -43,6 +43,12 @@ class SamplingParams:
             self._stop_list = [self.stop]
         else:
             self._stop_list = list(self.stop)
+        if not all(isinstance(t, str) and t for t in self._stop_list):
+            # vLLM refuses empty ones too: an empty stop string would end every request at once.
+            raise ValueError(
+                f"SamplingParams.stop must be a string or a list of non-empty strings, "
+                f"got {self.stop!r}."
+            )
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.top_k == -1:

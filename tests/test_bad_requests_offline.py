@@ -1,7 +1,8 @@
 """The offline API (`LLM`) refuses bad requests when they are added, with one clear message, and
 the engine goes on serving: a request that passed validation and then failed inside a step
 took every running request, and the engine, down with it (logprobs wider than the vocabulary,
-a seed past int64)."""
+a seed past int64). Malformed prompts and stop strings, once truncated (float ids), ignored
+(non-string stops) or failed with a bare TypeError / KeyError, are refused by name too."""
 
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def test_logprobs_past_max_logprobs_refused_and_engine_serves(
         ({"seed": -(2**63) - 1}, "seed"),
         ({"seed": 2**63 - 1, "n": 2}, "seed"),  # choice 1 would sample with seed + 1
         ({"temperature": float("nan")}, "temperature"),
+        ({"stop": [""]}, "stop"),  # would end every request at once (vLLM refuses it too)
+        ({"stop": ["ok", 5]}, "stop"),
     ],
 )
 def test_out_of_range_sampling_params_refused(params: dict[str, Any], field: str) -> None:
@@ -84,3 +87,29 @@ def test_max_logprobs_setting(ckpt_dir: Any) -> None:
     assert all(len(d) >= VOCAB for d in out[0].outputs[0].logprobs)
     with pytest.raises(ValueError, match=f"greater than max allowed: {VOCAB}"):
         greedy(whole, logprobs=VOCAB + 1)
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        ({"prompt_token_ids": [5, 1.5]}, r"prompt token id 1.5 \(position 1\) is not an integer"),
+        ({"prompt_token_ids": ["a"]}, r"prompt token id 'a' \(position 0\) is not an integer"),
+        ([[5, 6], [7]], r"prompt token id \[5, 6\] \(position 0\) is not an integer"),
+        ({"text": "hi"}, r"a prompt dict needs 'prompt' \(text\) or 'prompt_token_ids'"),
+        (None, "a prompt is a string, a list of token ids or a dict"),
+    ],
+)
+def test_malformed_prompts_refused_and_engine_serves(llm: LLM, prompt: Any, message: str) -> None:
+    before = greedy(llm)
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert greedy(llm) == before
+
+
+def test_numpy_token_ids_are_token_ids(llm: LLM) -> None:
+    import numpy as np
+
+    ids = np.array(PROMPT["prompt_token_ids"], dtype=np.int64)
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == greedy(llm)

@@ -212,10 +212,17 @@ class LLMEngine:
     def tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _integer_ids(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
             prompt = prompt["prompt"]
         if isinstance(prompt, list):
-            return None, [int(t) for t in prompt]
+            return None, _integer_ids(prompt)
+        if not isinstance(prompt, str):
+            raise ValueError(
+                "a prompt is a string, a list of token ids or a dict with 'prompt' or "
+                f"'prompt_token_ids', got {type(prompt).__name__}"
+            )
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer: pass prompt_token_ids")
         if len(prompt) > self.max_prompt_chars:
@@ -627,6 +634,17 @@ class LLMEngine:
                 else None
             ),
         )
+
+
+def _integer_ids(ids: Any) -> list[int]:
+    """Prompt token ids as Python ints: a float or a string among them is refused, not
+    truncated or left to fail inside a step."""
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"prompt token id {t!r} (position {i}) is not an integer")
+        out.append(int(t))
+    return out
 
 
 def _check_token_ids(what: str, ids: list[int], vocab: int) -> None:
