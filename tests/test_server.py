@@ -377,6 +377,8 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"prompt": [10**7]}, "prompt"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "logprobs": 1000}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),  # the engine's max_logprobs: 20
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "hi", "seed": 2**70}, "seed"),
     ({"prompt": "hi", "seed": 2**63 - 1, "n": 2}, "seed"),
     ({"prompt": "hi", "stop": ""}, "stop"),
@@ -395,6 +397,10 @@ BAD_CHAT: list[tuple[Any, str | None]] = [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    (
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     # The test tokenizer's template reads neither.
     (
@@ -629,6 +635,26 @@ def test_dead_engine_makes_health_503(dirs: dict[str, str]) -> None:
         assert events[-1] == "data: [DONE]"
         assert httpx.get(s.url + "/health").status_code == 503
         _assert_error(httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}), 503)
+    finally:
+        s.close()
+
+
+def test_max_logprobs_sets_the_servers_limit(dirs: dict[str, str]) -> None:
+    """--max-logprobs -1 (vLLM's: the whole vocabulary) lets a request ask for more than 20
+    logprobs; past the limit, a 400 with vLLM's message."""
+    s = LiveServer(_config(dirs, None, max_logprobs=-1))
+    try:
+        vocab = s.engine.engine.hf_config["vocab_size"]
+        body = {"model": s.model, "prompt": "hi", "max_tokens": 2, "logprobs": 300}
+        r = httpx.post(s.url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        tops = r.json()["choices"][0]["logprobs"]["top_logprobs"]
+        # Entries are keyed by token text, which byte tokens share (~200 distinct of the 300
+        # here); the default limit would give at most 21 (its 20 and the sampled token).
+        assert len(tops) == 2 and all(len(t) >= 100 for t in tops)
+        body["logprobs"] = vocab + 1
+        err = _assert_error(httpx.post(s.url + "/v1/completions", json=body), 400, "logprobs")
+        assert f"greater than max allowed: {vocab}" in err["message"]
     finally:
         s.close()
 

@@ -173,7 +173,10 @@ class OpenAIServing:
             msg = str(e)
             default = "messages" if prefix == "chatcmpl" else "prompt"
             default = "stop_token_ids" if msg.startswith("stop_token_ids") else default
-            raise APIError(msg, param=getattr(e, "param", None) or default) from e
+            param = getattr(e, "param", None) or default
+            if param == "logprobs" and prefix == "chatcmpl":
+                param = "top_logprobs"  # chat's logprobs is a flag; its count is top_logprobs
+            raise APIError(msg, param=param) from e
         if req.stream:
             chunks = self._stream(group, choices, fmt, req.include_usage, req.continuous_usage)
             return Stream(chunks, group.abort)
