@@ -46,7 +46,7 @@ class SamplingParams:
         if not all(isinstance(t, str) and t for t in self._stop_list):
             # vLLM refuses empty ones too: an empty stop string would end every request at once.
             raise ValueError(
-                f"SamplingParams.stop must be a string or a list of non-empty strings, "
+                "SamplingParams.stop must be a string or a list of non-empty strings, "
                 f"got {self.stop!r}."
             )
         if self.stop_token_ids is None:
