@@ -30,6 +30,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # {token id: bias} added to the logits before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
+    # vLLM's: sample only among these ids (every other token -inf).
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: words never to complete. Each is tokenized as written and with a leading space;
+    # a one-token word is never sampled, a longer one's last token is refused right after the
+    # rest of it in the output (engine/request.py bad_words_token_ids).
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrained decoding (JSON schema, regex, choice, EBNF grammar), as vLLM's field.
@@ -104,6 +110,20 @@ class SamplingParams:
                     raise bad("logit_bias", "keys must be token ids >= 0")
                 if not isinstance(b, (int, float)) or not -100 <= b <= 100:
                     raise bad("logit_bias", "values must be in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0
+                for t in self.allowed_token_ids
+            )
+        ):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids (>= 0)")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list)
+            or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise bad("bad_words", "must be a list of non-blank strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "must be token ids in the vocabulary (>= 0)")
         if self.structured_outputs is not None and not isinstance(
@@ -124,6 +144,8 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or bool(self.logit_bias)
             or self.min_tokens > 0
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words)
         )
 
     @property

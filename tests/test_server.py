@@ -261,6 +261,23 @@ def test_sampling_parameters(server: LiveServer, llm: LLM) -> None:
     assert r.choices[0].finish_reason == "stop"
     assert r.usage is not None and r.usage.completion_tokens == ids.index(tid) + 1
 
+    # allowed_token_ids and bad_words (vLLM's): the same tokens as the offline engine
+    tok = llm.get_tokenizer()
+    word = next(  # one output token whose text encodes back to it: banning it changes the text
+        w for t in ids for w in [tok.decode([t])] if tok.encode(w, add_special_tokens=False) == [t]
+    )
+    for extra in ({"allowed_token_ids": list(range(100, 140))}, {"bad_words": [word]}):
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **extra)
+        want = llm.generate(["Hello world"], sp, use_tqdm=False)[0].outputs[0].text
+        r = c.completions.create(
+            model=m,
+            prompt="Hello world",
+            max_tokens=16,
+            temperature=0,
+            extra_body={"ignore_eos": True, **extra},
+        )
+        assert r.choices[0].text == want and want != text, extra
+
     # echo prepends the prompt
     r = c.completions.create(model=m, prompt="Hello world", max_tokens=4, temperature=0, echo=True)
     assert r.choices[0].text.startswith("Hello world")
@@ -379,6 +396,9 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"prompt": "hi", "logprobs": 1000}, "logprobs"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),  # the engine's max_logprobs: 20
     ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "hi", "allowed_token_ids": [5, 10**6]}, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "hi", "bad_words": ["ok", " "]}, "bad_words"),
     ({"prompt": "hi", "seed": 2**70}, "seed"),
     ({"prompt": "hi", "seed": 2**63 - 1, "n": 2}, "seed"),
     ({"prompt": "hi", "stop": ""}, "stop"),

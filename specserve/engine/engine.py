@@ -280,10 +280,13 @@ class LLMEngine:
         _check_logprobs(
             sampling_params, vocab if c.max_logprobs == -1 else min(c.max_logprobs, vocab)
         )
+        _check_token_ids("allowed_token_ids", sampling_params.allowed_token_ids or [], vocab)
+        bad_words = self._bad_words_token_ids(sampling_params.bad_words or [], vocab)
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._rng.integers(0, 2**62))
         req = Request(request_id, ids, sampling_params, text, seed, arrival_time)
+        req.bad_words_token_ids = bad_words
         if self.detokenize:
             req.output_state = RequestState(self.tokenizer, ids, sampling_params)
         if sampling_params.structured_outputs is not None:
@@ -293,6 +296,25 @@ class LLMEngine:
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(ids)
         return req
+
+    def _bad_words_token_ids(self, words: list[str], vocab: int) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each as written (leading spaces dropped) and with
+        one leading space, the latter only where it is a different word of as many tokens
+        (tokenizers that mark a word start encode " word" with another first token)."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer: this model directory has none")
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(plain)
+            if spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        for ids in out:
+            _check_token_ids("bad_words token id", ids, vocab)
+        return out
 
     def close(self) -> None:
         """Free the GPU memory the engine holds beyond its weights (graphs, KV cache, the step

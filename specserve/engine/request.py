@@ -69,6 +69,8 @@ class Request:
         self.host_draft_tokens: list[int] = []
         # Grammar state of a structured-outputs request (None: unconstrained).
         self.grammar: RequestGrammar | None = None
+        # sampling_params.bad_words as token id sequences (the engine tokenizes them on add).
+        self.bad_words_token_ids: list[list[int]] = []
         self.block_ids: list[int] = []
         self.row = -1  # row in the runner's persistent request-state tensors
         self.seed = seed

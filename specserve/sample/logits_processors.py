@@ -1,5 +1,6 @@
 """Per-request logits processors applied to the raw target logits before sampling and
-verification: min_tokens, logit_bias, then vLLM's repetition, frequency and presence penalties.
+verification: min_tokens, logit_bias, allowed_token_ids, bad_words, then vLLM's repetition,
+frequency and presence penalties.
 
 They run on every verified slot of a speculative step: slot j of a request is the target's
 next-token distribution after [last token, d1..dj], so the penalties at slot j count the
@@ -47,6 +48,14 @@ class LogitsProcessorInputs:
     # [M] int64, [M] int64: (batch row, token id) masked until min_tokens
     stop_rows: Tensor
     stop_ids: Tensor
+    # [A] int64, [A] int64: allowed_token_ids (batch row, token id); rows with none are free
+    allow_rows: Tensor
+    allow_ids: Tensor
+    # [W] int64 batch row, [W] int64 length, [W, L] int64 token ids (padded with 0): the bad
+    # words of the batch's requests (L: the longest)
+    word_rows: Tensor
+    word_lens: Tensor
+    word_ids: Tensor
     any_penalty: bool
 
 
@@ -57,17 +66,19 @@ def build_logits_processor_inputs(
     request in the batch uses a processor."""
     if not any(r.sampling_params.uses_penalties for r in reqs):
         return None
-    ints: list[list[int]] = [
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-    ]  # prompt_lens, min_tok, b_row, b_id, s_row, s_id
+    # prompt_lens, min_tok, b_row, b_id, s_row, s_id, a_row, a_id, w_row, w_len, w_ids
+    ints: list[list[int]] = [[] for _ in range(11)]
     floats: list[list[float]] = [[], [], [], []]  # presence, frequency, repetition, bias
+    width = max((len(w) for r in reqs for w in r.bad_words_token_ids), default=0)
     for b, r in enumerate(reqs):
         sp = r.sampling_params
+        for tid in sp.allowed_token_ids or []:
+            ints[6].append(b)
+            ints[7].append(tid)
+        for word in r.bad_words_token_ids:
+            ints[8].append(b)
+            ints[9].append(len(word))
+            ints[10] += word + [0] * (width - len(word))
         ints[0].append(r.num_prompt_tokens)
         ints[1].append(sp.min_tokens)
         floats[0].append(sp.presence_penalty)
@@ -85,13 +96,14 @@ def build_logits_processor_inputs(
                 ints[4].append(b)
                 ints[5].append(tid)
     B = len(reqs)
-    n_bias, n_stop = len(ints[2]), len(ints[4])
+    n_bias, n_stop, n_allow, n_words = len(ints[2]), len(ints[4]), len(ints[6]), len(ints[8])
     ip = torch.tensor([x for part in ints for x in part], dtype=torch.int64)
     fp = torch.tensor([x for part in floats for x in part], dtype=torch.float32)
     if device.type == "cuda":
         ip = ip.pin_memory().to(device, non_blocking=True)
         fp = fp.pin_memory().to(device, non_blocking=True)
-    pl, mt, br, bi, sr, si = torch.split(ip, [B, B, n_bias, n_bias, n_stop, n_stop])
+    sizes = [B, B, n_bias, n_bias, n_stop, n_stop, n_allow, n_allow, n_words, n_words]
+    pl, mt, br, bi, sr, si, ar, ai, wr, wl, wi = torch.split(ip, sizes + [n_words * width])
     pres, freq, rep, bv = torch.split(fp, [B, B, B, n_bias])
     return LogitsProcessorInputs(
         prompt_lens=pl,
@@ -104,6 +116,11 @@ def build_logits_processor_inputs(
         bias_vals=bv,
         stop_rows=sr,
         stop_ids=si,
+        allow_rows=ar,
+        allow_ids=ai,
+        word_rows=wr,
+        word_lens=wl,
+        word_ids=wi.view(n_words, width),
         any_penalty=any(
             r.sampling_params.presence_penalty != 0.0
             or r.sampling_params.frequency_penalty != 0.0
@@ -111,6 +128,42 @@ def build_logits_processor_inputs(
             for r in reqs
         ),
     )
+
+
+def _bad_word_mask(
+    # [rows, width] persistent token buffer: verified tokens, then this step's drafts
+    token_ids: Tensor,
+    # [B] persistent row of each batch row
+    idx_mapping: Tensor,
+    # [B] int64 position of slot 0's token
+    out_pos0: Tensor,
+    lp: LogitsProcessorInputs,
+    S: int,
+    V: int,
+) -> Tensor:
+    """[B, S, V] bool: the tokens bad words forbid at each slot (vLLM's rule). A word of n
+    tokens forbids its last one where the n - 1 tokens before the slot are the rest of it, all
+    of them output tokens (the prompt does not count, as in vLLM); a one-token word forbids
+    its token everywhere. Slot j's context ends with the drafts d1..dj, as for the penalties."""
+    B = out_pos0.shape[0]
+    rows, lens, words = lp.word_rows, lp.word_lens, lp.word_ids  # [W], [W], [W, L]
+    L = words.shape[1]
+    k = torch.arange(max(L - 1, 1), device=words.device)
+    slot = torch.arange(S, device=words.device)
+    # Position of prefix token k of word w before slot j: [W, S, L-1].
+    pos = (out_pos0[rows] - (lens - 1))[:, None, None] + slot[None, :, None] + k[None, None, :]
+    in_prefix = k[None, None, :] < (lens - 1)[:, None, None]
+    got = token_ids[idx_mapping[rows][:, None, None], pos.clamp(0, token_ids.shape[1] - 1)]
+    want = words[:, None, : k.numel()] if L > 1 else torch.zeros_like(got[:, :1])
+    ok = (got == want) & (pos >= lp.prompt_lens[rows][:, None, None])
+    hit = (ok | ~in_prefix).all(dim=2)  # [W, S]
+    last = words.gather(1, (lens - 1)[:, None]).clamp(0, V - 1)  # [W, 1]
+    # Accumulated: two words of a row may end in one token, and only one of them match.
+    hits = torch.zeros(B, S, V, dtype=torch.float32, device=words.device)
+    w_rows = rows[:, None].expand(-1, S)
+    index = (w_rows, slot[None, :].expand_as(w_rows), last.expand(-1, S))
+    hits.index_put_(index, hit.float(), accumulate=True)
+    return hits > 0
 
 
 def _output_counts(
@@ -162,6 +215,13 @@ def apply_logits_processors(
         bias = torch.zeros(B, V, dtype=torch.float32, device=x.device)
         bias.index_put_((lp.bias_rows, lp.bias_ids.clamp(0, V - 1)), lp.bias_vals, accumulate=True)
         x += bias[:, None, :]
+    if lp.allow_rows.numel():
+        allowed = torch.zeros(B, V, dtype=torch.bool, device=x.device)
+        allowed[lp.allow_rows, lp.allow_ids.clamp(0, V - 1)] = True
+        free = ~allowed.any(dim=1)  # rows without allowed_token_ids
+        x.masked_fill_(~(allowed | free[:, None])[:, None, :], float("-inf"))
+    if lp.word_rows.numel():
+        x.masked_fill_(_bad_word_mask(token_ids, idx_mapping, out_pos0, lp, S, V), float("-inf"))
     if not lp.any_penalty:
         return x
     width = min(max_seq_len, token_ids.shape[1])

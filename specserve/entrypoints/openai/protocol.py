@@ -136,6 +136,9 @@ class SamplingRequest(OpenAIModel):
     repetition_penalty: float | None = Field(None, gt=0, le=1e4)
     # OpenAI: token id (as a JSON object key, so a string) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
+    # vLLM's extensions: sample only among these ids; words never to complete.
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
     # vLLM's extension: logprobs of the prompt tokens (the first is null) with the top-N.
     prompt_logprobs: int | None = Field(None, ge=0)
     # Structured outputs, enforced by the grammar step (see structured_outputs_params).
@@ -229,6 +232,8 @@ class SamplingRequest(OpenAIModel):
                     1.0 if self.repetition_penalty is None else self.repetition_penalty
                 ),
                 logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 structured_outputs=self.structured_outputs_params(),

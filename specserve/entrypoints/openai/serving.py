@@ -172,7 +172,8 @@ class OpenAIServing:
             # (A constraint xgrammar cannot compile names its own field.)
             msg = str(e)
             default = "messages" if prefix == "chatcmpl" else "prompt"
-            default = "stop_token_ids" if msg.startswith("stop_token_ids") else default
+            for field in ("stop_token_ids", "allowed_token_ids", "bad_words"):
+                default = field if msg.startswith(field) else default
             param = getattr(e, "param", None) or default
             if param == "logprobs" and prefix == "chatcmpl":
                 param = "top_logprobs"  # chat's logprobs is a flag; its count is top_logprobs
