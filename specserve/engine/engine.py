@@ -309,8 +309,10 @@ class LLMEngine:
         for word in words:
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entry {word!r} encodes to no tokens")
             out.append(plain)
-            if spaced[0] != plain[0] and len(spaced) == len(plain):
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(spaced)
         for ids in out:
             _check_token_ids("bad_words token id", ids, vocab)
