@@ -36,6 +36,9 @@ class SamplingParams:
     # a one-token word is never sampled, a longer one's last token is refused right after the
     # rest of it in the output (engine/request.py bad_words_token_ids).
     bad_words: list[str] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as leave room for one output
+    # token within max_model_len).
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Constrained decoding (JSON schema, regex, choice, EBNF grammar), as vLLM's field.
@@ -124,6 +127,12 @@ class SamplingParams:
             or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
         ):
             raise bad("bad_words", "must be a list of non-blank strings")
+        if self.truncate_prompt_tokens is not None and (
+            isinstance(self.truncate_prompt_tokens, bool)
+            or not isinstance(self.truncate_prompt_tokens, int)
+            or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+        ):
+            raise bad("truncate_prompt_tokens", "must be -1 or an integer >= 1")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "must be token ids in the vocabulary (>= 0)")
         if self.structured_outputs is not None and not isinstance(

@@ -113,3 +113,24 @@ def test_numpy_token_ids_are_token_ids(llm: LLM) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=6)
     out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == greedy(llm)
+
+
+def test_truncate_prompt_tokens(llm: LLM) -> None:
+    """vLLM's left truncation: the output follows the prompt's last k tokens."""
+    long = list(range(3, 40))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, truncate_prompt_tokens=5)
+    out = llm.generate([{"prompt_token_ids": long}], sp, use_tqdm=False)[0]
+    assert out.prompt_token_ids == long[-5:]
+    ref = SamplingParams(temperature=0.0, max_tokens=6)
+    want = llm.generate([{"prompt_token_ids": long[-5:]}], ref, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    # -1: what max_model_len (64) holds with room for one token; a longer prompt would be refused.
+    too_long = list(range(3, 103))
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
+        llm.generate([{"prompt_token_ids": too_long}], ref, use_tqdm=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, truncate_prompt_tokens=-1)
+    out = llm.generate([{"prompt_token_ids": too_long}], sp, use_tqdm=False)[0]
+    assert out.prompt_token_ids == too_long[-63:] and len(out.outputs[0].token_ids) == 1
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="SamplingParams.truncate_prompt_tokens "):
+            SamplingParams(truncate_prompt_tokens=bad)

@@ -278,6 +278,17 @@ def test_sampling_parameters(server: LiveServer, llm: LLM) -> None:
         )
         assert r.choices[0].text == want and want != text, extra
 
+    # truncate_prompt_tokens (vLLM's): the output follows the prompt's last tokens
+    r = c.completions.create(
+        model=m, prompt="Hello world", max_tokens=6, temperature=0,
+        extra_body={"truncate_prompt_tokens": 2, "ignore_eos": True},
+    )  # fmt: skip
+    prompt_ids = llm.get_tokenizer().encode("Hello world")
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate([{"prompt_token_ids": prompt_ids[-2:]}], sp, use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].text == want.text and r.usage is not None
+    assert r.usage.prompt_tokens == 2
+
     # echo prepends the prompt
     r = c.completions.create(model=m, prompt="Hello world", max_tokens=4, temperature=0, echo=True)
     assert r.choices[0].text.startswith("Hello world")
@@ -399,6 +410,8 @@ BAD_COMPLETIONS: list[tuple[Any, str | None]] = [
     ({"prompt": "hi", "allowed_token_ids": [5, 10**6]}, "allowed_token_ids"),
     ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": "hi", "bad_words": ["ok", " "]}, "bad_words"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "hi", "truncate_prompt_tokens": 2, "echo": True}, "truncate_prompt_tokens"),
     ({"prompt": "hi", "seed": 2**70}, "seed"),
     ({"prompt": "hi", "seed": 2**63 - 1, "n": 2}, "seed"),
     ({"prompt": "hi", "stop": ""}, "stop"),

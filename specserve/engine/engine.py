@@ -258,6 +258,11 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        keep = sampling_params.truncate_prompt_tokens
+        if keep is not None:
+            # vLLM's left truncation: the prompt's end is what the next token follows (its text
+            # stays the request's own). -1: the longest prompt that leaves room for one token.
+            ids = ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "

@@ -139,6 +139,9 @@ class SamplingRequest(OpenAIModel):
     # vLLM's extensions: sample only among these ids; words never to complete.
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
+    # vLLM's extension: keep only the prompt's last k tokens (-1: all that leave room for one
+    # output token).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # vLLM's extension: logprobs of the prompt tokens (the first is null) with the top-N.
     prompt_logprobs: int | None = Field(None, ge=0)
     # Structured outputs, enforced by the grammar step (see structured_outputs_params).
@@ -234,6 +237,7 @@ class SamplingRequest(OpenAIModel):
                 logit_bias=self._logit_bias(),
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 structured_outputs=self.structured_outputs_params(),
@@ -274,6 +278,11 @@ class CompletionRequest(SamplingRequest):
             raise APIError("best_of other than n is not supported.", param="best_of")
         if self.suffix:
             raise APIError("suffix is not supported.", param="suffix")
+        if self.echo and self.truncate_prompt_tokens is not None:
+            # The echo would be the whole prompt's text beside the truncated prompt's logprobs.
+            raise APIError(
+                "echo with truncate_prompt_tokens is not supported.", param="truncate_prompt_tokens"
+            )
         return out
 
     def to_sampling_params(self) -> SamplingParams:
