@@ -130,7 +130,9 @@ def build_logits_processor_inputs(
     )
 
 
-def _bad_word_mask(
+def _mask_bad_words_(
+    # [B, S, V] float32 logits, contiguous; masked in place
+    x: Tensor,
     # [rows, width] persistent token buffer: verified tokens, then this step's drafts
     token_ids: Tensor,
     # [B] persistent row of each batch row
@@ -138,14 +140,12 @@ def _bad_word_mask(
     # [B] int64 position of slot 0's token
     out_pos0: Tensor,
     lp: LogitsProcessorInputs,
-    S: int,
-    V: int,
-) -> Tensor:
-    """[B, S, V] bool: the tokens bad words forbid at each slot (vLLM's rule). A word of n
-    tokens forbids its last one where the n - 1 tokens before the slot are the rest of it, all
-    of them output tokens (the prompt does not count, as in vLLM); a one-token word forbids
-    its token everywhere. Slot j's context ends with the drafts d1..dj, as for the penalties."""
-    B = out_pos0.shape[0]
+) -> None:
+    """vLLM's bad-words rule at every slot: a word of n tokens forbids its last one where the
+    n - 1 tokens before the slot are the rest of it, all of them output tokens (the prompt does
+    not count, as in vLLM); a one-token word forbids its token everywhere. Slot j's context
+    ends with the drafts d1..dj, as for the penalties."""
+    B, S, V = x.shape
     rows, lens, words = lp.word_rows, lp.word_lens, lp.word_ids  # [W], [W], [W, L]
     L = words.shape[1]
     k = torch.arange(max(L - 1, 1), device=words.device)
@@ -158,12 +158,11 @@ def _bad_word_mask(
     ok = (got == want) & (pos >= lp.prompt_lens[rows][:, None, None])
     hit = (ok | ~in_prefix).all(dim=2)  # [W, S]
     last = words.gather(1, (lens - 1)[:, None]).clamp(0, V - 1)  # [W, 1]
-    # Accumulated: two words of a row may end in one token, and only one of them match.
-    hits = torch.zeros(B, S, V, dtype=torch.float32, device=words.device)
-    w_rows = rows[:, None].expand(-1, S)
-    index = (w_rows, slot[None, :].expand_as(w_rows), last.expand(-1, S))
-    hits.index_put_(index, hit.float(), accumulate=True)
-    return hits > 0
+    # A min with -inf where a word fires and +inf where not: no [B, S, V] mask, no host sync,
+    # and two words ending in one token combine whichever order they land in.
+    flat = (rows[:, None] * S + slot[None, :]) * V + last  # [W, S]
+    fill = torch.where(hit, float("-inf"), float("inf"))
+    x.view(-1).scatter_reduce_(0, flat.flatten(), fill.flatten(), reduce="amin")
 
 
 def _output_counts(
@@ -197,7 +196,7 @@ def apply_logits_processors(
 ) -> Tensor:
     """-> [B, S, V] float32 processed logits (a new tensor; `logits` is left as it was)."""
     B, S, V = logits.shape
-    x = logits.float().clone()
+    x = logits.float().clone(memory_format=torch.contiguous_format)  # viewed flat below
     slot = torch.arange(S, device=x.device)
     if lp.stop_rows.numel():
         # Slot j's token is output number out_pos0 + j - prompt_len (0-based).
@@ -221,7 +220,7 @@ def apply_logits_processors(
         free = ~allowed.any(dim=1)  # rows without allowed_token_ids
         x.masked_fill_(~(allowed | free[:, None])[:, None, :], float("-inf"))
     if lp.word_rows.numel():
-        x.masked_fill_(_bad_word_mask(token_ids, idx_mapping, out_pos0, lp, S, V), float("-inf"))
+        _mask_bad_words_(x, token_ids, idx_mapping, out_pos0, lp)
     if not lp.any_penalty:
         return x
     width = min(max_seq_len, token_ids.shape[1])
