@@ -288,6 +288,22 @@ def test_sampling_parameters(server: LiveServer, llm: LLM) -> None:
     want = llm.generate([{"prompt_token_ids": prompt_ids[-2:]}], sp, use_tqdm=False)[0].outputs[0]
     assert r.choices[0].text == want.text and r.usage is not None
     assert r.usage.prompt_tokens == 2
+    # ... also for a text too long to fit (tokenized by its tail) and a chat request
+    long_text = "The quick brown fox jumps over the lazy dog. " * 1000
+    assert len(long_text) > server.engine.engine.max_prompt_chars
+    r = c.completions.create(
+        model=m, prompt=long_text, max_tokens=6, temperature=0,
+        extra_body={"truncate_prompt_tokens": 10, "ignore_eos": True},
+    )  # fmt: skip
+    tail = llm.get_tokenizer().encode(long_text)[-10:]
+    want = llm.generate([{"prompt_token_ids": tail}], sp, use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].text == want.text and r.usage is not None
+    assert r.usage.prompt_tokens == 10
+    rc = c.chat.completions.create(
+        model=m, messages=[{"role": "user", "content": long_text}], max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 10},
+    )  # fmt: skip
+    assert rc.usage is not None and rc.usage.prompt_tokens == 10
 
     # echo prepends the prompt
     r = c.completions.create(model=m, prompt="Hello world", max_tokens=4, temperature=0, echo=True)

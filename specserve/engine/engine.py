@@ -209,7 +209,11 @@ class LLMEngine:
         return num_blocks
 
     # ---- requests ------------------------------------------------------------------------
-    def tokenize(self, prompt: str | dict[str, Any] | list[int]) -> tuple[str | None, list[int]]:
+    def tokenize(
+        self, prompt: str | dict[str, Any] | list[int], truncating: bool = False
+    ) -> tuple[str | None, list[int]]:
+        """`truncating`: the request keeps only its prompt's last tokens
+        (truncate_prompt_tokens), so a text too long to fit is tokenized by its tail."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _integer_ids(prompt["prompt_token_ids"])
@@ -225,6 +229,11 @@ class LLMEngine:
             )
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer: pass prompt_token_ids")
+        if len(prompt) > self.max_prompt_chars and truncating:
+            # Twice the characters any max_model_len tokens can span: the tail's tokens hold at
+            # least 2 * max_model_len, so the kept ones (fewer than max_model_len) are far from
+            # where the cut may have split a word, and are the full text's last tokens.
+            return prompt, self.tokenizer.encode(prompt[-2 * self.max_prompt_chars :])
         if len(prompt) > self.max_prompt_chars:
             # NOTE: tokenizing 4 MB takes ~20 s; a text this long cannot fit, so say so now.
             raise PromptTooLongError(
@@ -255,7 +264,7 @@ class LLMEngine:
         caller compiled it off this thread (the server); None compiles it here."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        text, ids = self.tokenize(prompt)
+        text, ids = self.tokenize(prompt, sampling_params.truncate_prompt_tokens is not None)
         if not ids:
             raise ValueError("the prompt is empty")
         keep = sampling_params.truncate_prompt_tokens

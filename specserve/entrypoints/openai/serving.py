@@ -99,7 +99,7 @@ class OpenAIServing:
         def make() -> list[PromptSource]:
             out: list[PromptSource] = []
             for p in texts:
-                text, ids = core.tokenize(p)
+                text, ids = core.tokenize(p, sp.truncate_prompt_tokens is not None)
                 if text is None and req.echo and core.tokenizer is not None:
                     # The echo of a token-id prompt is decoded here too, not on the event
                     # loop; ids outside the vocabulary are refused by add_request instead.
@@ -127,7 +127,9 @@ class OpenAIServing:
         )
         core = self.engine.engine
         chars = sum(len(m["content"]) for m in conv)
-        if chars > core.max_prompt_chars:  # cheaper than rendering and tokenizing it
+        # Cheaper than rendering and tokenizing it; a request that truncates its prompt is
+        # rendered whole (bounded by --max-request-bytes) and cut by add_request.
+        if chars > core.max_prompt_chars and sp.truncate_prompt_tokens is None:
             raise APIError(
                 f"This model's maximum context length is {core.max_model_len} tokens. However, "
                 f"your messages have {chars} characters, more than that many tokens can hold.",
