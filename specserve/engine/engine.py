@@ -230,9 +230,10 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("this model directory has no tokenizer: pass prompt_token_ids")
         if len(prompt) > self.max_prompt_chars and truncating:
-            # Twice the characters any max_model_len tokens can span: the tail's tokens hold at
-            # least 2 * max_model_len, so the kept ones (fewer than max_model_len) are far from
-            # where the cut may have split a word, and are the full text's last tokens.
+            # Twice the characters any max_model_len tokens can span: the tail holds at least
+            # 2 * max_model_len tokens, so the kept ones (fewer than max_model_len) lie far from
+            # where the cut split a word, and are the full text's last tokens unless one word
+            # (no pre-tokenizer split) runs from the cut to them.
             return prompt, self.tokenizer.encode(prompt[-2 * self.max_prompt_chars :])
         if len(prompt) > self.max_prompt_chars:
             # NOTE: tokenizing 4 MB takes ~20 s; a text this long cannot fit, so say so now.
