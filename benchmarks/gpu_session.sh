@@ -596,8 +596,8 @@ or bf16_graphs_equal or test_cudagraph_equals_eager" 2>&1 | tail -4
       --modes fused --async-scheduling 2>&1 | tee "$OUT/spec_step.log" | tail -14
     ;;
   h200-tests)
-    # Session 30: every GPU test on the H200, four pytest-xdist workers on the one GPU (the
-    # machine's 16 cores compile in parallel); failures are re-run alone in the time left.
+    # Session 30: every GPU test on the H200 (or TESTS=...), four pytest-xdist workers on the
+    # one GPU (the machine's 16 cores compile in parallel), cut at LIMIT seconds (480).
     # -o addopts="": pyproject's -q would cancel -v (session 30's call 3 printed dots only).
     timeout ${LIMIT:-480} python -m pytest -o addopts="" -m gpu ${TESTS:-tests} -n 4 -v \
       --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
