@@ -145,7 +145,7 @@ class SamplingParams:
         return self._stop_list
 
     @property
-    def uses_penalties(self) -> bool:
+    def uses_logits_processors(self) -> bool:
         """Whether the target logits need `apply_logits_processors` for this request."""
         return (
             self.presence_penalty != 0.0

@@ -288,14 +288,19 @@ class LLMEngine:
             )
         vocab = self.hf_config["vocab_size"]
         _check_token_ids("prompt token id", ids, vocab)
-        _check_token_ids("stop_token_ids", sampling_params.stop_token_ids, vocab)
+        _check_token_ids(
+            "stop_token_ids", sampling_params.stop_token_ids, vocab, param="stop_token_ids"
+        )
         bad_bias = [t for t in sampling_params.logit_bias or {} if t >= vocab]
         if bad_bias:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {bad_bias[0]}.")
+            raise RequestFieldError(
+                f"logit_bias token ids must be in [0, {vocab}), got {bad_bias[0]}.", "logit_bias"
+            )
         _check_logprobs(
             sampling_params, vocab if c.max_logprobs == -1 else min(c.max_logprobs, vocab)
         )
-        _check_token_ids("allowed_token_ids", sampling_params.allowed_token_ids or [], vocab)
+        allowed = sampling_params.allowed_token_ids or []
+        _check_token_ids("allowed_token_ids", allowed, vocab, param="allowed_token_ids")
         bad_words = self._bad_words_token_ids(sampling_params.bad_words or [], vocab)
         seed = sampling_params.seed
         if seed is None:
@@ -319,18 +324,22 @@ class LLMEngine:
         if not words:
             return []
         if self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer: this model directory has none")
+            raise RequestFieldError(
+                "bad_words needs a tokenizer: this model directory has none", "bad_words"
+            )
         out: list[list[int]] = []
         for word in words:
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             if not plain:
-                raise ValueError(f"bad_words entry {word!r} encodes to no tokens")
+                raise RequestFieldError(
+                    f"bad_words entry {word!r} encodes to no tokens", "bad_words"
+                )
             out.append(plain)
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(spaced)
         for ids in out:
-            _check_token_ids("bad_words token id", ids, vocab)
+            _check_token_ids("bad_words token id", ids, vocab, param="bad_words")
         return out
 
     def close(self) -> None:
@@ -686,22 +695,24 @@ def _integer_ids(ids: Any) -> list[int]:
     return out
 
 
-def _check_token_ids(what: str, ids: list[int], vocab: int) -> None:
+class RequestFieldError(ValueError):
+    """A request field add_request refuses; `param` names it for the server's 400 (errors of
+    the prompt itself carry none: the endpoint knows whether it was a prompt or messages)."""
+
+    def __init__(self, msg: str, param: str | None) -> None:
+        super().__init__(msg)
+        self.param = param
+
+
+def _check_token_ids(what: str, ids: list[int], vocab: int, param: str | None = None) -> None:
     """Token ids must index the vocabulary: say which one does not, and where."""
     for i, t in enumerate(ids):
         if not 0 <= t < vocab:
-            raise ValueError(
+            raise RequestFieldError(
                 f"{what} {t} (position {i}) is outside this model's vocabulary: "
-                f"token ids must be in [0, {vocab})"
+                f"token ids must be in [0, {vocab})",
+                param,
             )
-
-
-class LogprobsLimitError(ValueError):
-    """A request asks for more logprobs than the engine's max_logprobs."""
-
-    def __init__(self, msg: str, param: str) -> None:
-        super().__init__(msg)
-        self.param = param  # the request field the server names in its 400
 
 
 def _check_logprobs(sp: SamplingParams, limit: int) -> None:
@@ -709,7 +720,7 @@ def _check_logprobs(sp: SamplingParams, limit: int) -> None:
     the step, taking every running request down with it."""
     for what, n in (("sample", sp.logprobs), ("prompt", sp.prompt_logprobs)):
         if n is not None and n > limit:
-            raise LogprobsLimitError(
+            raise RequestFieldError(
                 f"Requested {what} logprobs of {n}, which is greater than max allowed: {limit}",
                 "logprobs" if what == "sample" else "prompt_logprobs",
             )

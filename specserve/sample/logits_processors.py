@@ -64,63 +64,55 @@ def build_logits_processor_inputs(
 ) -> LogitsProcessorInputs | None:
     """The step's processor inputs (one upload each for ints and floats), or None when no
     request in the batch uses a processor."""
-    if not any(r.sampling_params.uses_penalties for r in reqs):
+    if not any(r.sampling_params.uses_logits_processors for r in reqs):
         return None
-    # prompt_lens, min_tok, b_row, b_id, s_row, s_id, a_row, a_id, w_row, w_len, w_ids
-    ints: list[list[int]] = [[] for _ in range(11)]
-    floats: list[list[float]] = [[], [], [], []]  # presence, frequency, repetition, bias
+    # Host lists named as LogitsProcessorInputs' fields: one upload for the ints, one for the
+    # floats, split back by the lists' own lengths.
+    ints: dict[str, list[int]] = {
+        name: []
+        for name in ("prompt_lens", "min_tokens", "bias_rows", "bias_ids", "stop_rows")
+        + ("stop_ids", "allow_rows", "allow_ids", "word_rows", "word_lens", "word_ids")
+    }
+    floats: dict[str, list[float]] = {
+        name: [] for name in ("presence", "frequency", "repetition", "bias_vals")
+    }
     width = max((len(w) for r in reqs for w in r.bad_words_token_ids), default=0)
     for b, r in enumerate(reqs):
         sp = r.sampling_params
-        for tid in sp.allowed_token_ids or []:
-            ints[6].append(b)
-            ints[7].append(tid)
-        for word in r.bad_words_token_ids:
-            ints[8].append(b)
-            ints[9].append(len(word))
-            ints[10] += word + [0] * (width - len(word))
-        ints[0].append(r.num_prompt_tokens)
-        ints[1].append(sp.min_tokens)
-        floats[0].append(sp.presence_penalty)
-        floats[1].append(sp.frequency_penalty)
-        floats[2].append(sp.repetition_penalty)
+        ints["prompt_lens"].append(r.num_prompt_tokens)
+        ints["min_tokens"].append(sp.min_tokens)
+        floats["presence"].append(sp.presence_penalty)
+        floats["frequency"].append(sp.frequency_penalty)
+        floats["repetition"].append(sp.repetition_penalty)
         for tid, v in (sp.logit_bias or {}).items():
-            ints[2].append(b)
-            ints[3].append(tid)
-            floats[3].append(v)
+            ints["bias_rows"].append(b)
+            ints["bias_ids"].append(tid)
+            floats["bias_vals"].append(v)
         if sp.min_tokens > 0 and r.num_output_tokens < sp.min_tokens and r.grammar is None:
             stops: Iterable[int] = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 stops = set(stops) | set(eos_token_ids)
             for tid in stops:
-                ints[4].append(b)
-                ints[5].append(tid)
-    B = len(reqs)
-    n_bias, n_stop, n_allow, n_words = len(ints[2]), len(ints[4]), len(ints[6]), len(ints[8])
-    ip = torch.tensor([x for part in ints for x in part], dtype=torch.int64)
-    fp = torch.tensor([x for part in floats for x in part], dtype=torch.float32)
+                ints["stop_rows"].append(b)
+                ints["stop_ids"].append(tid)
+        for tid in sp.allowed_token_ids or []:
+            ints["allow_rows"].append(b)
+            ints["allow_ids"].append(tid)
+        for word in r.bad_words_token_ids:
+            ints["word_rows"].append(b)
+            ints["word_lens"].append(len(word))
+            ints["word_ids"] += word + [0] * (width - len(word))
+    ip = torch.tensor([x for part in ints.values() for x in part], dtype=torch.int64)
+    fp = torch.tensor([x for part in floats.values() for x in part], dtype=torch.float32)
     if device.type == "cuda":
         ip = ip.pin_memory().to(device, non_blocking=True)
         fp = fp.pin_memory().to(device, non_blocking=True)
-    sizes = [B, B, n_bias, n_bias, n_stop, n_stop, n_allow, n_allow, n_words, n_words]
-    pl, mt, br, bi, sr, si, ar, ai, wr, wl, wi = torch.split(ip, sizes + [n_words * width])
-    pres, freq, rep, bv = torch.split(fp, [B, B, B, n_bias])
+    it = dict(zip(ints, torch.split(ip, [len(v) for v in ints.values()])))
+    ft = dict(zip(floats, torch.split(fp, [len(v) for v in floats.values()])))
+    it["word_ids"] = it["word_ids"].view(len(ints["word_rows"]), width)
     return LogitsProcessorInputs(
-        prompt_lens=pl,
-        presence=pres,
-        frequency=freq,
-        repetition=rep,
-        min_tokens=mt,
-        bias_rows=br,
-        bias_ids=bi,
-        bias_vals=bv,
-        stop_rows=sr,
-        stop_ids=si,
-        allow_rows=ar,
-        allow_ids=ai,
-        word_rows=wr,
-        word_lens=wl,
-        word_ids=wi.view(n_words, width),
+        **it,
+        **ft,
         any_penalty=any(
             r.sampling_params.presence_penalty != 0.0
             or r.sampling_params.frequency_penalty != 0.0

@@ -173,10 +173,9 @@ class OpenAIServing:
             # NOTE: adding a request only validates, so any failure is the input's.
             # (A constraint xgrammar cannot compile names its own field.)
             msg = str(e)
-            default = "messages" if prefix == "chatcmpl" else "prompt"
-            for field in ("stop_token_ids", "allowed_token_ids", "bad_words"):
-                default = field if msg.startswith(field) else default
-            param = getattr(e, "param", None) or default
+            # A field the engine refused names itself (RequestFieldError.param); the rest is
+            # the prompt's.
+            param = getattr(e, "param", None) or ("messages" if prefix == "chatcmpl" else "prompt")
             if param == "logprobs" and prefix == "chatcmpl":
                 param = "top_logprobs"  # chat's logprobs is a flag; its count is top_logprobs
             raise APIError(msg, param=param) from e
