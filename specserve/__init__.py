@@ -19,7 +19,7 @@ def __getattr__(name: str) -> Any:
 
         return SamplingParams
     if name == "StructuredOutputsParams":
-        from specserve.structured.params import StructuredOutputsParams
+        from specserve.sampling_params import StructuredOutputsParams
 
         return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput"):

@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from specserve.sampling_params import StructuredOutputsParams
 from specserve.structured.matcher import RequestGrammar
-from specserve.structured.params import StructuredOutputsParams, choice_as_ebnf
 
 
 class StructuredOutputError(ValueError):
@@ -91,3 +91,13 @@ class StructuredOutputs:
 
         grammar = compiled if compiled is not None else self.compile(params)
         return RequestGrammar(xgr.GrammarMatcher(grammar), self.vocab_size)
+
+
+def choice_as_ebnf(choices: list[str]) -> str:
+    """`root ::= "a" | "b"`: an EBNF grammar matching exactly one of `choices` (as vLLM builds
+    it for xgrammar), with quotes and backslashes escaped."""
+
+    def lit(s: str) -> str:
+        return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+    return "root ::= " + " | ".join(lit(c) for c in choices)

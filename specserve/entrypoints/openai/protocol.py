@@ -26,8 +26,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specserve.sampling_params import SamplingParams
-from specserve.structured.params import StructuredOutputsParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Bounds that keep values inside the engine's int64 per-row tensors. How many logprobs a
 # request may ask for is the engine's `max_logprobs` (--max-logprobs, 20 by default, as vLLM):
