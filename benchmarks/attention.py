@@ -5,21 +5,24 @@ shuffled pages. Each row times one backend `forward` (KV write + attention) eage
 from a CUDA graph (launch overhead removed). Long-context batch-1 rows also time the Triton
 kernel with split-KV off ("triton-1split").
 
-    python benchmarks/attention.py            # prints a table; writes $OUT/attention.json if set
+    python benchmarks/attention.py            # table last; $OUT/attention.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 from collections.abc import Callable
 
 import torch
 
-from specserve.attention.backend import AttentionBackend, CommonAttentionMetadata
-from specserve.attention.torch_ref import TorchAttentionBackend
-from specserve.attention.triton_paged import TritonAttentionBackend
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_json  # noqa: E402
+
+from specserve.attention.backend import AttentionBackend, CommonAttentionMetadata  # noqa: E402
+from specserve.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from specserve.attention.triton_paged import TritonAttentionBackend  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 
@@ -168,12 +171,8 @@ def main() -> None:
             f"{r['case']:<24}{r['backend']:<15}{fmt(r['eager_us']):>10}{fmt(r['graph_us']):>10}"
             f"{r['max_rel_err_vs_torch']:>10.1e}"
         )
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        path = os.path.join(out_dir, "attention.json")
-        with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "results": rows}, f, indent=2)
-        print(f"wrote {path}")
+    path = write_json("attention.json", {"device": torch.cuda.get_device_name(), "results": rows})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

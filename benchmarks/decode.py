@@ -8,7 +8,7 @@ synchronous steps with cuBLAS, and async steps with cuBLAS; the captured target 
 host work), the default engine's start-up time, and the same model under transformers'
 `generate` in the same run.
 
-    python benchmarks/decode.py [--batch-sizes 1,16] [--no-hf]   # writes $OUT/decode.json if set
+    python benchmarks/decode.py [--batch-sizes 1,16] [--no-hf]   # $OUT/decode.json (OUT default ./out)
 """
 
 from __future__ import annotations
@@ -17,10 +17,14 @@ import argparse
 import gc
 import json
 import os
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import out_dir, write_json  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -224,9 +228,8 @@ def profile_steps(model_dir: str, prompt_len: int, steps: int = 40, **engine_kw:
     text += f"\n== synchronizing operations in {steps} steps ({tag})\n"
     text += "\n".join(f"{n:>5}x {k}" for k, n in sorted(sites.items(), key=lambda x: -x[1]))
     print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "profile.txt"), "a") as f:
-            f.write(text + "\n")
+    with open(os.path.join(out_dir(), "profile.txt"), "a") as f:
+        f.write(text + "\n")
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -252,7 +255,7 @@ def timeline(
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "timeline.json")
+    path = os.path.join(out_dir(), "timeline.json")
     tp.export_chrome_trace(path)
     with open(path) as f:
         events = json.load(f)["traceEvents"]
@@ -375,75 +378,6 @@ def kernel_profile(model_dir: str, prompt_len: int, steps: int = 10) -> list[dic
     return rows
 
 
-# --sweep keys: the module switch each one sets (benchmark-only knobs of the decode path)
-SWEEP_KNOBS = {
-    "split": ("specserve.attention.triton_paged", "MIN_KEYS_PER_SPLIT", int),
-    "pdl": ("specserve.ops.pdl", "ENABLED", lambda v: bool(int(v))),
-    "fuse_norm": ("specserve.ops.gemv", "FUSE_NORM", lambda v: bool(int(v))),
-    "gemv_preload": ("specserve.ops.pdl", "GEMV_PRELOAD", lambda v: bool(int(v))),
-    "gemv_early": ("specserve.ops.pdl", "GEMV_EARLY_TRIGGER", lambda v: bool(int(v))),
-    "early_meta": ("specserve.ops.pdl", "EARLY_METADATA", lambda v: bool(int(v))),
-    "fuse_kv": ("specserve.attention.triton_paged", "FUSE_ROPE_KV", lambda v: bool(int(v))),
-    "side_streams": ("specserve.worker.copy_streams", "SIDE_STREAMS", lambda v: bool(int(v))),
-    # decode_matmul="auto"'s launch configs, as indexes into gemv.CONFIGS ("1/2/4": the default)
-    "candidates": ("specserve.ops.gemv_plan", "CANDIDATES", lambda v: _gemv_configs(v)),
-}
-
-
-def _gemv_configs(indexes: str) -> tuple:
-    from specserve.ops.gemv import CONFIGS
-
-    return tuple(CONFIGS[int(i)] for i in indexes.split("/"))
-
-
-def sweep(model_dir: str, args: argparse.Namespace, variants: list[str]) -> None:
-    """Batch-1 async + decode_matmul=auto decode per variant, a variant being a comma list of
-    knob=value (SWEEP_KNOBS); knobs not named keep their defaults. List one variant twice to
-    see the spread between identical runs."""
-    import importlib
-
-    from specserve.ops import gemv_plan
-
-    defaults = {
-        key: getattr(importlib.import_module(mod), attr)
-        for key, (mod, attr, _) in SWEEP_KNOBS.items()
-    }
-    bw_before = copy_bandwidth()
-    rows = []
-    for variant in variants:
-        setting = dict(defaults)
-        for item in filter(None, variant.split(",")):
-            key, value = item.split("=")
-            setting[key] = SWEEP_KNOBS[key][2](value)
-        for key, (mod, attr, _) in SWEEP_KNOBS.items():
-            setattr(importlib.import_module(mod), attr, setting[key])
-        gemv_plan._PLANS.clear()  # time the plan under this variant's kernels
-        r = run_specserve(
-            model_dir,
-            1,
-            args.prompt_len,
-            args.new_tokens,
-            async_scheduling=True,
-            decode_matmul="auto",
-        )
-        rows.append({"variant": variant, **{k: r[k] for k in ("ms_per_step", "graph_ms")}})
-        print(f"{variant or 'defaults'}: {r['ms_per_step']:.3f} ms/step, graph {r['graph_ms']:.3f}")
-    for key, (mod, attr, _) in SWEEP_KNOBS.items():
-        setattr(importlib.import_module(mod), attr, defaults[key])
-    bw = max(bw_before, copy_bandwidth())  # before and after the engines: the better one
-    floor_ms = 1e3 * step_bytes(LLAMA3_8B, 1, args.prompt_len + args.new_tokens // 2) / bw
-    print(f"\nbatch 1, async + auto; floor {floor_ms:.2f} ms at {bw / 1e9:.0f} GB/s")
-    for r in rows:
-        r["pct_of_floor"] = floor_ms / r["ms_per_step"]
-        print(
-            f"{r['variant'] or 'defaults':>28} {r['ms_per_step']:>7.3f} ms "
-            f"{100 * r['pct_of_floor']:>6.1f}%  graph {r['graph_ms']:.3f} ms"
-        )
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "sweep.json"), "w") as f:
-            json.dump({"floor_ms": floor_ms, "copy_bandwidth_GBs": bw / 1e9, "rows": rows}, f)
-
-
 def run_hf(cfg: dict, batch: int, prompt_len: int, new_tokens: int) -> dict:
     import transformers as tf
 
@@ -483,12 +417,6 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile host time of batch-1 steps")
     ap.add_argument("--profile-only", action="store_true", help="--profile, then stop")
     ap.add_argument(
-        "--sweep",
-        default=None,
-        help="semicolon list of variants, each a comma list of knob=value (knobs: "
-        f"{', '.join(SWEEP_KNOBS)}): time batch-1 async + auto decode under each, then stop",
-    )
-    ap.add_argument(
         "--kernels", action="store_true", help="device time per kernel of a batch-1 step"
     )
     ap.add_argument(
@@ -505,9 +433,6 @@ def main() -> None:
         profile_steps(model_dir, args.prompt_len, async_scheduling=True, decode_matmul="cublas")
         if args.profile_only:
             return
-    if args.sweep is not None:  # "" is one variant: the defaults
-        sweep(model_dir, args, args.sweep.split(";"))
-        return
     if args.timeline:
         timeline(model_dir, args.prompt_len)
         return
@@ -561,9 +486,7 @@ def main() -> None:
         "rows": rows,
         "kernels": kernels,
     }
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "decode.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_json("decode.json", result)
     print(
         f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write; "
         f"{bw_before / 1e9:.0f} before, {bw_after / 1e9:.0f} after the engines)"

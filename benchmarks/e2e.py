@@ -1,6 +1,7 @@
 """End to end on the GPU reference family: tokens/s per method, PTD vs autoregressive, batch 64.
 
-Needs the family built by benchmarks/build_family.py in --family-dir (target + drafters). Runs:
+Builds the GPU reference family first (benchmarks/build_family.py --family gpu, cached in
+--family-dir: a later run on the same machine reuses it; --skip-build uses it as it is). Runs:
   1. batch 1, greedy, held-out code prompts: output tokens/s and mean acceptance length (tau) of
      plain decode and of every drafter (K = 5), and the check tok/s(EAGLE-3) >= 0.8 tau plain;
   2. the same prompts under transformers: plain `generate` and assisted generation with a small
@@ -9,7 +10,8 @@ Needs the family built by benchmarks/build_family.py in --family-dir (target + d
   3. PTD vs autoregressive EAGLE-3 at K = 2..8, batch 1: tokens/s and drafting ms per step;
   4. 64 concurrent requests: tokens/s without speculation, with EAGLE-3 K = 5, and automatic K.
 
-    python benchmarks/e2e.py --family-dir /tmp/family       # $OUT/e2e.json, table last
+    python benchmarks/e2e.py                    # $OUT/e2e.json, table last
+    python benchmarks/e2e.py --parts methods,batch64 --skip-build   # the family already built
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_json  # noqa: E402
 
 MAX_TOKENS = 128
 
@@ -160,8 +162,14 @@ def main() -> None:
     ap.add_argument("--family-dir", default="/tmp/family")
     ap.add_argument("--num-prompts", type=int, default=24)
     ap.add_argument("--parts", default="methods,batch64,ptd,hf")
+    ap.add_argument("--methods", default="eagle3,ptd", help="drafters to build (and measure)")
+    ap.add_argument("--skip-build", action="store_true", help="use --family-dir as it is")
     args = ap.parse_args()
     fam, parts = args.family_dir, args.parts.split(",")
+    if not args.skip_build:
+        from build_family import main as build_family
+
+        build_family(["--family", "gpu", "--cache", fam, "--methods", args.methods])
     target = os.path.join(fam, "target")
     d = lambda m: os.path.join(fam, "drafters", m)  # noqa: E731
     ps = prompts(args.num_prompts)
@@ -249,21 +257,30 @@ def main() -> None:
             print(f"64 concurrent {name}: {r['tok_s']:.0f} tok/s", flush=True)
         save(res)
     save(res)
-    print(json.dumps(res, indent=1)[-3000:])
+    print_table(res)
+
+
+def print_table(res: dict) -> None:
+    """The measured rows, one line each: part, configuration, tokens/s, tau, lossless."""
+    print(f"\n{res['device']}, {res['num_prompts']} prompts, max {MAX_TOKENS} tokens")
+    print("| part | configuration | tokens/s | tau | output == plain |")
+    print("|---|---|---|---|---|")
+    for part in ("batch1", "hf", "ptd_sweep", "batch64"):
+        for name, r in res.get(part, {}).items():
+            tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
+            same = {True: "yes", False: "NO"}.get(r.get("lossless"), "-")
+            print(f"| {part} | {name} | {r['tok_s']:.0f} | {tau} | {same} |")
 
 
 def save(res: dict) -> None:
     """Written after every part, so a run cut short still brings back what it measured."""
-    if not os.environ.get("OUT"):
-        return
     clean = json.loads(json.dumps(res, default=str))
     for group in clean.values():
         if isinstance(group, dict):
             for v in group.values():
                 if isinstance(v, dict):
                     v.pop("texts", None)
-    with open(os.path.join(os.environ["OUT"], "e2e.json"), "w") as f:
-        json.dump(clean, f, indent=1)
+    write_json("e2e.json", clean)
 
 
 if __name__ == "__main__":

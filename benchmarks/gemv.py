@@ -10,12 +10,11 @@ bandwidth (the floor decode.py uses). Every Triton launch config in `specserve.o
 is tried; the best is reported next to cuBLAS, after a check against the reference.
 "gate_up+silu" compares cuBLAS + the SiLU-and-mul kernel with the fused Triton kernel.
 
-    python benchmarks/gemv.py          # table last; writes $OUT/gemv.json if set
+    python benchmarks/gemv.py          # table last; $OUT/gemv.json
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -23,7 +22,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_json  # noqa: E402
 from decode import copy_bandwidth  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the nn.Linear weight, and how many of them a forward reads
@@ -95,9 +95,7 @@ def main() -> None:
                 )
         del w, ws
     result = {"device": torch.cuda.get_device_name(), "copy_bw_GBs": bw / 1e9, "rows": rows}
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gemv.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_json("gemv.json", result)
     print(f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")
     print(
         f"{'weight':>8} {'M':>2} {'cuBLAS us':>10} {'% of bw':>8} {'Triton us':>10} {'% of bw':>8}  config"

@@ -33,7 +33,8 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402, F401  (the repository on sys.path)
 from decode import copy_bandwidth, write_config  # noqa: E402
 from moe_decode import (  # noqa: E402
     Plan,

@@ -15,7 +15,6 @@ $OUT/late_compiles.json. (`--shape tiny --device cpu`: a smoke run; nothing comp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -23,7 +22,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+from _common import write_json  # noqa: E402
 from serve_shape import write_shape  # noqa: E402
 from serve_sweep import SHAPE_EAGLE3  # noqa: E402
 
@@ -87,10 +86,7 @@ def main() -> None:
         while engine.has_unfinished_requests():
             engine.step()
     print(f"late compiles: {len(found)}")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "late_compiles.json"), "w") as f:
-            json.dump({"args": vars(args), "late_compiles": found}, f, indent=1)
+    write_json("late_compiles.json", {"args": vars(args), "late_compiles": found})
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_decode as moe  # noqa: E402
+from _common import out_dir as results_dir  # noqa: E402
 from decode import copy_bandwidth, write_config  # noqa: E402
 from moe_decode import _ms, _pct, guarded, log  # noqa: E402
 from spec_step import measure  # noqa: E402
@@ -249,8 +250,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    out_dir = os.environ.get("OUT", "./out")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = results_dir()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run with --cpu-smoke for the CPU code paths")
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_decode as moe  # noqa: E402
+from _common import out_dir as results_dir  # noqa: E402
 from decode import write_config  # noqa: E402
 from mla_decode import GLM47_FLASH, TINY_MLA  # noqa: E402
 
@@ -100,8 +101,7 @@ def main() -> None:
         "layers": cfg["num_hidden_layers"],
         "rows": rows,
     }
-    out_dir = os.environ.get("OUT", "./out")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = results_dir()
     with open(os.path.join(out_dir, "mla_prefill.json"), "w") as f:
         json.dump(result, f, indent=1)
     print("prompt tokens | latent ms | expanded ms | expanded / latent")

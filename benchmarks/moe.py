@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import out_dir as results_dir  # noqa: E402
 from decode import copy_bandwidth  # noqa: E402
 
 # name: (hidden H, moe_intermediate_size I, experts E, top_k, fused shared experts): "+shared",
@@ -303,8 +304,7 @@ def main() -> None:
         "rows": rows,
         "route_rows": route_rows,
     }
-    out_dir = os.environ.get("OUT", "out")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = results_dir()
     with open(os.path.join(out_dir, "moe.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s (read + write)")

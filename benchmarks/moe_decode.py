@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import out_dir as results_dir  # noqa: E402
 from decode import copy_bandwidth, time_graph, write_config  # noqa: E402
 from spec_step import EAGLE3_HEAD, measure  # noqa: E402
 
@@ -556,8 +557,7 @@ def run_plans(
 ) -> dict:
     """Every plan's configurations (run_model), the JSON under $OUT saved after each, the copy
     bandwidth measured again at the end; the result."""
-    out_dir = os.environ.get("OUT", "./out")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = results_dir()
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,

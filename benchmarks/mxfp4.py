@@ -34,7 +34,8 @@ if "--cpu-smoke" in sys.argv:  # before Triton is imported
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import out_dir as results_dir  # noqa: E402
 
 # name: (hidden H, moe_intermediate_size I, experts E, top_k)
 MODELS = {"gpt-oss-20b": (2880, 2880, 32, 4), "gpt-oss-120b": (2880, 2880, 128, 4)}
@@ -405,8 +406,7 @@ def main() -> None:
         "seconds": time.time() - t0,
         "rows": rows,
     }
-    out_dir = os.environ.get("OUT", "./out")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = results_dir()
     with open(os.path.join(out_dir, "mxfp4.json"), "w") as f:
         json.dump(result, f, indent=1)
     if args.cpu_smoke:

@@ -37,6 +37,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import out_dir  # noqa: E402
 
 # vLLM's table: EAGLE-3 K=3 at acceptance length 1.89 (1 + 0.505 + 0.505^2 + 0.505^3 = 1.89).
 SHAPE_EAGLE3 = {
@@ -179,11 +180,10 @@ def main(argv: list[str] | None = None) -> None:
         png = args.plot or os.path.join(out, "sweep.png")
         sh([sys.executable, "-m", "specserve.entrypoints.cli", "bench", "compare", plain[0],
             spec_run[0], "--plot", png])  # fmt: skip
-    if os.environ.get("OUT"):
-        for f in glob.glob(os.path.join(out, "*.json")) + glob.glob(os.path.join(out, "*.png")):
-            shutil.copy(f, os.environ["OUT"])
-        for f in glob.glob(os.path.join(out, "*.log")):
-            shutil.copy(f, os.environ["OUT"])
+    for f in glob.glob(os.path.join(out, "*.json")) + glob.glob(os.path.join(out, "*.png")):
+        shutil.copy(f, out_dir())
+    for f in glob.glob(os.path.join(out, "*.log")):
+        shutil.copy(f, out_dir())
 
 
 if __name__ == "__main__":

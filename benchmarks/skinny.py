@@ -9,7 +9,7 @@ rows), after a check against F.linear; the weight-read bandwidth as % of the dev
 copy bandwidth (decode.py's floor). "gate_up+silu": cuBLAS + the SiLU-and-mul kernel vs the
 fused epilogue. Under 3 minutes on an H100 (compiles included).
 
-    python benchmarks/skinny.py                 # table last; $OUT/skinny.json if set
+    python benchmarks/skinny.py                 # table last; $OUT/skinny.json
     python benchmarks/skinny.py --rows 16,64 --weights o,down
     python benchmarks/skinny.py --sweep --rows 4,16   # a wide config grid (tiles, splits,
                                                       # stages) instead of skinny.CONFIGS
@@ -19,7 +19,6 @@ fused epilogue. Under 3 minutes on an H100 (compiles included).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,7 +27,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_json  # noqa: E402
 from decode import copy_bandwidth  # noqa: E402
 from gemv import SHAPES  # noqa: E402
 
@@ -142,9 +142,7 @@ def main() -> None:
         "seconds": time.perf_counter() - t0,
         "rows": rows,
     }
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "skinny.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_json("skinny.json", result)
     print(f"\n{result['device']}  copy bandwidth {bw / 1e9:.0f} GB/s, {result['seconds']:.0f} s")
     print(
         f"{'weight':>12} {'M':>2} {'cuBLAS us':>10} {'% of bw':>8} {'Triton us':>10} "

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import out_dir as results_dir  # noqa: E402
 
 MAX_TOKENS = 128
 
@@ -158,8 +158,7 @@ def main() -> int:
                     len(r[b]["tokens"]),
                 )
             )
-    out_dir = os.environ.get("OUT", "out")
-    os.makedirs(out_dir, exist_ok=True)
+    out_dir = results_dir()
     summary = {
         "device": torch.cuda.get_device_name(),
         "max_tokens": MAX_TOKENS,

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_json  # noqa: E402
 from decode import LLAMA3_8B, log_plans, write_config  # noqa: E402
 
 EAGLE3_HEAD = {
@@ -202,10 +202,7 @@ def main() -> None:
             for mode in args.modes.split(",") if method == "eagle3" else ["graph"]:
                 spec = synthetic_spec(heads[method], k, args.acceptance, method == "ptd")
                 run(method, k, "auto" if mode == "graph" else mode, spec)
-    if os.environ.get("OUT"):
-        name = f"spec_step{'_async' * args.async_scheduling}_{args.decode_matmul}.json"
-        with open(os.path.join(os.environ["OUT"], name), "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(f"spec_step{'_async' * args.async_scheduling}_{args.decode_matmul}.json", results)
     plain = {r["batch"]: r["ms_per_step"] for r in results["rows"] if r["label"] == "plain"}
     print(f"\n{results['device']}; ms per step (x plain decode step), drafting share")
     print(f"{'K':>2} {'drafter':>15} " + " ".join(f"{'B=' + str(b):>22}" for b in batches))

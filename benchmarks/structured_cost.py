@@ -2,7 +2,7 @@
 the grammar's own host and device work per step.
 
     python benchmarks/structured_cost.py                 # embedded model, EAGLE-3, K = 3, CPU
-    python benchmarks/structured_cost.py --device cuda --json out.json
+    python benchmarks/structured_cost.py --device cuda   # $OUT/structured_cost.json
 
 Part 1 (end to end): the same prompts, greedy, each request under the schema or unconstrained
 (ignore_eos, the same max_tokens); ms per engine step over all steps after the first (prefill),
@@ -15,11 +15,15 @@ K tentative accepts) + `commit` (rollback + accept), and `apply_grammar_bitmask_
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import sys
 import time
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_json  # noqa: E402
 
 from specserve import LLM, SamplingParams, StructuredOutputsParams
 from specserve.data import embedded_model_dir, load_prompts
@@ -107,7 +111,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1) if args.device == "cpu" else None
     target, spec = embedded_model_dir()
@@ -140,9 +143,7 @@ def main() -> None:
         f"valid); bitmask apply {alone['apply_ms_per_step']:.3f} ms per step at batch "
         f"{max(args.batch)}"
     )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"steps": rows, "grammar_alone": alone}, f, indent=1)
+    write_json("structured_cost.json", {"steps": rows, "grammar_alone": alone})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import out_dir  # noqa: E402
 from decode import LLAMA3_8B, profile_steps, timeline, write_config  # noqa: E402
 from gpt_oss_decode import GPT_OSS_20B  # noqa: E402
 from mla_decode import GLM47_FLASH, MTP_LAYERS  # noqa: E402
@@ -62,7 +63,7 @@ def main() -> None:
         "acceptance 0.7): drafting and verification kernels by name",
     )
     args = ap.parse_args()
-    out = os.environ.get("OUT", "/tmp")
+    out = out_dir()
     for name in args.shape.split(","):
         cfg, mtp = SHAPES[name]
         cfg = dict(cfg)
