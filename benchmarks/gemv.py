@@ -3,8 +3,8 @@
 For each weight of a layer (qkv, o, gate_up, down) and lm_head, bf16, M = 1, 4, 8 rows: time per
 weight inside a CUDA graph that runs the matmul over a model's worth of distinct weights of that
 shape (32 per layer shape, 1 lm_head), so every weight streams from memory as in a forward (one
-4096 x 4096 weight called repeatedly would sit in the 50 MB L2 and look faster than HBM allows;
-this script's numbers before session 4 had that flaw) and launch gaps are those of a captured
+4096 x 4096 weight called repeatedly would sit in the 50 MB L2 and look faster than HBM
+allows) and launch gaps are those of a captured
 forward; the weight-read bandwidth it reaches and its share of the device-to-device copy
 bandwidth (the floor decode.py uses). Every Triton launch config in `specserve.ops.gemv.CONFIGS`
 is tried; the best is reported next to cuBLAS, after a check against the reference.

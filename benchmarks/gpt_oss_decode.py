@@ -13,7 +13,7 @@ layers. Built on benchmarks/moe_decode.py (one process, each configuration caugh
   plain   decode ms/step at batch 1, 16, 64 and the batch-1 graph's replay time, against the
           step's floor: the bytes it reads over the copy bandwidth measured in this run. The
           routed experts are counted as they are read: 4.25 bits a weight when kept MXFP4 (so
-          "floor" is then the MXFP4 floor, issue 22's measure), bf16 when dequantized; "mxfp4
+          "floor" is then the MXFP4 floor, the goal's measure), bf16 when dequantized; "mxfp4
           fl" is always the step with the expert matrices at 4.25 bits (the rest as loaded).
   spec    ms per speculative step (synthetic acceptance 0.7) against the plain step: a random
           EAGLE-3 head (the project's layout: one 2880-wide Llama layer, fc over 3 x 2880
@@ -133,7 +133,7 @@ TINY_HEAD = {
     "intermediate_size": 128,
     "draft_vocab_size": 128,
 }
-TARGET = 0.70  # issue 22: batch-1 decode at >= 70% of the active-weight floor (MXFP4 bytes)
+TARGET = 0.70  # the goal: batch-1 decode at >= 70% of the active-weight floor (MXFP4 bytes)
 
 
 def with_layers(cfg: dict, n: int) -> dict:
@@ -251,7 +251,7 @@ def main() -> None:
         if r1 and r1.get("floor_mxfp4_ms"):
             print(
                 f"{m['name']}: batch-1 at {100 * r1['floor_mxfp4_ms'] / r1['ms_per_step']:.1f}% "
-                f"of the floor with MXFP4 experts (issue 22's measure; experts read as "
+                f"of the floor with MXFP4 experts (the goal's measure; experts read as "
                 f"{as_read})"
             )
 

@@ -1,5 +1,5 @@
-"""MLA prefill: latent-space attention against per-head K/V expanded from the latent (issue 21:
-"say which path was measured faster").
+"""MLA prefill: latent-space attention against per-head K/V expanded from the latent, which
+path is faster at each prompt length.
 
 GLM-4.7-Flash shape (benchmarks/mla_decode.py's config, layers cut to fit), random bf16
 weights. One engine; for each prompt length, the time to first token of one request (an eager

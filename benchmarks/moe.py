@@ -4,7 +4,7 @@ Per model and token count T (random softmax top-k routing): the Triton op's time
 CUDA graph that runs it over LAYERS layers of distinct weights and routings (so the experts
 stream from HBM as in a forward, not from L2), the bytes of the distinct experts the batch
 chose divided by that time as a share of the device-to-device copy bandwidth measured in this
-run (the floor of issue 18), both Triton paths where both make sense (decode kernels, grouped
+run (the active-weight floor), both Triton paths where both make sense (decode kernels, grouped
 GEMM), and the torch reference (`fused_moe_ref`: per-expert F.linear, eager) for comparison.
 Every result is checked against the reference before it is timed; a mismatch stops the run.
 `--sweep` also times each decode launch config (ops/moe_triton.py DECODE_*_CONFIGS, each with

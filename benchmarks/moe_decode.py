@@ -131,7 +131,7 @@ PROMPT_LEN = 128
 # Seconds an engine build and its timings need at least (GPU); a case that would start with
 # less left of --budget-s is skipped and says so.
 MIN_CASE_S = 60
-TARGET = 0.75  # issue 18: batch-1 decode at >= 75% of the active-weight floor
+TARGET = 0.75  # the goal: batch-1 decode at >= 75% of the active-weight floor
 # MXFP4 (gpt-oss checkpoints): 4-bit values and one 8-bit scale per 32 of them.
 MXFP4_BITS = 4.25
 

@@ -1,4 +1,4 @@
-"""MXFP4 MoE decode kernels (ops/moe_mxfp4.py) against the MXFP4 bandwidth floor (issue 22).
+"""MXFP4 MoE decode kernels (ops/moe_mxfp4.py) against the MXFP4 bandwidth floor.
 
 Random 4-bit experts at gpt-oss-20b (32 experts) and gpt-oss-120b (128 experts) shapes
 (H = I = 2880, top-4, bf16 activations, biases + swiglu_oai): code bytes uniform in 0..255,

@@ -123,8 +123,7 @@ def measure(
     # before), the second behind the last timed step. So it covers `steps` whole device steps
     # in a running loop, idle gaps included (a host that falls behind shows), and not the
     # pipeline's start: the wall clock below (its first launch's host latency counted, 1/steps
-    # of it a step) is kept beside it. Sessions 11-14 stopped the clock before the last step
-    # ran: (steps - 1) device steps over steps.
+    # of it a step) is kept beside it.
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else None
     sync()
     t0 = time.perf_counter()
