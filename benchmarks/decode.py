@@ -6,7 +6,8 @@ and the ratio to it for three engine configurations: the CUDA defaults (async sc
 N+1 launched while step N runs, and decode_matmul="auto", the Triton gemv where timed faster),
 synchronous steps with cuBLAS, and async steps with cuBLAS; the captured target graph alone (no
 host work), the default engine's start-up time, and the same model under transformers'
-`generate` in the same run.
+`generate` in the same run. Check: each configuration's greedy tokens equal an eager engine's
+(enforce_eager=True) over its first 64 tokens.
 
     python benchmarks/decode.py [--batch-sizes 1,16] [--no-hf]   # $OUT/decode.json (OUT default ./out)
 """
@@ -114,6 +115,7 @@ def run_specserve(
     build_s = time.perf_counter() - t_build  # load, KV cache, auto plan, graph capture
     g = torch.Generator().manual_seed(0)
     sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
     for r in range(2):  # round 0 warms up (Triton compiles, allocator settles)
         for b in range(batch):
             ids = torch.randint(0, 128000, (prompt_len,), generator=g).tolist()
@@ -122,7 +124,9 @@ def run_specserve(
         torch.cuda.synchronize()
         t0, steps = time.perf_counter(), 0
         while engine.has_unfinished_requests():
-            engine.step()
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
             steps += 1
         dt = time.perf_counter() - t0
     graph_ms = time_graph(engine, batch)
@@ -136,7 +140,15 @@ def run_specserve(
         "graph_ms": graph_ms,
         "decode_matmul_plan": plan,
         "build_s": build_s,
+        # [batch][new_tokens]: the timed round's greedy tokens, for the check against eager
+        "tokens": [tokens.get(f"1-{b}", []) for b in range(batch)],
     }
+
+
+def same_tokens(run: dict, eager: dict) -> bool:
+    """Greedy tokens of a timed configuration == the eager engine's, over the eager run's length
+    (the same prompts: every run draws them from the same seed)."""
+    return all(a[: len(e)] == e for a, e in zip(run["tokens"], eager["tokens"]))
 
 
 def time_graph(engine: object, batch: int) -> float | None:
@@ -478,6 +490,13 @@ def main() -> None:
         r["pct_of_floor"] = floor_ms / r["specserve"]["ms_per_step"]
         r["pct_of_floor_async"] = floor_ms / r["specserve_async"]["ms_per_step"]
         r["pct_of_floor_async_gemv"] = floor_ms / r["specserve_async_gemv"]["ms_per_step"]
+        eager = r["specserve_eager"]
+        r["check"] = {
+            k: same_tokens(r[k], eager)
+            for k in ("specserve", "specserve_async", "specserve_async_gemv")
+        }
+        for k in ("specserve", "specserve_async", "specserve_async_gemv", "specserve_eager"):
+            r[k].pop("tokens")
     result = {
         "copy_bandwidth_before_after_GBs": [bw_before / 1e9, bw_after / 1e9],
         "device": torch.cuda.get_device_name(),
@@ -509,6 +528,11 @@ def main() -> None:
             f"{gv['build_s']:>8.1f} {e['tok_s']:>12.1f} "
             f"{(hf['tok_s'] if hf else float('nan')):>9.1f}"
         )
+    for r in rows:
+        same = ", ".join(
+            f"{k.removeprefix('specserve')[1:] or 'sync'} {v}" for k, v in r["check"].items()
+        )
+        print(f"batch {r['batch']}: greedy tokens == the eager engine's: {same}")
     for r in rows:
         gv = r["specserve_async_gemv"]
         if gv["decode_matmul_plan"]:
