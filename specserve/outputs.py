@@ -53,3 +53,13 @@ class RequestOutput:
     # Beside prompt_logprobs: the prompt token's rank in its distribution (vLLM's: 1 + the
     # tokens more likely); the top-N rank by their order (1..N).
     prompt_logprob_ranks: list[int | None] | None = None
+
+
+@dataclass
+class OutputTiming:
+    """Latencies of one output as the engine thread hands it out (seconds, monotonic clock)."""
+
+    ttft: float | None  # set on a request's first output
+    itl: float | None  # set on every later output (one step may carry several tokens)
+    e2e: float | None  # set when the request finishes
+    finish_reason: str | None

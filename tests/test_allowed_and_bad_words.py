@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.engine.request import Request
+from specserve.request import Request
 from specserve.sample.logits_processors import (
     apply_logits_processors,
     build_logits_processor_inputs,

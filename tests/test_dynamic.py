@@ -83,7 +83,7 @@ def test_unreached_positions_keep_their_estimate() -> None:
 
 
 def test_auto_k_config_validation() -> None:
-    from specserve.spec_decode.config import SpeculativeConfig
+    from specserve.config.speculative import SpeculativeConfig
 
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
         SpeculativeConfig.from_dict(
@@ -104,7 +104,7 @@ def test_auto_k_config_validation() -> None:
 def test_graphs_cover_every_k_the_engine_may_choose() -> None:
     """Under dynamic speculation every K in use has captured target graphs (1 + K tokens per
     request); a K without them would run its target forward eagerly."""
-    from specserve.spec_decode.config import SpeculativeConfig
+    from specserve.config.speculative import SpeculativeConfig
     from specserve.worker.cudagraph import graph_query_lens
 
     def spec(**kw: object) -> SpeculativeConfig:

@@ -14,7 +14,7 @@ def test_embedded_eagle3_acceptance_and_python() -> None:
     assert spec["method"] == "eagle3" and spec["num_speculative_tokens"] == 3
     prompts = [r["prompt"] for r in load_prompts("code", 16)]
     llm = LLM(target, speculative_config=spec)
-    frac = fraction_parsing(llm, prompts, max_tokens=96)
+    frac = fraction_parsing(llm.engine, prompts, max_tokens=96)
     m = llm.get_metrics()
     print(
         f"embedded EAGLE-3, K = 3, {len(prompts)} held-out prompts: acceptance length "

@@ -90,7 +90,7 @@ def stop_case(llm: LLM) -> dict[str, Any]:
             step_ends.append(n)
             ref = out
     ids, text = ref.outputs[0].token_ids, ref.outputs[0].text
-    assert eng.stats.snapshot(eng)["spec_decode_num_drafts_total"] > 0
+    assert eng.metrics_snapshot()["spec_decode_num_drafts_total"] > 0
     tok = llm.get_tokenizer()
     assert text == tok.decode(ids, skip_special_tokens=True)
     for j in range(4, len(ids) - 1):

@@ -251,7 +251,7 @@ def test_fraction_parsing_runs_through_the_engine(ckpt: str) -> None:
 
     llm = LLM(ckpt, device="cpu", max_model_len=256)
     prompts = [r["prompt"] for r in load_prompts("code", 2)]
-    frac = fraction_parsing(llm, prompts, max_tokens=12)
+    frac = fraction_parsing(llm.engine, prompts, max_tokens=12)
     assert 0.0 <= frac <= 1.0
 
 

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.engine.output_processor import RequestState
-from specserve.outputs import RequestOutput
+from specserve.outputs import OutputTiming, RequestOutput
 from specserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("specserve")
@@ -52,16 +52,6 @@ _Delivery = tuple["_Stream", RequestOutput, float | None, float | None, float]
 
 class EngineDeadError(RuntimeError):
     pass
-
-
-@dataclass
-class OutputTiming:
-    """Latencies of one output as the engine thread hands it out (seconds, monotonic clock)."""
-
-    ttft: float | None  # set on a request's first output
-    itl: float | None  # set on every later output (one step may carry several tokens)
-    e2e: float | None  # set when the request finishes
-    finish_reason: str | None
 
 
 class OutputObserver(Protocol):
@@ -129,7 +119,7 @@ class AsyncLLMEngine:
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-grammar")
         # Engine counters, refreshed by the engine thread after every step; readers (/metrics)
         # get a consistent dict without touching the engine from another thread.
-        self.snapshot: dict[str, Any] = engine.stats.snapshot(engine)
+        self.snapshot: dict[str, Any] = engine.metrics_snapshot()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
@@ -179,7 +169,7 @@ class AsyncLLMEngine:
                 self._drain(block=idle)
                 if eng.has_unfinished_requests():
                     self._dispatch(eng.step())
-                self.snapshot = eng.stats.snapshot(eng)
+                self.snapshot = eng.metrics_snapshot()
         except BaseException as e:  # any failure kills the loop: report it to every caller
             logger.exception("engine loop died")
             self.error = e

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -16,12 +17,14 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine.kv_cache import KVCacheManager
 from specserve.engine.output_processor import RequestState
-from specserve.engine.request import Request, RequestStatus
-from specserve.engine.scheduler import Scheduler, SchedulerOutput
+from specserve.engine.scheduler import Scheduler
 from specserve.metrics.stats import EngineStats
+from specserve.models.gguf import resolve_gguf
 from specserve.models.registry import load_model
 from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
+from specserve.scheduler_output import SchedulerOutput
 from specserve.spec_decode.speculator import build_speculator
 from specserve.structured.grammar import StructuredOutputs
 from specserve.worker.model_runner import ModelRunner, PendingStep, StepOutput
@@ -66,6 +69,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         config.check_device_available()
+        if config.model.endswith(".gguf"):
+            config.model = resolve_gguf(config.model)
         device, dtype = config.torch_device, config.torch_dtype
         from specserve.models.loader import read_config
 
@@ -360,6 +365,25 @@ class LLMEngine:
         self.scheduler.remove(req)
         self.runner.remove_request(req)
 
+    def run_to_completion(
+        self, on_finished: Callable[[RequestOutput], None] | None = None
+    ) -> dict[str, RequestOutput]:
+        """Step until no request is left (offline use): each request's final output by id."""
+        finished: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if on_finished is not None:
+                        on_finished(out)
+        return finished
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """The counters of `stats` with the scheduler's and the KV cache's gauges."""
+        return self.stats.snapshot(
+            len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage()
+        )
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -385,7 +409,7 @@ class LLMEngine:
         outputs = self._update(sched, out)
         if self.auto_k is not None and decode_only:
             self.auto_k.record_step(len(sched.scheduled), k or 0, time.perf_counter() - t0)
-        self.stats.maybe_log(self)
+        self.stats.maybe_log(self.config.disable_log_stats, self.config.log_stats_interval)
         return outputs
 
     def _schedule(self, k: int | None) -> SchedulerOutput:
@@ -460,7 +484,7 @@ class LLMEngine:
             self.runner.finish(nxt[1])  # nothing left to read from it
             nxt = None
         self._inflight = nxt
-        self.stats.maybe_log(self)
+        self.stats.maybe_log(self.config.disable_log_stats, self.config.log_stats_interval)
         return outputs
 
     def _can_overlap(self, sched: SchedulerOutput) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from specserve.engine.request import Request
+from specserve.request import Request
 
 
 class BlockPool:

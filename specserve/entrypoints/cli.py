@@ -71,7 +71,8 @@ DEMO_CHAT_PROMPT = (
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from specserve import LLM, SamplingParams
+    from specserve.entrypoints.llm import LLM
+    from specserve.sampling_params import SamplingParams
 
     kw = engine_kwargs(args)
     default = kw.get("model") is None

@@ -110,21 +110,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> dict[str, Any]:
-        return self.engine.stats.snapshot(self.engine)
+        return self.engine.metrics_snapshot()
 
     def _run(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and total >= 8:
             from tqdm import tqdm
 
             bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+        finished = self.engine.run_to_completion(None if bar is None else lambda _: bar.update(1))
         if bar is not None:
             bar.close()
         return finished

@@ -15,8 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from specserve.engine.async_engine import OutputTiming
-from specserve.outputs import RequestOutput
+from specserve.outputs import OutputTiming, RequestOutput
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histogram_quantile() panels match.
 TTFT_BUCKETS = [
@@ -124,6 +123,12 @@ class PrometheusMetrics:
         if timing.e2e is not None:
             self.e2e.observe(timing.e2e)
             self.success.labels(self.model_name, timing.finish_reason or "abort").inc()
+
+    def count_aborted(self, n: int) -> None:
+        """`n` requests ended unfinished (the client left, or the server ended them): vLLM
+        counts them under finished_reason="abort"."""
+        if n > 0:
+            self.success.labels(self.model_name, "abort").inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,12 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from specserve.engine.request import Request
-
-if TYPE_CHECKING:
-    from specserve.engine.engine import LLMEngine
+from specserve.request import Request
 
 logger = logging.getLogger("specserve")
 
@@ -68,12 +65,13 @@ class EngineStats:
         m.num_draft_tokens += num_draft
         m.num_accepted_tokens += num_accepted
 
-    def snapshot(self, engine: LLMEngine) -> dict[str, Any]:
+    def snapshot(self, num_running: int, num_waiting: int, kv_usage: float) -> dict[str, Any]:
+        """The counters with the engine's gauges, which the engine reads for it."""
         s = self.spec
         return {
-            "num_requests_running": len(engine.scheduler.running),
-            "num_requests_waiting": len(engine.scheduler.waiting),
-            "kv_cache_usage_perc": engine.kv.usage(),
+            "num_requests_running": num_running,
+            "num_requests_waiting": num_waiting,
+            "kv_cache_usage_perc": kv_usage,
             "prompt_tokens_total": self.prompt_tokens,
             "generation_tokens_total": self.generation_tokens,
             "num_preemptions_total": self.num_preemptions,
@@ -85,10 +83,9 @@ class EngineStats:
             "spec_decode_acceptance_rate": s.acceptance_rate,
         }
 
-    def maybe_log(self, engine: LLMEngine) -> None:
-        cfg = engine.config
+    def maybe_log(self, disabled: bool, interval: float) -> None:
         now = time.monotonic()
-        if cfg.disable_log_stats or now - self._last_log < cfg.log_stats_interval:
+        if disabled or now - self._last_log < interval:
             return
         self._last_log = now
         if self.spec.num_spec_tokens:

@@ -14,38 +14,11 @@ Tensors: fc, layers.0.* (the midlayer), norm, lm_head, d2t, t2d and possibly emb
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
+from specserve.config.speculative import proposal_tokens, require_key
+
 SUPPORTED_TYPES = ("eagle3",)
-
-
-def is_speculators_config(cfg: dict[str, Any]) -> bool:
-    return "speculators_model_type" in cfg
-
-
-def _require(d: Any, key: str, where: str, path: str) -> Any:
-    if not isinstance(d, dict) or key not in d:
-        raise ValueError(f"{path}/config.json: speculators config is missing {where}{key}")
-    return d[key]
-
-
-def _proposal_tokens(cfg: dict[str, Any], path: str) -> int:
-    spec = _require(cfg, "speculators_config", "", path)
-    methods = _require(spec, "proposal_methods", "speculators_config.", path)
-    if not isinstance(methods, list) or not methods:
-        raise ValueError(
-            f"{path}/config.json: speculators config is missing "
-            "speculators_config.proposal_methods[0]"
-        )
-    k = _require(methods[0], "speculative_tokens", "speculators_config.proposal_methods[0].", path)
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(
-            f"{path}/config.json: speculators_config.proposal_methods[0].speculative_tokens "
-            f"must be a positive integer, got {k!r}"
-        )
-    return k
 
 
 def eagle3_config(cfg: dict[str, Any], path: str) -> dict[str, Any]:
@@ -57,12 +30,14 @@ def eagle3_config(cfg: dict[str, Any], path: str) -> dict[str, Any]:
             f"{path}/config.json: speculators_model_type {kind!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_TYPES)})"
         )
-    layer = _require(cfg, "transformer_layer_config", "", path)
+    layer = require_key(cfg, "transformer_layer_config", "", path)
     for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
-        _require(layer, key, "transformer_layer_config.", path)
-    draft_vocab = _require(cfg, "draft_vocab_size", "", path)
-    _require(_require(cfg, "speculators_config", "", path), "verifier", "speculators_config.", path)
-    _proposal_tokens(cfg, path)
+        require_key(layer, key, "transformer_layer_config.", path)
+    draft_vocab = require_key(cfg, "draft_vocab_size", "", path)
+    require_key(
+        require_key(cfg, "speculators_config", "", path), "verifier", "speculators_config.", path
+    )
+    proposal_tokens(cfg, path)
     flat = {
         **layer,
         "num_hidden_layers": 1,
@@ -74,19 +49,3 @@ def eagle3_config(cfg: dict[str, Any], path: str) -> dict[str, Any]:
     if cfg.get("eagle_aux_hidden_state_layer_ids"):
         flat["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_aux_hidden_state_layer_ids"]
     return flat
-
-
-def default_num_speculative_tokens(model_dir: str | None) -> int | None:
-    """`speculators_config.proposal_methods[0].speculative_tokens` of a speculators head in
-    `model_dir`, the K to use when the user gives none (None: not such a head)."""
-    path = os.path.join(model_dir or "", "config.json")
-    if not model_dir or not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        try:
-            cfg = json.load(f)
-        except json.JSONDecodeError:
-            return None  # the loader reports it with the file's name
-    if not isinstance(cfg, dict) or not is_speculators_config(cfg):
-        return None
-    return _proposal_tokens(cfg, model_dir)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specserve.engine.request import Request
+from specserve.request import Request
 
 
 @dataclass

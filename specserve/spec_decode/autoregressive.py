@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
+from specserve.config.speculative import SpeculativeConfig
 from specserve.models.drafters import Drafter
 from specserve.ops.spec_kernels import (
     DraftDecodeInputs,
@@ -24,12 +25,11 @@ from specserve.ops.spec_kernels import (
     prepare_draft_prefill_inputs,
 )
 from specserve.sample.sampler import SamplingTensors
-from specserve.spec_decode.config import SpeculativeConfig
 from specserve.spec_decode.drafting import DeviceSpeculator, TargetStep
 
 if TYPE_CHECKING:
-    from specserve.worker.input_batch import StepInputs
-    from specserve.worker.model_runner import ModelRunner
+    from specserve.spec_decode.interface import DraftRunner
+    from specserve.step_inputs import StepInputs
 
 
 class AutoregressiveSpeculator(DeviceSpeculator):
@@ -54,7 +54,7 @@ class AutoregressiveSpeculator(DeviceSpeculator):
         return max(0, min(self.num_decode_steps, num_drafts - (self.k - self.num_decode_steps)))
 
     def decode_metadata(
-        self, runner: ModelRunner, rows: torch.Tensor, pos: torch.Tensor, max_seq_len: int
+        self, runner: DraftRunner, rows: torch.Tensor, pos: torch.Tensor, max_seq_len: int
     ) -> CommonAttentionMetadata:
         """Metadata for one single-token draft step at positions `pos` [B] (graph-safe).
 
@@ -83,7 +83,7 @@ class AutoregressiveSpeculator(DeviceSpeculator):
 
     def _decode_inputs(
         self,
-        runner: ModelRunner,
+        runner: DraftRunner,
         rows: torch.Tensor,
         pos: torch.Tensor,
         with_ids: bool = True,
@@ -103,7 +103,7 @@ class AutoregressiveSpeculator(DeviceSpeculator):
 
     def _sample(
         self,
-        runner: ModelRunner,
+        runner: DraftRunner,
         # [B, hidden]
         h: torch.Tensor,
         st: SamplingTensors,
@@ -127,7 +127,7 @@ class AutoregressiveSpeculator(DeviceSpeculator):
     # ---- the two phases -------------------------------------------------------------------
     def draft_prefill(
         self,
-        runner: ModelRunner,
+        runner: DraftRunner,
         inp: StepInputs,
         ctx: ForwardContext,
         # [T, hidden] target hidden states (final norm)
@@ -164,7 +164,7 @@ class AutoregressiveSpeculator(DeviceSpeculator):
 
     def draft_step(
         self,
-        runner: ModelRunner,
+        runner: DraftRunner,
         rows: torch.Tensor,
         # [B] position of this step's drafter input
         pos: torch.Tensor,
@@ -183,7 +183,7 @@ class AutoregressiveSpeculator(DeviceSpeculator):
         self.current_draft_step.add_(1)
         return carry
 
-    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
+    def propose(self, runner: DraftRunner, t: TargetStep, num_drafts: int | None = None) -> None:
         """Eager drafting: prefill, then single-token steps with metadata REBUILT each step.
 
         `num_drafts` < K (dynamic speculation) runs fewer decode steps; the prefill always runs,

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
+from specserve.config.speculative import SpeculativeConfig
 from specserve.models.drafters import Drafter
 from specserve.sample.rejection import sample_draft
 from specserve.sample.sampler import SamplingTensors
-from specserve.spec_decode.config import SpeculativeConfig
+from specserve.spec_decode.interface import Speculator
 
 if TYPE_CHECKING:
-    from specserve.worker.input_batch import StepInputs
-    from specserve.worker.model_runner import ModelRunner
+    from specserve.spec_decode.interface import DraftRunner
+    from specserve.step_inputs import StepInputs
 
 
 @dataclass
@@ -41,10 +42,10 @@ class TargetStep:
     st: SamplingTensors
 
 
-class DeviceSpeculator:
+class DeviceSpeculator(Speculator):
     """Base of the speculators whose drafts never leave the device."""
 
-    proposes_on_host = False
+    graph_capturable = True
 
     def __init__(self, spec: SpeculativeConfig, drafter: Drafter, device: torch.device) -> None:
         self.spec = spec
@@ -63,7 +64,7 @@ class DeviceSpeculator:
     def aux_layers(self) -> tuple[int, ...]:
         return self.model.aux_layers()
 
-    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
+    def propose(self, runner: DraftRunner, t: TargetStep, num_drafts: int | None = None) -> None:
         """Write the next step's drafts into the token buffer. `num_drafts` (dynamic K): how
         many the next step will verify; None: all K."""
         raise NotImplementedError
@@ -73,11 +74,11 @@ class DeviceSpeculator:
             return None
         return self._draft_probs[rows]
 
-    def ensure_draft_probs(self, runner: ModelRunner) -> torch.Tensor | None:
+    def ensure_draft_probs(self, runner: DraftRunner) -> torch.Tensor | None:
         """The [rows, K, vocab] draft probabilities, allocated at first use (None when greedy:
         the rejection sampler then needs no probabilities)."""
         if not self.greedy_draft and not self.coupled and self._draft_probs is None:
-            vocab = runner.model.config.vocab_size
+            vocab = runner.vocab_size
             self._draft_probs = torch.zeros(
                 runner.states.num_rows, self.k, vocab, device=self.device
             )
@@ -85,7 +86,7 @@ class DeviceSpeculator:
 
     def store_drafts(
         self,
-        runner: ModelRunner,
+        runner: DraftRunner,
         # the drafter (or MTP module) whose vocabulary the logits are in
         drafter: Drafter,
         # [B * J, draft_vocab] float
@@ -139,7 +140,7 @@ class OneShotSpeculator(DeviceSpeculator):
     def decode_steps_for(self, num_drafts: int | None) -> int:
         return 0
 
-    def propose(self, runner: ModelRunner, t: TargetStep, num_drafts: int | None = None) -> None:
+    def propose(self, runner: DraftRunner, t: TargetStep, num_drafts: int | None = None) -> None:
         """Eager drafting (batches the target ran without a graph). `num_drafts` (dynamic K) is
         not used: all K drafts come from the one proposal (multi-layer MTP: every module runs, so
         each module's KV stays complete for when K grows again); the scheduler verifies only

@@ -58,15 +58,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
+from specserve.config.speculative import SpeculativeConfig
 from specserve.models.drafters import MultiLayerMTPDrafter
 from specserve.sample.sampler import SamplingTensors
-from specserve.spec_decode.config import SpeculativeConfig
 from specserve.spec_decode.drafting import OneShotSpeculator
 from specserve.spec_decode.parallel_inputs import expand_regions
 
 if TYPE_CHECKING:
-    from specserve.worker.input_batch import StepInputs
-    from specserve.worker.model_runner import ModelRunner
+    from specserve.spec_decode.interface import DraftRunner
+    from specserve.step_inputs import StepInputs
 
 
 class MultiLayerMTPSpeculator(OneShotSpeculator):
@@ -84,7 +84,7 @@ class MultiLayerMTPSpeculator(OneShotSpeculator):
         # [K - 1, rows, hidden]: module k's output at its last verified position, per request row.
         self._carry: torch.Tensor | None = None
 
-    def _lazy_carry(self, runner: ModelRunner, hidden: torch.Tensor) -> torch.Tensor:
+    def _lazy_carry(self, runner: DraftRunner, hidden: torch.Tensor) -> torch.Tensor:
         if self._carry is None:
             n = runner.states.num_rows  # every persistent row (padding rows included)
             self._carry = hidden.new_zeros(max(self.k - 1, 1), n, hidden.shape[1])
@@ -92,7 +92,7 @@ class MultiLayerMTPSpeculator(OneShotSpeculator):
 
     def module_inputs(
         self,
-        runner: ModelRunner,
+        runner: DraftRunner,
         inp: StepInputs,
         # [B, max_blocks] int32: the batch's block-table rows
         block_table: torch.Tensor,
@@ -130,10 +130,10 @@ class MultiLayerMTPSpeculator(OneShotSpeculator):
         )
         return meta, ids, s
 
-    # ---- the surface DraftGraphRunner captures (see draft_graphs.py) ------------------------
+    # ---- the surface DraftGraphRunner captures (see worker/draft_graphs.py) ----------
     def draft_prefill(
         self,
-        runner: ModelRunner,
+        runner: DraftRunner,
         inp: StepInputs,
         ctx: ForwardContext | None,
         # [T, hidden] target hidden states (final norm)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.spec_decode.config import SpeculativeConfig
+from specserve.config.speculative import SpeculativeConfig
+from specserve.spec_decode.interface import Speculator
 
 
 def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -22,22 +23,12 @@ def ngram_propose(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[in
     return []
 
 
-class NgramSpeculator:
+class NgramSpeculator(Speculator):
     proposes_on_host = True
-    model = None
 
     def __init__(self, spec: SpeculativeConfig) -> None:
         self.spec = spec
         self.k = spec.num_speculative_tokens
-
-    def sliding_windows(self) -> set[int | None]:
-        return set()
-
-    def aux_layers(self) -> tuple[int, ...]:
-        return ()
-
-    def draft_probs(self, rows: object) -> None:
-        return None
 
     def propose_host(self, token_ids: list[int], max_drafts: int) -> list[int]:
         if max_drafts <= 0:
@@ -47,6 +38,3 @@ class NgramSpeculator:
         return ngram_propose(
             toks, s.prompt_lookup_min, s.prompt_lookup_max, min(self.k, max_drafts)
         )
-
-    def propose(self, *args: object, **kwargs: object) -> None:
-        """Device-side proposal: nothing to do (drafts come from the host)."""

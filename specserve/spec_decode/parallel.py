@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
+from specserve.config.speculative import SpeculativeConfig
 from specserve.models.drafters import Drafter, DraftModelDrafter
 from specserve.sample.sampler import SamplingTensors
-from specserve.spec_decode.config import SpeculativeConfig
 from specserve.spec_decode.drafting import OneShotSpeculator
 from specserve.spec_decode.parallel_inputs import (
     ParallelDraftBuffers,
@@ -55,8 +55,8 @@ except ImportError:  # CPU-only installs without triton use the torch reference
     triton = None
 
 if TYPE_CHECKING:
-    from specserve.worker.input_batch import StepInputs
-    from specserve.worker.model_runner import ModelRunner
+    from specserve.spec_decode.interface import DraftRunner
+    from specserve.step_inputs import StepInputs
 
 
 def configure_parallel_drafter(
@@ -112,14 +112,14 @@ class ParallelDraftSpeculator(OneShotSpeculator):
         uniform batches, which may exceed a small token budget)."""
         return max(max_num_batched_tokens, max_num_seqs * (k + 1)) + max_num_seqs * k
 
-    def _lazy_buffers(self, runner: ModelRunner) -> None:
+    def _lazy_buffers(self, runner: DraftRunner) -> None:
         c = runner.config
         if self.uses_kernel and self._bufs is None:
             n = self.max_slots(c.max_num_batched_tokens, c.max_num_seqs, self.k)
             self._bufs = ParallelDraftBuffers(n, c.max_num_seqs, self.k, self.device)
 
     def prepare(
-        self, runner: ModelRunner, inp: StepInputs, num_acc: torch.Tensor
+        self, runner: DraftRunner, inp: StepInputs, num_acc: torch.Tensor
     ) -> ParallelDraftInputs:
         """The enlarged batch: the Triton kernel into persistent buffers on CUDA, else the
         torch reference."""
@@ -146,10 +146,10 @@ class ParallelDraftSpeculator(OneShotSpeculator):
             return prepare_parallel_inputs(self._bufs, *args, **kw, max_query_len=inp.max_query_len)
         return prepare_parallel_inputs_ref(*args, **kw)
 
-    # ---- the surface DraftGraphRunner captures (see draft_graphs.py) ------------------------
+    # ---- the surface DraftGraphRunner captures (see worker/draft_graphs.py) ----------
     def draft_prefill(
         self,
-        runner: ModelRunner,
+        runner: DraftRunner,
         inp: StepInputs,
         ctx: ForwardContext | None,
         # [T, hidden] target hidden states (final norm)

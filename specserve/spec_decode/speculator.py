@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from specserve.config.speculative import SpeculativeConfig, is_speculators_config
 from specserve.models.drafters import (
     Drafter,
     DraftModelDrafter,
@@ -28,8 +30,7 @@ from specserve.models.loader import (
 )
 from specserve.models.registry import default_dtype, resolve_architecture
 from specserve.models.speculators_format import eagle3_config as speculators_eagle3_config
-from specserve.models.speculators_format import is_speculators_config
-from specserve.spec_decode.config import SpeculativeConfig
+from specserve.spec_decode.interface import Speculator
 
 # Methods whose drafter can propose all K tokens in one forward (spec_decode/parallel.py).
 PARALLEL_DRAFT_METHODS = ("draft_model", "eagle", "eagle3")
@@ -315,19 +316,35 @@ def build_speculator(
     dtype: torch.dtype,
     device: torch.device,
     load_format: str = "auto",
-) -> Any:
-    """The speculator for `spec`; an n-gram one, or a device one with its drafter loaded (in
-    `dtype`, on `device`; random weights with load_format "dummy") and checked to fit."""
+) -> Speculator:
+    """The speculator for `spec`: its method's builder from `SPECULATOR_BUILDERS`."""
     if spec.parallel_draft and spec.method not in PARALLEL_DRAFT_METHODS:
         raise _fit_error(
             "parallel_draft",
             f"parallel drafting is supported for {', '.join(PARALLEL_DRAFT_METHODS)}, "
             f"not {spec.method!r}",
         )
-    if spec.method == "ngram":
-        from specserve.spec_decode.ngram import NgramSpeculator
+    build = SPECULATOR_BUILDERS[spec.method]
+    return build(spec, target, target_dir, max_position, dtype, device, load_format)
 
-        return NgramSpeculator(spec)
+
+def _build_ngram(spec: SpeculativeConfig, *_: Any) -> Speculator:
+    from specserve.spec_decode.ngram import NgramSpeculator
+
+    return NgramSpeculator(spec)
+
+
+def _build_device(
+    spec: SpeculativeConfig,
+    target: LlamaForCausalLM,
+    target_dir: str,
+    max_position: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+) -> Speculator:
+    """A device speculator with its drafter loaded (in `dtype`, on `device`; random weights
+    with load_format "dummy") and checked to fit the target."""
     tc = target.config
     draft_dir, cfg = _drafter_config(spec, target_dir)
     if is_speculators_config(cfg):
@@ -355,7 +372,19 @@ def build_speculator(
     return _device_speculator(spec, drafter.eval(), device)
 
 
-def _device_speculator(spec: SpeculativeConfig, drafter: Drafter, device: torch.device) -> Any:
+# method -> builder(spec, target, target_dir, max_position, dtype, device, load_format)
+SPECULATOR_BUILDERS: dict[str, Callable[..., Speculator]] = {
+    "ngram": _build_ngram,
+    "draft_model": _build_device,
+    "eagle": _build_device,
+    "eagle3": _build_device,
+    "mtp": _build_device,
+}
+
+
+def _device_speculator(
+    spec: SpeculativeConfig, drafter: Drafter, device: torch.device
+) -> Speculator:
     from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
 
     if spec.parallel_draft:

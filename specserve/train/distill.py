@@ -39,12 +39,14 @@ def distill(
     seed: int = 0,
     **engine_kwargs: Any,
 ) -> tuple[list[list[int]], dict[str, float]]:
-    """(documents: prompt + reply token ids, stats). engine_kwargs go to `LLM` (device, dtype,
-    max_num_seqs, ...)."""
-    from specserve import LLM
+    """(documents: prompt + reply token ids, stats). engine_kwargs go to `EngineConfig` (device,
+    dtype, max_num_seqs, ...)."""
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+    from specserve.train.generate import generate
 
-    llm = LLM(target_dir, seed=seed, **engine_kwargs)
-    tok = llm.get_tokenizer()
+    engine = LLMEngine(EngineConfig(target_dir, seed=seed, **engine_kwargs))
+    tok = engine.tokenizer
     ids = chat_prompt_ids(tok, prompts)
     reqs: list[dict[str, list[int]]] = []
     params: list[SamplingParams] = []
@@ -58,7 +60,7 @@ def distill(
                     temperature=temperature, max_tokens=max_tokens, seed=seed + i * 1000 + j
                 )
             )
-    outs = llm.generate(reqs, params, use_tqdm=False)
+    outs = generate(engine, reqs, params)
     docs = []
     reply_tokens = finished = 0
     for req, out in zip(reqs, outs):
@@ -71,5 +73,5 @@ def distill(
         "reply_tokens": float(reply_tokens),
         "finished_fraction": finished / max(len(docs), 1),
     }
-    del llm
+    del engine
     return docs, stats

@@ -224,21 +224,26 @@ def measure_acceptance(
     target_dir: str, spec: dict[str, Any], prompts: list[list[int]], cfg: DraftTrainConfig
 ) -> tuple[float, list[list[int]]]:
     """Mean acceptance length of greedy generation through the engine; also the token ids."""
-    from specserve import LLM, SamplingParams
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import LLMEngine
+    from specserve.sampling_params import SamplingParams
+    from specserve.train.generate import generate
 
     longest = max(len(p) for p in prompts) + cfg.eval_max_tokens + spec["num_speculative_tokens"]
-    llm = LLM(
-        target_dir,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        seed=cfg.seed,
-        max_model_len=longest + 16,
-        max_num_seqs=len(prompts),
-        speculative_config=spec,
+    engine = LLMEngine(
+        EngineConfig(
+            target_dir,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            seed=cfg.seed,
+            max_model_len=longest + 16,
+            max_num_seqs=len(prompts),
+            speculative_config=spec,
+        )
     )
     sp = SamplingParams(temperature=0.0, max_tokens=cfg.eval_max_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    metrics = llm.get_metrics()
+    outs = generate(engine, [{"prompt_token_ids": p} for p in prompts], [sp])
+    metrics = engine.metrics_snapshot()
     return float(metrics["spec_decode_mean_acceptance_length"]), [
         list(o.outputs[0].token_ids) for o in outs
     ]

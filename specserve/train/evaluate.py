@@ -14,6 +14,11 @@ from typing import Any
 
 import torch
 
+from specserve.config import EngineConfig
+from specserve.engine.engine import LLMEngine
+from specserve.sampling_params import SamplingParams
+from specserve.train.generate import generate
+
 __all__ = [
     "complete_function",
     "evaluate_acceptance",
@@ -54,15 +59,12 @@ def parses(source: str | None) -> bool:
     return True
 
 
-def fraction_parsing(llm: Any, prompts: list[str], max_tokens: int = 128) -> float:
+def fraction_parsing(engine: LLMEngine, prompts: list[str], max_tokens: int = 128) -> float:
     """Share of greedy completions of code prompts (signature + docstring) that finish into a
     function `ast` parses: plausibility of the target's Python."""
-    from specserve import SamplingParams
-
     if not prompts:
         raise ValueError("fraction_parsing needs at least one prompt")
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = generate(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=max_tokens)])
     ok = [parses(complete_function(p, o.outputs[0].text)) for p, o in zip(prompts, outs)]
     return sum(ok) / len(ok)
 
@@ -85,21 +87,21 @@ def evaluate_acceptance(
 ) -> dict[str, Any]:
     """Greedy generation of every prompt with speculation: the mean acceptance length (and, when
     `parse_prompts` is given, `fraction_parsing` of the same engine)."""
-    from specserve import LLM, SamplingParams
-
-    llm = LLM(
-        target,
-        device=device,
-        speculative_config=spec_config,
-        max_num_seqs=min(64, len(prompts)),
-        max_model_len=1024,
-        # A fixed KV budget (plenty for these prompts) rather than most of the GPU's memory.
-        kv_cache_memory=(2 << 30) if device.startswith("cuda") else None,
+    engine = LLMEngine(
+        EngineConfig(
+            target,
+            device=device,
+            speculative_config=spec_config,
+            max_num_seqs=min(64, len(prompts)),
+            max_model_len=1024,
+            # A fixed KV budget (plenty for these prompts) rather than most of the GPU's memory.
+            kv_cache_memory=(2 << 30) if device.startswith("cuda") else None,
+        )
     )
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), False)
+    outs = generate(engine, prompts, [SamplingParams(temperature=0.0, max_tokens=max_tokens)])
     seconds = time.perf_counter() - t0
-    m = llm.get_metrics()
+    m = engine.metrics_snapshot()
     res = {
         "acceptance_length": round(float(m["spec_decode_mean_acceptance_length"]), 4),
         "acceptance_rate": round(float(m.get("spec_decode_acceptance_rate", float("nan"))), 4),
@@ -107,8 +109,8 @@ def evaluate_acceptance(
         "seconds": round(seconds, 2),
     }
     if parse_prompts:
-        res["fraction_parsing"] = round(fraction_parsing(llm, parse_prompts, max_tokens), 4)
-    del llm, outs
+        res["fraction_parsing"] = round(fraction_parsing(engine, parse_prompts, max_tokens), 4)
+    del engine, outs
     free_memory(device)
     return res
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from specserve.config.speculative import SpeculativeConfig
 from specserve.models.drafters import Drafter, default_aux_layers
 from specserve.models.layers import Attention
 from specserve.models.llama import LlamaForCausalLM
-from specserve.spec_decode.config import SpeculativeConfig
 from specserve.spec_decode.speculator import _construct
 from specserve.train.data import draft_vocab
 

@@ -22,8 +22,8 @@ from specserve.attention.backend import CommonAttentionMetadata
 from specserve.ops.graph_rows import uniform_batch
 
 if TYPE_CHECKING:
-    from specserve.spec_decode.config import SpeculativeConfig
-    from specserve.worker.input_batch import StepInputs
+    from specserve.config.speculative import SpeculativeConfig
+    from specserve.step_inputs import StepInputs
     from specserve.worker.model_runner import ModelRunner
 
 

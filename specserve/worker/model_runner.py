@@ -21,28 +21,30 @@ from specserve.attention.backend import (
     CommonAttentionMetadata,
     ForwardContext,
     build_forward_context,
-    get_backend,
 )
+from specserve.attention.registry import get_attn_backend
 from specserve.config import EngineConfig
-from specserve.engine.request import Request
-from specserve.engine.scheduler import SchedulerOutput
 from specserve.ops import greedy_head
 from specserve.ops.spec_kernels import (
     place_on_device_,
     prepare_target_inputs,
     write_verified_tokens_,
 )
+from specserve.request import Request
 from specserve.sample.logits_processors import (
     apply_logits_processors,
     build_logits_processor_inputs,
 )
 from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import compute_logprobs, sample
+from specserve.scheduler_output import SchedulerOutput
 from specserve.spec_decode.drafting import TargetStep
+from specserve.spec_decode.interface import Speculator
+from specserve.step_inputs import StepInputs
 from specserve.structured.bitmask import apply_grammar_bitmask_, build_grammar_step
 from specserve.worker import copy_streams
 from specserve.worker.cudagraph import eager_rows
-from specserve.worker.input_batch import StepInputs, prepare_inputs
+from specserve.worker.input_batch import prepare_inputs
 from specserve.worker.request_states import RequestStates
 
 
@@ -91,7 +93,7 @@ class ModelRunner:
         model: torch.nn.Module,
         max_model_len: int,
         num_blocks: int,
-        speculator: object | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
         self.device = config.torch_device
@@ -99,12 +101,13 @@ class ModelRunner:
         self.model = model
         self.max_model_len = max_model_len
         self.block_size = config.block_size
+        self.vocab_size: int = model.config.vocab_size
         self.speculator = speculator
         # EOS ids masked (with stop_token_ids) until min_tokens; the engine sets them.
         self.eos_token_ids: frozenset[int] = frozenset()
         spec = config.spec
         self.num_spec_tokens = spec.num_speculative_tokens if spec is not None else 0
-        self.backend = get_backend(config.attention_backend, self.device, max_model_len)
+        self.backend = get_attn_backend(config.attention_backend, self.device, max_model_len)
         self.null_block = num_blocks
         self.max_blocks_per_req = (max_model_len + self.block_size - 1) // self.block_size
         self.states = RequestStates(
@@ -131,14 +134,9 @@ class ModelRunner:
         # Set to a list by benchmarks: (start, end) CUDA events around each step's drafting.
         self.draft_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
         if self.cudagraphs is not None and config.draft_graph_mode != "eager":
-            from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
-            from specserve.spec_decode.multi_layer_mtp import MultiLayerMTPSpeculator
-            from specserve.spec_decode.parallel import ParallelDraftSpeculator
-
             # The shared loop, PTD's one forward and the multi-layer MTP module chain.
-            graphed = (AutoregressiveSpeculator, ParallelDraftSpeculator, MultiLayerMTPSpeculator)
-            if type(speculator) in graphed:
-                from specserve.spec_decode.draft_graphs import DraftGraphRunner
+            if speculator is not None and speculator.graph_capturable:
+                from specserve.worker.draft_graphs import DraftGraphRunner
 
                 self.draft_graphs = DraftGraphRunner(
                     self, speculator, self.cudagraphs, config.draft_graph_mode

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specserve.engine.request import Request
+from specserve.request import Request
 from specserve.sample.sampler import SamplingTensors
 
 

@@ -1,7 +1,7 @@
 """Start-up warm-up: the work a batch shape costs the first time it appears, done before serving.
 
 CUDA graphs are captured at start-up for every padded batch size (worker/cudagraph.py,
-spec_decode/draft_graphs.py), and the decode-matmul plan is timed per row bucket
+worker/draft_graphs.py), and the decode-matmul plan is timed per row bucket
 (ops/gemv_plan.py), but much of a step runs outside those graphs at the step's exact sizes:
 lm_head over the B x (K + 1) verified rows (the planned gemv / skinny kernel: Triton
 specializes its integer arguments on == 1 and % 16 == 0, so rows = 52 compiles a kernel that
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.request import Request
-from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from specserve.request import Request
 from specserve.sampling_params import SamplingParams
+from specserve.scheduler_output import ScheduledRequest, SchedulerOutput
 from specserve.worker.cudagraph import graph_query_lens
 from specserve.worker.model_runner import ModelRunner
 

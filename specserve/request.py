@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+import torch
 
 from specserve.outputs import RequestMetrics
 from specserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from specserve.engine.output_processor import RequestState
-    from specserve.structured.matcher import RequestGrammar
+
+class RequestGrammar(Protocol):
+    """A request's grammar matcher (structured/matcher.py) as the engine, the sampler's logits
+    processors and the bitmask builder drive it."""
+
+    # The drafts of the next step that the grammar accepts, in order.
+    drafts: list[int]
+
+    @property
+    def is_terminated(self) -> bool: ...
+
+    # bitmask: [rows, ceil(vocab / 32)] int32 on the host
+    def fill_masks(self, drafts: list[int], bitmask: torch.Tensor, start: int) -> None: ...
+
+    def commit(self, tokens: list[int], num_accepted: int) -> int: ...
+
+    def valid_prefix(self, drafts: list[int]) -> int: ...
 
 
 class RequestStatus(enum.Enum):
@@ -74,8 +90,9 @@ class Request:
         self.block_ids: list[int] = []
         self.row = -1  # row in the runner's persistent request-state tensors
         self.seed = seed
-        # Text and stop strings, when the engine detokenizes inline (offline use).
-        self.output_state: RequestState | None = None
+        # Text and stop strings, when the engine detokenizes inline (offline use): the engine's
+        # RequestState (engine/output_processor.py).
+        self.output_state: Any = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())

@@ -1,4 +1,4 @@
-"""Validated engine configuration. CLI flags map 1:1 onto these fields."""
+"""The engine's configuration. CLI flags map 1:1 onto these fields."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from specserve.models.gguf import is_gguf, resolve_gguf
-from specserve.spec_decode.config import SpeculativeConfig
+from specserve.config.speculative import SpeculativeConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -88,12 +87,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to a local Hugging Face model directory.")
-        if is_gguf(self.model):
-            # NOTE: converted once into a cached HF directory (models/gguf.py); the engine then
-            # loads that like any other, and the name served stays the file's.
+        if self.model.endswith(".gguf"):
+            # NOTE: the engine converts it once into a cached HF directory (models/gguf.py) and
+            # loads that like any other; the name served stays the file's.
             self.served_model_name = self.served_model_name or os.path.basename(self.model)
-            self.model = resolve_gguf(self.model)
-        if not os.path.isdir(self.model):
+            if not os.path.isfile(self.model):
+                raise FileNotFoundError(f"GGUF file {self.model!r} does not exist")
+        elif not os.path.isdir(self.model):
             raise FileNotFoundError(
                 f"model directory {self.model!r} does not exist (specserve loads local "
                 "Hugging Face-format directories only; no hub access)."

@@ -41,8 +41,8 @@ if TYPE_CHECKING:
     from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
     from specserve.spec_decode.multi_layer_mtp import MultiLayerMTPSpeculator
     from specserve.spec_decode.parallel import ParallelDraftSpeculator
+    from specserve.step_inputs import StepInputs
     from specserve.worker.cudagraph import CudaGraphRunner
-    from specserve.worker.input_batch import StepInputs
     from specserve.worker.model_runner import ModelRunner
 
 MODES = ("auto", "fused", "per_step", "eager")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -61,8 +63,6 @@ class SpeculativeConfig:
             )
         check_type("model", (str,), allow_none=True)
         if self.num_speculative_tokens is None:
-            from specserve.models.speculators_format import default_num_speculative_tokens
-
             k = default_num_speculative_tokens(self.model) if self.method == "eagle3" else None
             self.num_speculative_tokens = k or 3
         check_type("num_speculative_tokens", (int,))
@@ -123,3 +123,49 @@ class SpeculativeConfig:
     @property
     def uses_hidden_states(self) -> bool:
         return self.method in ("eagle", "eagle3", "mtp")
+
+
+# A speculators-format EAGLE-3 head (models/speculators_format.py) names its own K.
+def is_speculators_config(cfg: dict[str, Any]) -> bool:
+    return "speculators_model_type" in cfg
+
+
+def require_key(d: Any, key: str, where: str, path: str) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise ValueError(f"{path}/config.json: speculators config is missing {where}{key}")
+    return d[key]
+
+
+def proposal_tokens(cfg: dict[str, Any], path: str) -> int:
+    spec = require_key(cfg, "speculators_config", "", path)
+    methods = require_key(spec, "proposal_methods", "speculators_config.", path)
+    if not isinstance(methods, list) or not methods:
+        raise ValueError(
+            f"{path}/config.json: speculators config is missing "
+            "speculators_config.proposal_methods[0]"
+        )
+    k = require_key(
+        methods[0], "speculative_tokens", "speculators_config.proposal_methods[0].", path
+    )
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(
+            f"{path}/config.json: speculators_config.proposal_methods[0].speculative_tokens "
+            f"must be a positive integer, got {k!r}"
+        )
+    return k
+
+
+def default_num_speculative_tokens(model_dir: str | None) -> int | None:
+    """`speculators_config.proposal_methods[0].speculative_tokens` of a speculators head in
+    `model_dir`, the K to use when the user gives none (None: not such a head)."""
+    path = os.path.join(model_dir or "", "config.json")
+    if not model_dir or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        try:
+            cfg = json.load(f)
+        except json.JSONDecodeError:
+            return None  # the loader reports it with the file's name
+    if not isinstance(cfg, dict) or not is_speculators_config(cfg):
+        return None
+    return proposal_tokens(cfg, model_dir)
