@@ -135,7 +135,7 @@ def test_sweep_and_compare(
 
 
 def test_one_stall_shows_in_max_itl() -> None:
-    """One 1.15 s gap among 400 ITLs of 10 ms (the first-time stall of issue 23) leaves P99
+    """One 1.15 s gap among 400 ITLs of 10 ms (a first-time compile on the serving path) leaves P99
     at 10 ms; only the maximum shows it, in the JSON and in the table."""
     outs = []
     for i in range(4):

@@ -1,4 +1,4 @@
-"""Fault load and API fuzzing (issue 19), on a real server on 127.0.0.1 with n-gram speculation
+"""Fault load and API fuzzing, on a real server on 127.0.0.1 with n-gram speculation
 and a KV cache small enough to preempt: 200 streamed requests at concurrency 32 with 20% client
 disconnects lose nothing, leak nothing and leave greedy output unchanged; schemathesis finds no
 server error and no response outside /openapi.json."""

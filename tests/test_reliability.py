@@ -1,4 +1,4 @@
-"""Never stuck (issue 19), on a real server on 127.0.0.1: requests that cannot fit the KV cache
+"""Never stuck, on a real server on 127.0.0.1: requests that cannot fit the KV cache
 are refused or finished, not queued forever; an idle engine sleeps; huge prompts do not stall
 running streams; token ids and bodies are validated; the API is documented."""
 

@@ -1,4 +1,4 @@
-"""`specserve serve --shutdown-timeout` (issue 19): SIGTERM drains in-flight requests for at
+"""`specserve serve --shutdown-timeout`: SIGTERM drains in-flight requests for at
 most the timeout, then ends them with an error event and exits; a second signal exits at once.
 A real `specserve serve` process on 127.0.0.1 and a stream far longer than any timeout."""
 
