@@ -160,6 +160,67 @@ def health_route() -> dict[str, Any]:
     }
 
 
+_NON_EMPTY = {"string": {"minLength": 1}, "array": {"minItems": 1}}
+_BIAS = {
+    "object": {
+        "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+    }
+}
+_STOP = {"string": {"minLength": 1}, "array": {"items": {"type": "string", "minLength": 1}}}
+_ONLY_WITH_STREAM = {"description": "only with `stream: true` (else a 400)"}
+
+# What the handlers enforce beyond the pydantic field types (protocol.py's checks, the
+# engine's), written into the schema so that clients and fuzzers see the same rules: per
+# request model and field, keywords added to each member of the field's type union whose
+# JSON type is the key ("*": to the property itself).
+ENFORCED: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
+    "CompletionRequest": {
+        "prompt": {
+            "string": {"minLength": 1},
+            "array": {"minItems": 1},
+            "*": {"description": "a string, strings, token ids or lists of token ids; none "
+                  "empty; at most 128 prompts x n"},
+        },
+        "max_tokens": {"*": {"description": "0 only with `echo` (the prompt is the answer); "
+                             "at most the context length minus the prompt's tokens"}},
+        "best_of": {"integer": {"minimum": 1, "maximum": 128},
+                    "*": {"description": "must equal `n` (no server-side best-of)"}},
+        "suffix": {"string": {"maxLength": 0}, "*": {"description": "not supported: empty"}},
+        "echo": {"*": {"description": "not with `truncate_prompt_tokens`"}},
+        "stop": _STOP,
+        "logit_bias": _BIAS,
+        "stream_options": {"*": _ONLY_WITH_STREAM},
+        "stop_token_ids": {"array": {"items": {"type": "integer", "minimum": 0}}},
+        "bad_words": {"array": {"items": {"type": "string", "pattern": "\\S"}}},
+    },
+    "ChatCompletionRequest": {
+        "max_completion_tokens": {"*": {"description": "at most the context length minus "
+                                        "the prompt's tokens (as `max_tokens`)"}},
+        "top_logprobs": {"*": {"description": "needs `logprobs: true`"}},
+        "stop": _STOP,
+        "logit_bias": _BIAS,
+        "stream_options": {"*": _ONLY_WITH_STREAM},
+        "stop_token_ids": {"array": {"items": {"type": "integer", "minimum": 0}}},
+        "bad_words": {"array": {"items": {"type": "string", "pattern": "\\S"}}},
+        "prompt_logprobs": {"*": {"description": "not with `stream: true`"}},
+    },
+}  # fmt: skip
+
+
+def _tighten(prop: dict[str, Any], rule: dict[str, dict[str, Any]]) -> None:
+    members = prop.get("anyOf", [prop])
+    for m in members:
+        extra = rule.get(m.get("type", ""))
+        if extra:
+            m.update(extra)
+        items = m.get("items", {})
+        if m.get("type") == "array" and "minItems" in (extra or {}):
+            # a list of prompts: none of them empty either
+            items.update(_NON_EMPTY.get(items.get("type", ""), {}))
+    prop.update(rule.get("*", {}))
+
+
 def install_openapi(app: FastAPI) -> None:
     """Add the request models (and the models they use) to the app's schema components."""
 
@@ -171,6 +232,9 @@ def install_openapi(app: FastAPI) -> None:
                 s = model.model_json_schema(ref_template=REF)
                 comps.update(s.pop("$defs", {}))
                 comps[model.__name__] = s
+            for name, rules in ENFORCED.items():
+                for field_name, rule in rules.items():
+                    _tighten(comps[name]["properties"][field_name], rule)
             app.openapi_schema = schema
         return app.openapi_schema
 

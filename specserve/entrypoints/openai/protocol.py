@@ -244,6 +244,13 @@ class SamplingRequest(OpenAIModel):
         except ValueError as e:
             raise APIError(str(e), param=_param_from_message(str(e))) from e
 
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            # As vLLM and OpenAI: options for a stream that does not exist are a mistake.
+            raise APIError(
+                "Stream options can only be defined when `stream=True`.", param="stream_options"
+            )
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -255,7 +262,9 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 only with `echo`: the prompt (and its logprobs) without a completion, as OpenAI's legacy
+    # API answers it (lm-eval-harness scores prompts this way).
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = None
@@ -284,12 +293,25 @@ class CompletionRequest(SamplingRequest):
             )
         return out
 
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the answer is the prompt alone."""
+        return self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
+        self.check_stream_options()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(
+                "max_tokens 0 needs echo (the prompt is the answer).", param="max_tokens"
+            )
         # As vLLM: `echo` with `logprobs` returns the prompt tokens' logprobs too.
         prompt_lp = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_lp = max(prompt_lp or 0, self.logprobs)
-        return self.sampling_params(self.max_tokens, self.logprobs, prompt_lp)
+        # NOTE: an echo-only request still runs the prefill (the prompt logprobs come from it);
+        # its one sampled token is dropped by the server.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, prompt_lp)
 
 
 class TextPart(OpenAIModel):
@@ -325,6 +347,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
+        self.check_stream_options()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         if self.prompt_logprobs is not None and self.stream:

@@ -81,7 +81,7 @@ def create_app(
     name = model_name or core.config.served_model_name or core.config.model
     metrics = PrometheusMetrics(name, lambda: engine.snapshot, core.num_spec_tokens > 0)
     engine.observers.append(metrics)
-    serving = OpenAIServing(engine, name)
+    serving = OpenAIServing(engine, name, on_abort=metrics.count_aborted)
     created = int(time.time())
 
     @asynccontextmanager
@@ -99,8 +99,7 @@ def create_app(
     def check_auth(request: Request) -> None:
         if api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+        if not hmac.compare_digest(_bearer_token(request).encode(), api_key.encode()):
             raise APIError("Incorrect API key provided.", status=401, code="invalid_api_key")
 
     async def serve(
@@ -158,6 +157,16 @@ def build_app(
 ) -> FastAPI:
     engine = AsyncLLMEngine.from_config(config)
     return create_app(engine, config.served_model_name, api_key, max_request_bytes)
+
+
+def _bearer_token(request: Request) -> str:
+    """The token of the request's one `Authorization: Bearer TOKEN` header; "" if there is
+    none, several, or another scheme. The scheme is case-insensitive (RFC 7235 2.1)."""
+    values = request.headers.getlist("authorization")
+    if len(values) != 1:
+        return ""  # NOTE: two headers could mean two proxies disagreeing: refuse both
+    scheme, _, token = values[0].strip().partition(" ")
+    return token.lstrip(" ") if scheme.lower() == "bearer" else ""
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -62,9 +62,17 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        model_name: str,
+        on_abort: Callable[[int], None] | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
+        # Told how many engine requests ended unfinished (client gone, error): /metrics counts
+        # them as finished_reason="abort".
+        self.on_abort = on_abort
         self.tokenizer = engine.engine.tokenizer
         # Prompts are tokenized (and chat templates rendered) here, never on the engine thread:
         # a 4 MB prompt must not stall every running stream. One worker: the tokenizer's Rust
@@ -112,6 +120,9 @@ class OpenAIServing:
             prompts = await self._off_thread(make)
         except ValueError as e:  # no tokenizer for a text prompt
             raise APIError(str(e), param="prompt") from e
+        if not req.echo_only:
+            for p in prompts:
+                self._check_max_tokens(req.max_tokens, len(p["prompt_token_ids"]), sp)
         return await self._run("cmpl", req, sp, prompts, _CompletionFormat(self, req))
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | Stream:
@@ -146,7 +157,25 @@ class OpenAIServing:
             prompt = await self._off_thread(make)
         except Exception as e:  # a template that rejects the conversation: the input's fault
             raise APIError(f"chat template: {e}", param="messages") from e
+        asked = req.max_completion_tokens or req.max_tokens
+        self._check_max_tokens(asked, len(prompt["prompt_token_ids"]), sp)
         return await self._run("chatcmpl", req, sp, [prompt], _ChatFormat(self, req))
+
+    def _check_max_tokens(self, asked: int | None, num_prompt: int, sp: SamplingParams) -> None:
+        """vLLM's 400 for a `max_tokens` the context cannot hold after the prompt. A prompt
+        that alone is too long is add_request's error (it names the prompt)."""
+        m = self.engine.engine.max_model_len
+        keep = sp.truncate_prompt_tokens
+        if keep is not None:
+            num_prompt = min(num_prompt, m - 1 if keep == -1 else keep)
+        if asked is None or num_prompt >= m or asked <= m - num_prompt:
+            return
+        raise APIError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This model's "
+            f"maximum context length is {m} tokens and your request has {num_prompt} input "
+            f"tokens ({asked} > {m} - {num_prompt}).",
+            param="max_tokens",
+        )
 
     # ---- shared driver -------------------------------------------------------------------
     async def _run(
@@ -165,6 +194,17 @@ class OpenAIServing:
                 children.append((f"{fmt.rid}-{p}-{i}", prompt, child))
         choices = [_Choice(p) for p in range(len(prompts)) for _ in range(req.n)]
         group = self.engine.new_group()
+        aborted = False
+
+        def abort() -> None:
+            # Called when the response ends however it ends (twice for streams: the body's
+            # `finally` and the response's close); counts what did not finish, once.
+            nonlocal aborted
+            if not aborted and self.on_abort is not None:
+                self.on_abort(sum(c.finish_reason is None for c in choices))
+            aborted = True
+            group.abort()
+
         try:
             await group.add(children)
         except EngineDeadError as e:
@@ -180,8 +220,10 @@ class OpenAIServing:
                 param = "top_logprobs"  # chat's logprobs is a flag; its count is top_logprobs
             raise APIError(msg, param=param) from e
         if req.stream:
-            chunks = self._stream(group, choices, fmt, req.include_usage, req.continuous_usage)
-            return Stream(chunks, group.abort)
+            chunks = self._stream(
+                group, choices, fmt, abort, req.include_usage, req.continuous_usage
+            )
+            return Stream(chunks, abort)
         prompt_lens: dict[int, int] = {}
         try:
             async for idx, out in group:
@@ -189,7 +231,7 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise _dead(e) from e
         finally:
-            group.abort()  # no-op unless the client went away (cancellation) mid-way
+            abort()  # no-op unless the client went away (cancellation) mid-way
         return fmt.response(choices, _usage(prompt_lens, choices))
 
     async def _stream(
@@ -197,6 +239,7 @@ class OpenAIServing:
         group: RequestGroup,
         choices: list[_Choice],
         fmt: _Format,
+        abort: Callable[[], None],
         include_usage: bool,
         continuous_usage: bool = False,
     ) -> AsyncIterator[str]:
@@ -206,8 +249,8 @@ class OpenAIServing:
                 c = choices[idx]
                 first = not c.started
                 n_before = len(c.token_ids)
-                self._apply(c, out, fmt, prompt_lens)
-                chunk = fmt.chunk(idx, c, out.delta_text, n_before, first)
+                delta = self._apply(c, out, fmt, prompt_lens)
+                chunk = fmt.chunk(idx, c, delta, n_before, first)
                 if continuous_usage:  # vLLM: this choice's usage so far
                     p = prompt_lens[c.prompt_idx]
                     n = len(c.token_ids)
@@ -220,10 +263,11 @@ class OpenAIServing:
             # Headers are sent already: the error travels as an event, then the stream ends.
             yield _sse(_dead(e).body())
         finally:
-            group.abort()
+            abort()
         yield "data: [DONE]\n\n"
 
-    def _apply(self, c: _Choice, out: RequestOutput, fmt: _Format, lens: dict[int, int]) -> None:
+    def _apply(self, c: _Choice, out: RequestOutput, fmt: _Format, lens: dict[int, int]) -> str:
+        """Add an engine output to its choice; returns the text it added."""
         lens[c.prompt_idx] = len(out.prompt_token_ids)
         if not c.started:
             c.started = True
@@ -232,6 +276,11 @@ class OpenAIServing:
             c.prompt_token_ids = list(out.prompt_token_ids)
             c.prompt_logprobs = out.prompt_logprobs
             c.prompt_logprob_ranks = out.prompt_logprob_ranks
+        if fmt.echo_only:
+            # The one token sampled for the prefill's sake is not part of the answer.
+            if out.finished:
+                c.finish_reason, c.stop_reason = "length", None
+            return ""
         c.text += out.delta_text
         c.token_ids += out.delta_token_ids
         if out.delta_logprobs:
@@ -239,6 +288,7 @@ class OpenAIServing:
         if out.finished:
             c.finish_reason = out.outputs[0].finish_reason
             c.stop_reason = out.outputs[0].stop_reason
+        return out.delta_text
 
 
 def _dead(e: Exception) -> APIError:
@@ -297,6 +347,7 @@ class _Format:
     obj = ""
     chunk_obj = ""
     echo = False
+    echo_only = False  # completions' echo with max_tokens 0
 
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
@@ -330,6 +381,7 @@ class _CompletionFormat(_Format):
         super().__init__(serving)
         self.n_top = req.logprobs
         self.echo = req.echo
+        self.echo_only = req.echo_only
         self.prompt_n_top = req.prompt_logprobs
 
     def logprobs(
