@@ -21,7 +21,7 @@ from specserve.entrypoints.openai.tool_parsers.base import (
     arguments_json,
     loads_or_none,
 )
-from specserve.entrypoints.openai.tool_parsers.text import json_object_end
+from specserve.entrypoints.openai.tool_parsers.text import JsonObjectScan
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -40,6 +40,7 @@ class Llama3JsonToolParser(ToolParser):
         # Where the scan stands: "start" (nothing decided), "calls" (after a call), "text"
         # (everything from here on is content).
         self._mode = "start"
+        self._scan: JsonObjectScan | None = None
 
     def _parse(self, buf: str, final: bool) -> tuple[list[Segment], int]:
         segments: list[Segment] = []
@@ -54,7 +55,13 @@ class Llama3JsonToolParser(ToolParser):
             if obj_start < 0:  # no further call
                 pos = self._to_text(buf, pos)
                 continue
-            end = json_object_end(buf, obj_start)
+            # NOTE: a held object starts at the same index of the next buf (the scan returns
+            # the offset before it), so its brace scan resumes instead of restarting.
+            if self._scan is None or self._scan.start != obj_start:
+                self._scan = JsonObjectScan(obj_start)
+            end = self._scan.end(buf)
+            if end is not None or final:
+                self._scan = None
             if end is None:
                 if not final:
                     return segments, pos

@@ -4,6 +4,7 @@ paths apply to a field, and the hold-back of a possible partial tag at the end o
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 def strip_or_none(text: str) -> str | None:
@@ -49,28 +50,44 @@ def partial_tag_len(text: str, tags: Iterable[str]) -> int:
     return best
 
 
-def json_object_end(text: str, start: int) -> int | None:
-    """Index just past the `}` that closes the JSON object opening at `text[start] == "{"`, or
-    None when the text ends first. Strings and their escapes are skipped, so braces inside them
-    do not count; the slice is not validated (json.loads does that)."""
-    depth = 0
-    in_string = False
-    escaped = False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
+@dataclass
+class JsonObjectScan:
+    """Finds the `}` that closes the JSON object opening at `text[start] == "{"`, resumably: a
+    streaming parser calls `end` again as the text grows and the scan goes on from where it
+    stopped (a long argument streamed token by token stays linear). Strings and their escapes
+    are skipped, so braces inside them do not count; the slice is not validated (json.loads
+    does that)."""
+
+    start: int
+    pos: int = -1  # next index to read
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def end(self, text: str) -> int | None:
+        """Index just past the closing `}`, None when the text ends first."""
+        for i in range(max(self.pos, self.start), len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
             elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
+
+
+def json_object_end(text: str, start: int) -> int | None:
+    """`JsonObjectScan` in one go."""
+    return JsonObjectScan(start).end(text)
