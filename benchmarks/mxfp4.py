@@ -4,9 +4,8 @@ Random 4-bit experts at gpt-oss-20b (32 experts) and gpt-oss-120b (128 experts) 
 (H = I = 2880, top-4, bf16 activations, biases + swiglu_oai): code bytes uniform in 0..255,
 E8M0 scales in 119..127 (2^-8 .. 2^0: finite), LAYERS distinct layers with their own
 random routing, so a pass over them does not sit in the 50 MB L2. For T = 1, 4, 8 tokens, each
-decode variant (moe_mxfp4.DECODE_VARIANTS) and launch config (the variant's shape table; v5
-also every `mxfp4_candidate_configs` candidate, each with the other kernel at its table config) is
-first checked against `fused_moe_mxfp4_ref` in float32 on the chosen experts (relative error
+launch config (the shape table's, and every MXFP4_GATE_UP_CONFIGS / MXFP4_DOWN_CONFIGS
+candidate with the other kernel at its table config) is first checked against `fused_moe_mxfp4_ref` in float32 on the chosen experts (relative error
 under 2e-2, outputs poisoned with NaN first; a mismatch stops the run), then timed in CUDA
 graphs over the layers, median of the replays: the gate_up kernel alone, down alone, and
 the whole `fused_moe_mxfp4_decode`. Bandwidth: the bytes a kernel must read (the distinct chosen
@@ -14,7 +13,7 @@ experts' code blocks, scales and biases) per microsecond, as a share of the devi
 copy bandwidth (read + write) measured in the same run.
 
     python benchmarks/mxfp4.py                        # $OUT/mxfp4.json; ~2 min on an H100
-    python benchmarks/mxfp4.py --variants v5 --configs table
+    python benchmarks/mxfp4.py --configs table
     python benchmarks/mxfp4.py --cpu-smoke            # tiny shapes, TRITON_INTERPRET=1: checks only
     python benchmarks/mxfp4.py --crossover 8,16,32,64 # decode kernels vs grouped GEMM per T
 """
@@ -124,17 +123,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def config_pairs(variant: str, H: int, inter: int, top_k: int, keep: list[str]) -> list:
-    """(gate_up, down) pairs to run: the table's, and for v5 each candidate with the other
-    kernel at its table config; `keep`: substrings of pair names ("table": the table pair)."""
+def config_pairs(H: int, inter: int, top_k: int, keep: list[str]) -> list:
+    """(gate_up, down) pairs to run: the table's, and each candidate with the other kernel at
+    its table config; `keep`: substrings of pair names ("table": the table pair)."""
     from specserve.ops import moe_mxfp4 as mx
 
-    table = mx.mxfp4_decode_configs(H, inter, top_k, variant)
+    table = mx.mxfp4_decode_configs(H, inter, top_k)
     pairs = [table]
-    if variant != "v1":
-        gate_ups, downs = mx.mxfp4_candidate_configs(variant)
-        pairs += [(g, table[1]) for g in gate_ups]
-        pairs += [(table[0], d) for d in downs]
+    pairs += [(g, table[1]) for g in mx.MXFP4_GATE_UP_CONFIGS]
+    pairs += [(table[0], d) for d in mx.MXFP4_DOWN_CONFIGS]
     pairs = list(dict.fromkeys(pairs))
     if not keep:
         return pairs
@@ -146,32 +143,32 @@ def name(pair: tuple[Config, Config]) -> str:
     return "gu" + "x".join(map(str, g)) + "_dn" + "x".join(map(str, d))
 
 
-def kernels(variant: str, pair: tuple[Config, Config]) -> dict[str, Callable]:
+def kernels(pair: tuple[Config, Config]) -> dict[str, Callable]:
     """Per-layer calls: gate_up alone, down alone (its input precomputed), the whole op."""
     from specserve.ops import moe_mxfp4 as mx
 
     def gate_up(x: torch.Tensor, layer: Layer, route: tuple, bufs: dict) -> None:
         mx._gate_up(
-            variant, x, layer.w13_blocks, layer.w13_scales, route[1], bufs["inter"],
+            x, layer.w13_blocks, layer.w13_scales, route[1], bufs["inter"],
             epilogue(layer), pair[0],
         )  # fmt: skip
 
     def down(x: torch.Tensor, layer: Layer, route: tuple, bufs: dict) -> None:
         mx._down(
-            variant, bufs["inter"], layer.w2_blocks, layer.w2_scales, route[0], route[1],
+            bufs["inter"], layer.w2_blocks, layer.w2_scales, route[0], route[1],
             bufs["out"], epilogue(layer), pair[1],
         )  # fmt: skip
 
     def fused(x: torch.Tensor, layer: Layer, route: tuple, bufs: dict) -> None:
         mx.fused_moe_mxfp4_decode(
             x, layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales, *route,
-            epilogue=epilogue(layer), configs=pair, variant=variant,
+            epilogue=epilogue(layer), configs=pair,
         )  # fmt: skip
 
     return {"gate_up": gate_up, "down": down, "fused": fused}
 
 
-def check(variant: str, pair: tuple, xs: list, layers: list, routes: list, refs: list) -> float:
+def check(pair: tuple, xs: list, layers: list, routes: list, refs: list) -> float:
     """The worst relative error over the layers of the two kernels (into NaN-poisoned buffers)
     and of the whole op against a float32 reference; stops the run above 2e-2 (as
     benchmarks/moe.py). NOTE: the kernels in float32 match it to ~1e-7; in bf16, rounding the
@@ -188,16 +185,16 @@ def check(variant: str, pair: tuple, xs: list, layers: list, routes: list, refs:
             ),
             "out": torch.full_like(x, float("nan")),
         }
-        calls = kernels(variant, pair)
+        calls = kernels(pair)
         calls["gate_up"](x, layer, route, bufs)
         calls["down"](x, layer, route, bufs)
         out = mx.fused_moe_mxfp4_decode(
             x, layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales, *route,
-            epilogue=epilogue(layer), configs=pair, variant=variant,
+            epilogue=epilogue(layer), configs=pair,
         )  # fmt: skip
         worst = max(worst, rel_err(bufs["out"], ref), rel_err(out, ref))
     if not worst < 2e-2:
-        raise SystemExit(f"MISMATCH {variant} {name(pair)}: relative error {worst:.3e}")
+        raise SystemExit(f"MISMATCH {name(pair)}: relative error {worst:.3e}")
     return worst
 
 
@@ -213,14 +210,11 @@ def timed(call: Callable, xs: list, layers: list, routes: list, bufs: list) -> f
 
 
 def bench_model(model: str, shape: tuple, args: argparse.Namespace, bw: float | None) -> list:
-    from specserve.ops import moe_mxfp4 as mx
-
     H, inter, E, top_k = shape
     device = "cpu" if args.cpu_smoke else "cuda"
     gen = torch.Generator(device).manual_seed(0)
     n_layers = 1 if args.cpu_smoke else args.layers
     layers = [make_layer(H, inter, E, gen, device) for _ in range(n_layers)]
-    variants = args.variants.split(",") if args.variants else list(mx.DECODE_VARIANTS)
     keep = args.configs.split(",") if args.configs else []
     rows = []
     for T in SMOKE_TOKENS if args.cpu_smoke else TOKENS:
@@ -232,30 +226,29 @@ def bench_model(model: str, shape: tuple, args: argparse.Namespace, bw: float | 
             gate_up_bytes = sum(s[0] for s in sizes) / len(sizes)
             down_bytes = sum(s[1] for s in sizes) / len(sizes)
             distinct = sum(len(torch.unique(r[1])) for r in routes) / len(routes)
-            for variant in variants:
-                for pair in config_pairs(variant, H, inter, top_k, keep):
-                    row = {
-                        "model": model, "T": T, "variant": variant,
-                        "gate_up_config": pair[0], "down_config": pair[1],
-                        "distinct_experts": distinct, "gate_up_MB": gate_up_bytes / 1e6,
-                        "down_MB": down_bytes / 1e6,
-                        "rel_err": check(variant, pair, xs, layers, routes, refs),
+            for pair in config_pairs(H, inter, top_k, keep):
+                row = {
+                    "model": model, "T": T,
+                    "gate_up_config": pair[0], "down_config": pair[1],
+                    "distinct_experts": distinct, "gate_up_MB": gate_up_bytes / 1e6,
+                    "down_MB": down_bytes / 1e6,
+                    "rel_err": check(pair, xs, layers, routes, refs),
+                }  # fmt: skip
+                if not args.cpu_smoke:
+                    row.update(time_pair(pair, xs, layers, routes, bw))
+                    row["pct_bw"] = {
+                        k: 100 * b / (row[f"{k}_us"] * 1e-6) / bw
+                        for k, b in (
+                            ("gate_up", gate_up_bytes), ("down", down_bytes),
+                            ("fused", gate_up_bytes + down_bytes),
+                        )
                     }  # fmt: skip
-                    if not args.cpu_smoke:
-                        row.update(time_pair(variant, pair, xs, layers, routes, bw))
-                        row["pct_bw"] = {
-                            k: 100 * b / (row[f"{k}_us"] * 1e-6) / bw
-                            for k, b in (
-                                ("gate_up", gate_up_bytes), ("down", down_bytes),
-                                ("fused", gate_up_bytes + down_bytes),
-                            )
-                        }  # fmt: skip
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
-def time_pair(variant: str, pair: tuple, xs: list, layers: list, routes: list, bw: float) -> dict:
+def time_pair(pair: tuple, xs: list, layers: list, routes: list, bw: float) -> dict:
     T, top_k = routes[0][1].shape
     inter_size = layers[0].w2_blocks.shape[2] * 32
     bufs = [
@@ -265,14 +258,14 @@ def time_pair(variant: str, pair: tuple, xs: list, layers: list, routes: list, b
         }
         for x in xs
     ]
-    calls = kernels(variant, pair)
+    calls = kernels(pair)
     for x, layer, r, b in zip(xs, layers, routes, bufs):  # down's inputs, as gate_up leaves them
         calls["gate_up"](x, layer, r, b)
     return {f"{k}_us": timed(call, xs, layers, routes, bufs) for k, call in calls.items()}
 
 
 def crossover(model: str, shape: tuple, tokens: list[int], args: argparse.Namespace, bw) -> list:
-    """Per T: the whole op by the decode kernels (DECODE_VARIANT, table configs) and by the
+    """Per T: the whole op by the decode kernels (table configs) and by the
     grouped GEMM (its table config), each checked against the reference, then timed."""
     from specserve.ops import moe_mxfp4 as mx
     from specserve.ops.moe_mxfp4_gemm import fused_moe_mxfp4_gemm
@@ -328,19 +321,19 @@ def crossover_summary(rows: list) -> None:
 
 
 def summary(rows: list) -> None:
-    """Per model, T and variant: the table pair and the fastest pair (whole op)."""
+    """Per model and T: the table pair and the fastest pair (whole op)."""
     print("us a layer in CUDA graphs; % of copy bandwidth on the bytes each kernel must read")
-    head = f"{'model':>13} {'T':>2} {'var':>3} {'pair':>6} {'configs':>28}"
+    head = f"{'model':>13} {'T':>2} {'pair':>6} {'configs':>28}"
     print(head + f" {'gate_up us':>10} {'%':>4} {'down us':>8} {'%':>4} {'fused us':>9} {'%':>4}")
     groups: dict[tuple, list] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["T"], r["variant"]), []).append(r)
-    for (model, T, variant), rs in groups.items():
+        groups.setdefault((r["model"], r["T"]), []).append(r)
+    for (model, T), rs in groups.items():
         best = min(rs, key=lambda r: r["fused_us"])
         for label, r in (("table", rs[0]), ("best", best)):
             p = r["pct_bw"]
             print(
-                f"{model:>13} {T:>2} {variant:>3} {label:>6} "
+                f"{model:>13} {T:>2} {label:>6} "
                 f"{name((r['gate_up_config'], r['down_config'])):>28} "
                 f"{r['gate_up_us']:10.1f} {p['gate_up']:4.0f} {r['down_us']:8.1f} {p['down']:4.0f}"
                 f" {r['fused_us']:9.1f} {p['fused']:4.0f}"
@@ -366,7 +359,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no timing")
     ap.add_argument("--models", default=None, help=f"comma-separated of {list(MODELS)}")
-    ap.add_argument("--variants", default=None, help="comma-separated, e.g. v1,v5 (default all)")
     ap.add_argument(
         "--configs", default=None,
         help="keep config pairs whose name (gu8x1024x4_dn8x256x4) contains one of these "

@@ -68,18 +68,13 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture
-def unfused_shared_experts(monkeypatch: pytest.MonkeyPatch) -> None:
+def unfused_shared_experts() -> Iterator[None]:
     """GLM-4.x MoE / DeepSeek-V3 models built during the test keep their shared experts as a
     separate MLP (models/moe.py MoeConfig.fuse_shared_experts False) instead of fusing them."""
-    from dataclasses import replace
+    from specserve.tunables import override
 
-    from specserve.models import deepseek, glm4_moe, moe
-
-    def unfused(cfg: dict[str, Any]) -> moe.MoeConfig:
-        return replace(moe.sigmoid_moe_config(cfg), fuse_shared_experts=False)
-
-    for family in (deepseek, glm4_moe):
-        monkeypatch.setattr(family, "sigmoid_moe_config", unfused)
+    with override(moe_fuse_shared_experts=False):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -173,7 +173,7 @@ def test_cuda_matches_transformers(gpt_oss: dict, engine_kw: dict) -> None:
 def write_mxfp4(src: str, dst: str) -> str:
     """`src` with its experts stored as the published checkpoints store them: quantization_config
     mxfp4, `experts.{gate_up,down}_proj_{blocks,scales}` over [E, out, in] rows."""
-    from specserve.models.mxfp4 import quantize_mxfp4
+    from specserve.ops.mxfp4 import quantize_mxfp4
 
     shutil.copytree(src, dst)
     w = load_file(os.path.join(src, "model.safetensors"))

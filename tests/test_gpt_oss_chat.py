@@ -1,4 +1,4 @@
-"""gpt-oss chat through the real server (issue 22): a tiny random `GptOssForCausalLM` whose
+"""gpt-oss chat through the real server: a tiny random `GptOssForCausalLM` whose
 model directory ships a harmony tokenizer as transformers saves it (`chat_template.jinja`,
 `tokenizer.json`, `generation_config.json` with `<|return|>` / `<|call|>` among the eos ids),
 served on 127.0.0.1 and called with the `openai` client.
@@ -6,7 +6,7 @@ served on 127.0.0.1 and called with the `openai` client.
 The prompt the server tokenizes must be `apply_chat_template(messages,
 add_generation_prompt=True)` token for token (read back through `prompt_logprobs`, which name
 each prompt token's id), `reasoning_effort` reaches the template, and the template's stop tokens
-end generation. Reasoning and tool channels are not parsed (issue 22 leaves that for later)."""
+end generation. Reasoning and tool channels are not parsed."""
 
 from __future__ import annotations
 

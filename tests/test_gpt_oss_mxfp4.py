@@ -77,8 +77,8 @@ def test_4bit_experts_cpu_fallback_matches_transformers(mxfp4_path: str) -> None
 def test_4bit_rows_are_the_dequantized_rows(mxfp4_path: str) -> None:
     """Blocks and scales are de-interleaved as rows: dequantized, they are exactly the experts
     of the dequantize-at-load path."""
-    from specserve.models.mxfp4 import dequantize_mxfp4
     from specserve.models.registry import load_model
+    from specserve.ops.mxfp4 import dequantize_mxfp4
 
     kept, _ = load_model(mxfp4_path, torch.float32, "cpu", 64, mxfp4_experts="mxfp4")
     dense, _ = load_model(mxfp4_path, torch.float32, "cpu", 64)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.tunables import override
 
 from .conftest import hf_greedy, random_prompts
 from .draft_utils import drafts_per_step
@@ -81,9 +82,8 @@ def test_greedy_head_epilogue_in_the_engine_cuda(
         fused = [o.outputs[0].token_ids for o in llm.generate(reqs, GREEDY)]
         assert takes and max(takes) == len(batch)
         takes.clear()
-        monkeypatch.setattr(greedy_head, "FUSED", False)
-        plain = [o.outputs[0].token_ids for o in llm.generate(reqs, GREEDY)]
-        monkeypatch.setattr(greedy_head, "FUSED", True)
+        with override(greedy_argmax_epilogue=False):
+            plain = [o.outputs[0].token_ids for o in llm.generate(reqs, GREEDY)]
         assert not takes
         assert fused == plain
 
@@ -318,11 +318,11 @@ def test_async_scheduling_cuda(drafters, prompts, method: str | None, mode: str)
 def test_split_kv_in_the_engine_cuda(ckpt_dir, prompts) -> None:
     """max_model_len 4096: batch-1 decode graphs split the keys (flash-decoding); greedy tokens
     still equal transformers'."""
-    from specserve.attention import triton_paged
+    from specserve.attention import launch_policy
 
     path = ckpt_dir("llama_gqa", "llama")
     llm = LLM(path, device="cuda", dtype="float32", max_model_len=4096, max_num_seqs=4)
-    assert triton_paged._num_splits(2, 4096, torch.device("cuda")) > 1
+    assert launch_policy._num_splits(2, 4096, torch.device("cuda")) > 1
     for p in prompts[:2]:
         out = llm.generate({"prompt_token_ids": p}, GREEDY)[0].outputs[0].token_ids
         assert out == hf_greedy(path, p, GREEDY.max_tokens)
@@ -345,32 +345,30 @@ def test_pdl_bit_equal_to_plain_launches(drafters, prompts, method: str | None) 
         spec = {"method": method, "model": drafters[method], "num_speculative_tokens": 3}
     kw = {"dtype": "bfloat16", "max_model_len": 4096, "decode_matmul": "triton"}
     runs = []
-    saved = pdl.ENABLED, pdl.EARLY_METADATA
-    # PDL off; on; on with the metadata loads before the wait (pdl.EARLY_METADATA).
-    for knobs in ((False, False), (True, False), (True, True)):
-        pdl.ENABLED, pdl.EARLY_METADATA = knobs
-        try:
+    for on in (False, True):  # PDL off; on (the metadata loads before the wait)
+        with override(pdl=on):
             llm = cuda_llm(drafters["target"], speculative_config=spec, **kw)
             outs = llm.generate(batch, [GREEDY, sp] * 3)
-        finally:
-            pdl.ENABLED, pdl.EARLY_METADATA = saved
         runs.append([o.outputs[0].token_ids for o in outs])
     assert all(r == runs[0] for r in runs[1:])
 
 
-@pytest.mark.parametrize("knob", ["FUSE_ROPE_KV", "PRELOAD_FIRST_PAGE"])
+@pytest.mark.parametrize("fuse_rope_kv", [False, True])
 @pytest.mark.parametrize("name", ["llama_gqa", "mistral_swa"])
-def test_attention_experiments_in_the_engine_cuda(
-    ckpt_dir, drafters, prompts, monkeypatch, knob: str, name: str
+def test_attention_paths_in_the_engine_cuda(
+    ckpt_dir, drafters, prompts, fuse_rope_kv: bool, name: str
 ) -> None:
-    """Each attention switch away from its default: RoPE + KV write outside the attention
-    kernel (on by default: decode and verification batches fuse it), the first key tile's
-    page ids loaded after the PDL wait (before it by default). Greedy tokens still equal
+    """RoPE + KV write outside the attention kernel (tunables attn_fuse_rope_kv off) and
+    inside it (the default: decode and verification batches fuse it). Greedy tokens equal
     transformers' (one request at a time, then a batch), and with RoPE fused EAGLE-3's
     (4-token verification batches) equal plain decoding's."""
-    from specserve.attention import triton_paged
+    with override(attn_fuse_rope_kv=fuse_rope_kv):
+        _attention_path_in_the_engine(ckpt_dir, drafters, prompts, fuse_rope_kv, name)
 
-    monkeypatch.setattr(triton_paged, knob, not getattr(triton_paged, knob))
+
+def _attention_path_in_the_engine(
+    ckpt_dir, drafters, prompts, fuse_rope_kv: bool, name: str
+) -> None:
     arch, over = ARCHS[name]
     path = ckpt_dir(name, arch, **over)
     llm = cuda_llm(path)
@@ -380,7 +378,7 @@ def test_attention_experiments_in_the_engine_cuda(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(path, p, GREEDY.max_tokens)
-    if name == "llama_gqa" and knob == "PRELOAD_FIRST_PAGE":  # RoPE fused, the default
+    if name == "llama_gqa" and fuse_rope_kv:
         spec = {"method": "eagle3", "model": drafters["eagle3"], "num_speculative_tokens": 3}
         batch = [{"prompt_token_ids": p} for p in prompts]
         with_spec = cuda_llm(drafters["target"], speculative_config=spec).generate(batch, GREEDY)

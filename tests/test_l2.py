@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("triton")
 
 from specserve.ops import l2  # noqa: E402
+from specserve.tunables import override  # noqa: E402
 
 from .test_moe_ops import _compile  # noqa: E402
 from .test_pdl import compile_sm90  # noqa: E402
@@ -16,12 +17,11 @@ from .test_pdl import compile_sm90  # noqa: E402
 HINT = "L2::cache_hint"
 
 
-def test_policy_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_policy_validated() -> None:
     assert l2.weight_eviction() == "evict_first" and l2.weights_evict_first()  # the default
-    monkeypatch.setattr(l2, "WEIGHT_EVICTION", "")
-    assert not l2.weights_evict_first()
-    monkeypatch.setattr(l2, "WEIGHT_EVICTION", "evict_last")
-    with pytest.raises(ValueError, match="evict_last"):
+    with override(weight_eviction=""):
+        assert not l2.weights_evict_first()
+    with override(weight_eviction="evict_last"), pytest.raises(ValueError, match="evict_last"):
         l2.weight_eviction()
 
 
@@ -56,7 +56,7 @@ def test_moe_decode_weight_loads(policy: str) -> None:
     from specserve.ops import moe_triton as mt
 
     silu = mt.Epilogue(activation="silu").consts()
-    consts = dict(BLOCK_N=4, BLOCK_K=2048, PDL=True, HAS_BIAS=False, EARLY_TRIGGER=True, **silu)
+    consts = dict(BLOCK_N=4, BLOCK_K=2048, PDL=True, HAS_BIAS=False, **silu)
     ptx = _compile(mt._moe_decode_gate_up_kernel, dict(W_EVICT=policy, **consts), 4)
     # gate and up: 4 rows x 2048 bf16 each over 128 threads in 16-byte loads; x is not a weight
     assert _hinted_loads(ptx) == (2 * 4 * 2048 * 2 // 16 // 128 if policy else 0)
@@ -67,7 +67,7 @@ def test_moe_decode_weight_loads(policy: str) -> None:
 
 
 @pytest.mark.gpu
-def test_evict_first_bit_equal_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_evict_first_bit_equal_gpu() -> None:
     """The hint changes no result: the gemv, the skinny matmul and the bf16 MoE decode kernels
     give bit-equal outputs with and without it (bf16, Llama-3-8B-like widths)."""
     import torch
@@ -95,8 +95,7 @@ def test_evict_first_bit_equal_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
             mt.fused_moe_decode(*moe),
         ]
 
-    monkeypatch.setattr(l2, "WEIGHT_EVICTION", "")
-    base = run()
-    monkeypatch.setattr(l2, "WEIGHT_EVICTION", "evict_first")
-    for a, b in zip(run(), base):
+    with override(weight_eviction=""):
+        base = run()
+    for a, b in zip(run(), base):  # the default: evict-first
         assert torch.equal(a, b)

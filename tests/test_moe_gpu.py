@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.tunables import override
 
 from .conftest import hf_greedy, random_prompts
 from .spec_utils import append_mtp_layers, write_speculators_eagle3
@@ -77,22 +78,21 @@ def test_moe_bf16_graphs_equal_eager_and_track_transformers(ckpt_dir, prompts, n
 
 
 ROUTER_VARIANTS = [  # ops/moe_router.py's non-default paths: the k-rounds choice (fallback),
-    {"ROUTE_TOPK_SORT": False},
-    {"ROUTE_SOFTMAX_TOPK": False},  # renormalized softmax routers by the full softmax
+    {"moe_route_topk_sort": False},
+    {"moe_route_softmax_topk": False},  # renormalized softmax routers by the full softmax
 ]
 
 
 @pytest.mark.parametrize("variant", ROUTER_VARIANTS, ids=str)
 @pytest.mark.parametrize("name", list(MOE_ARCHS))
-def test_moe_router_variants_greedy(
-    ckpt_dir, prompts, name: str, variant: dict, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_moe_router_variants_greedy(ckpt_dir, prompts, name: str, variant: dict) -> None:
     """Under each non-default router path, bf16 greedy decode in CUDA graphs equals
     enforce_eager token for token, and float32 matches transformers."""
-    from specserve.ops import moe_router
+    with override(**variant):
+        _router_variant_greedy(ckpt_dir, prompts, name)
 
-    for attr, value in variant.items():
-        monkeypatch.setattr(moe_router, attr, value)
+
+def _router_variant_greedy(ckpt_dir, prompts, name: str) -> None:
     path = moe_ckpt(ckpt_dir, name)
     graphs = _gen(cuda_llm(path, dtype="bfloat16"), prompts)
     eager = _gen(cuda_llm(path, dtype="bfloat16", enforce_eager=True), prompts)

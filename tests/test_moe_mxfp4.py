@@ -9,7 +9,8 @@ import itertools
 import pytest
 import torch
 
-from specserve.models.mxfp4 import quantize_mxfp4
+from specserve.ops.mxfp4 import quantize_mxfp4
+from specserve.tunables import override
 
 from .test_moe_ops import _check, make_moe, make_oai_kw, needs_interpreter
 from .test_triton_attention import interpreter  # noqa: F401  (fixture)
@@ -27,24 +28,22 @@ def _quantized(
     return x.to(dtype), b13, s13, b2, s2, tw, ids
 
 
-VARIANTS = ("v1", "v5")
-# K steps of one MXFP4 block (two steps at K = 64). v5 with more rows a program: the interpreter
-# spends its time per program and per op, and v5's ops are many small ones.
-SMALL_CONFIGS = {"v5": ((32, 32, 1), (32, 32, 2))}
-# The odd-size test's K steps of 2 blocks, rows overhanging N (v5: 2 and 3 steps, the last
-# partial; 64 rows a program as above).
-ODD_CONFIGS = {"v5": ((64, 64, 2), (64, 64, 2))}
+# K steps of one MXFP4 block (two steps at K = 64), many rows a program: the interpreter spends
+# its time per program and per op, and the decode kernels' ops are many small ones.
+SMALL_CONFIGS = ((32, 32, 1), (32, 32, 2))
+# The odd-size test's K steps of 2 blocks, rows overhanging N (2 and 3 steps, the last partial;
+# 64 rows a program as above).
+ODD_CONFIGS = ((64, 64, 2), (64, 64, 2))
 
 
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gpt_oss", [False, True])
 @pytest.mark.parametrize("T", [1, 5])
 def test_mxfp4_decode_matches_dequantized_reference(
-    T: int, gpt_oss: bool, dtype: torch.dtype, variant: str
+    T: int, gpt_oss: bool, dtype: torch.dtype
 ) -> None:
     from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_decode, fused_moe_mxfp4_ref
     from specserve.ops.moe_triton import PLAIN, Epilogue
@@ -52,44 +51,37 @@ def test_mxfp4_decode_matches_dequantized_reference(
     args = _quantized(T, dtype, seed=T)
     epi = Epilogue(**make_oai_kw(8, 64, 64, dtype, seed=T)) if gpt_oss else PLAIN
     ref = fused_moe_mxfp4_ref(*args, epilogue=epi)
-    # NOTE: v5's table config (32 blocks a step) at T = 5 runs T = 1's paths, ~6 s interpreted
-    if T == 1 or variant not in SMALL_CONFIGS:
-        _check(fused_moe_mxfp4_decode(*args, epilogue=epi, variant=variant), ref)
+    # NOTE: the table config (32 blocks a step) at T = 5 runs T = 1's paths, ~6 s interpreted
+    if T == 1:
+        _check(fused_moe_mxfp4_decode(*args, epilogue=epi), ref)
     if T > 1:  # K tiles of one MXFP4 block (16 bytes): the loop over K, the per-block scales
-        configs = SMALL_CONFIGS.get(variant, ((4, 32, 4), (2, 32, 4)))
-        _check(fused_moe_mxfp4_decode(*args, epilogue=epi, configs=configs, variant=variant), ref)
+        _check(fused_moe_mxfp4_decode(*args, epilogue=epi, configs=SMALL_CONFIGS), ref)
 
 
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_mxfp4_decode_odd_sizes_and_validation(variant: str) -> None:
-    """H and I not powers of two (96, 160: tiles overhang), K steps of 2 blocks (v5: a 2-step
-    unrolled gate_up, a 3-step down with a masked tail); layouts that do not pair
-    and bad variants or configs fail with one clear line."""
+def test_mxfp4_decode_odd_sizes_and_validation() -> None:
+    """H and I not powers of two (96, 160: tiles overhang), K steps of 2 blocks (a 2-step
+    unrolled gate_up, a 3-step down with a masked tail); layouts that do not pair and bad
+    configs fail with one clear line."""
     from specserve.ops.moe_mxfp4 import fused_moe_mxfp4_decode, fused_moe_mxfp4_ref
     from specserve.ops.moe_triton import Epilogue
 
     args = _quantized(3, torch.float32, seed=9, H=96, inter=160)
     ref = fused_moe_mxfp4_ref(*args)
-    _check(fused_moe_mxfp4_decode(*args, variant=variant), ref)
-    configs = ODD_CONFIGS.get(variant, ((2, 64, 2), (4, 64, 2)))
-    _check(fused_moe_mxfp4_decode(*args, variant=variant, configs=configs), ref)
-    if variant in ODD_CONFIGS:  # v5's f16x2 path at these sizes, with gpt-oss's epilogue
-        bf16 = _quantized(3, torch.bfloat16, seed=9, H=96, inter=160)
-        epi = Epilogue(**make_oai_kw(8, 96, 160, torch.bfloat16, seed=9))
-        bf16_ref = fused_moe_mxfp4_ref(*bf16, epilogue=epi)
-        _check(
-            fused_moe_mxfp4_decode(*bf16, epilogue=epi, variant=variant, configs=configs), bf16_ref
-        )
+    _check(fused_moe_mxfp4_decode(*args), ref)
+    _check(fused_moe_mxfp4_decode(*args, configs=ODD_CONFIGS), ref)
+    # the f16x2 path at these sizes, with gpt-oss's epilogue
+    bf16 = _quantized(3, torch.bfloat16, seed=9, H=96, inter=160)
+    epi = Epilogue(**make_oai_kw(8, 96, 160, torch.bfloat16, seed=9))
+    bf16_ref = fused_moe_mxfp4_ref(*bf16, epilogue=epi)
+    _check(fused_moe_mxfp4_decode(*bf16, epilogue=epi, configs=ODD_CONFIGS), bf16_ref)
     x, b13, s13, b2, s2, tw, ids = args
     with pytest.raises(ValueError, match="MXFP4 experts"):
-        fused_moe_mxfp4_decode(x, b13, s13[:, :, :1], b2, s2, tw, ids, variant=variant)
+        fused_moe_mxfp4_decode(x, b13, s13[:, :, :1], b2, s2, tw, ids)
     with pytest.raises(ValueError, match="MXFP4 decode config"):
-        fused_moe_mxfp4_decode(*args, variant=variant, configs=((4, 48, 4), (4, 64, 4)))
-    with pytest.raises(ValueError, match="MXFP4 decode variant"):
-        fused_moe_mxfp4_decode(*args, variant="v0")
+        fused_moe_mxfp4_decode(*args, configs=((4, 48, 4), (4, 64, 4)))
 
 
 def _f16(bits: int) -> float:
@@ -105,7 +97,7 @@ def _f16_bits(value: float) -> int:
 
 
 def _run_ptx(ptx: str, inputs: dict[str, int], memory: bytes = b"") -> dict[str, float | int]:
-    """The few PTX instructions of moe_mxfp4's (and moe_mxfp4_v5's) inline asm, run in Python
+    """The few PTX instructions of moe_mxfp4's (and moe_mxfp4_decode's) inline asm, run in Python
     on 32-bit inputs ({"$8": word}; addresses index `memory`): the float outputs and the
     integer registers, by name. f16x2 math rounds once (numpy's float64 result to float16:
     products of these operands are exact)."""
@@ -175,11 +167,11 @@ def _ptx_words() -> list[int]:
 
 
 def test_e2m1_word_ptx_decodes_every_code() -> None:
-    """The inline PTX the compiled kernels decode code words with (`_e2m1_words`, v5's fp32
+    """The inline PTX the compiled kernels decode code words with (`_e2m1_words`, the decode kernels' fp32
     path; the interpreter runs the Triton formulation instead) gives each nibble's E2M1 value times 2^-14, in column
     order: every code at every nibble position, and random words."""
-    from specserve.models.mxfp4 import FP4_VALUES
     from specserve.ops.moe_mxfp4 import _E2M1_WORD_PTX
+    from specserve.ops.mxfp4 import FP4_VALUES
 
     for w in _ptx_words():
         want = [FP4_VALUES[w >> (4 * c) & 15] * 2.0**-14 for c in range(8)]
@@ -188,12 +180,12 @@ def test_e2m1_word_ptx_decodes_every_code() -> None:
 
 
 def test_e2m1_block_dot_ptx_matches_the_dot_product() -> None:
-    """v5's inline PTX (`_E2M1_BLOCK_DOT_PTX`: decode a block's 4 code words and accumulate
+    """The decode kernels' inline PTX (`_E2M1_BLOCK_DOT_PTX`: decode a block's 4 code words and accumulate
     all 32 products in one f16x2 register, pairs (8w + c, 8w + c + 4)) gives sum_k value_k *
     x_k * 2^-14 within fp16 rounding of the lanes' 16-term sums and of their sum, with the
     block's activations scaled as `_x_block_h2` scales them."""
-    from specserve.models.mxfp4 import FP4_VALUES
-    from specserve.ops.moe_mxfp4_v5 import _E2M1_BLOCK_DOT_PTX
+    from specserve.ops.moe_mxfp4_decode import _E2M1_BLOCK_DOT_PTX
+    from specserve.ops.mxfp4 import FP4_VALUES
 
     g = torch.Generator().manual_seed(2)
     words = _ptx_words()
@@ -214,9 +206,9 @@ def test_e2m1_block_dot_ptx_matches_the_dot_product() -> None:
         assert abs(got - sum(terms)) <= bound, ([hex(w) for w in block], got, sum(terms))
 
 
-def test_v5_load_ptx_reads_little_endian_words() -> None:
-    """v5's code and activation loads (one 128-bit load: 4 words) and its scale byte load."""
-    from specserve.ops.moe_mxfp4_v5 import _LD_CODES_PTX, _LD_SCALE_PTX, _LD_X_PTX
+def test_decode_load_ptx_reads_little_endian_words() -> None:
+    """The decode kernels' code and activation loads (one 128-bit load: 4 words) and its scale byte load."""
+    from specserve.ops.moe_mxfp4_decode import _LD_CODES_PTX, _LD_SCALE_PTX, _LD_X_PTX
 
     memory = bytes(range(48))
     for ptx in (_LD_CODES_PTX.value, _LD_X_PTX.value):
@@ -283,17 +275,7 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
     from .test_moe_ops import _compile
 
     u8 = {"wb_ptr": "*u8", "ws_ptr": "*u8"}
-    gn, gk, gw = mx.MXFP4_GATE_UP_CONFIG
-    dn, dk, dw = mx.MXFP4_DOWN_CONFIG
-    for bias, epi in ((False, PLAIN), (True, Epilogue(activation="swiglu_oai"))):
-        for pdl in (False, True):
-            consts = dict(HAS_BIAS=bias, **epi.consts(), BLOCK_N=gn, BLOCK_K=gk, PDL=pdl)
-            ptx = _compile(mx._moe_mxfp4_gate_up_kernel, consts, gw, types=u8)
-            assert ("griddepcontrol.wait" in ptx) == pdl
-            consts = dict(HAS_BIAS=bias, BLOCK_TOPK=4, BLOCK_N=dn, BLOCK_K=dk, PDL=pdl)
-            ptx = _compile(mx._moe_mxfp4_down_kernel, consts, dw, types=u8)
-            assert ("griddepcontrol.launch_dependents" in ptx) == pdl
-    _compile_v5_decode(mx, u8)
+    _compile_decode(mx, u8)
     # The grouped GEMM in bf16 at every config (gpt-oss-20b: 32 experts), gate_up with the gpt-oss epilogue and down: fits the H100's shared memory
     # and runs on tensor cores.
     oai = Epilogue(activation="swiglu_oai").consts()
@@ -313,32 +295,30 @@ def test_mxfp4_kernels_compile_for_sm90() -> None:
             assert ("wgmma" if bm >= 64 else "mma.sync") in ptx
 
 
-def _compile_v5_decode(mx, u8: dict) -> None:
-    """v5 at gpt-oss's H = I = 2880, top-4, every candidate config (gpt-oss epilogue, PDL,
+def _compile_decode(mx, u8: dict) -> None:
+    """The decode kernels at gpt-oss's H = I = 2880, top-4, every candidate config (gpt-oss epilogue, PDL,
     down preloading) and the table configs plain, without PDL and on fp32 activations: no
     spills; each thread holds its rows of a block: one 128-bit code load a (row, block) it
     owns and a step (the layout `_LD_CODES_PTX` relies on), the f16x2 block dot; nothing
     converted through shared memory (no local_alloc, only the final reduction's barriers);
     only down's preload loads before the PDL wait."""
-    from specserve.ops import moe_mxfp4_v5 as mx5
+    from specserve.ops import moe_mxfp4_decode as mxd
     from specserve.ops.moe_triton import PLAIN, Epilogue
 
     from .test_moe_ops import _compile
 
     oai = Epilogue(activation="swiglu_oai").consts()
     steps = lambda bk: -(-90 // (bk // 32))  # noqa: E731
-    table_gate_up, table_down = mx.mxfp4_decode_configs(2880, 2880, 4, "v5")
+    table_gate_up, table_down = mx.mxfp4_decode_configs(2880, 2880, 4)
     fp32 = {**u8, "x_ptr": "*fp32", "inter_ptr": "*fp32", "out_ptr": "*fp32"}
-    gate_up_cases = [(c, True, u8) for c in mx.MXFP4_V5_GATE_UP_CONFIGS]
+    gate_up_cases = [(c, True, u8) for c in mx.MXFP4_GATE_UP_CONFIGS]
     gate_up_cases += [(table_gate_up, False, u8), (table_gate_up, True, fp32)]
     for (bn, bk, warps), pdl, types in gate_up_cases:
         consts = dict(K=2880, HAS_BIAS=pdl, **(oai if pdl else PLAIN.consts()))
         consts.update(BLOCK_N=bn, BLOCK_K=bk, PDL=pdl, ASM=True)
         consts.update(EVICT_FIRST=False)
         out: list = []
-        ptx = _compile(
-            mx5._moe_mxfp4_gate_up_kernel_v5, consts, warps, types=types, compiled_out=out
-        )
+        ptx = _compile(mxd._moe_mxfp4_gate_up_kernel, consts, warps, types=types, compiled_out=out)
         assert ("griddepcontrol.wait" in ptx) == pdl
         if pdl:
             assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
@@ -350,8 +330,8 @@ def _compile_v5_decode(mx, u8: dict) -> None:
         assert ptx.count("bar.sync") <= 4, ptx.count("bar.sync")
     # ops/l2.py's evict-first weight loads: every code and scale load carries the hint.
     for kernel, config, consts in (
-        (mx5._moe_mxfp4_gate_up_kernel_v5, table_gate_up, dict(**oai)),
-        (mx5._moe_mxfp4_down_kernel_v5, table_down, dict(BLOCK_TOPK=4, PRELOAD=True)),
+        (mxd._moe_mxfp4_gate_up_kernel, table_gate_up, dict(**oai)),
+        (mxd._moe_mxfp4_down_kernel, table_down, dict(BLOCK_TOPK=4, PRELOAD=True)),
     ):
         bn, bk, warps = config
         consts.update(K=2880, HAS_BIAS=True, BLOCK_N=bn, BLOCK_K=bk, PDL=True, ASM=True)
@@ -359,14 +339,14 @@ def _compile_v5_decode(mx, u8: dict) -> None:
         assert "ld.global.nc.v4.b32" not in ptx and "ld.global.nc.u8" not in ptx
         assert ptx.count("ld.global.nc.L2::cache_hint.v4.b32") > 0
         assert ptx.count("ld.global.nc.L2::cache_hint.u8") > 0
-    down_cases = [(c, True, True, u8) for c in mx.MXFP4_V5_DOWN_CONFIGS]
+    down_cases = [(c, True, True, u8) for c in mx.MXFP4_DOWN_CONFIGS]
     down_cases += [(table_down, False, False, u8), (table_down, True, False, u8)]
     down_cases += [(table_down, True, True, fp32)]
     for (bn, bk, warps), pdl, preload, types in down_cases:
         consts = dict(K=2880, HAS_BIAS=pdl, BLOCK_TOPK=4, BLOCK_N=bn, BLOCK_K=bk)
         consts.update(PDL=pdl, PRELOAD=preload, ASM=True, EVICT_FIRST=False)
         out = []
-        ptx = _compile(mx5._moe_mxfp4_down_kernel_v5, consts, warps, types=types, compiled_out=out)
+        ptx = _compile(mxd._moe_mxfp4_down_kernel, consts, warps, types=types, compiled_out=out)
         assert ("griddepcontrol.launch_dependents" in ptx) == pdl
         if pdl:
             assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
@@ -395,26 +375,20 @@ def test_mxfp4_decode_gpu_gpt_oss_20b_shape(T: int) -> None:
     with torch.inference_mode():
         ref = mx.fused_moe_mxfp4_ref(*args, epi)
         _check(mx.fused_moe_mxfp4_triton(*args, epilogue=epi), ref)
-        if T <= 8:  # v1, and v5 at every candidate config
-            _check(mx.fused_moe_mxfp4_decode(*args, epilogue=epi, variant="v1"), ref)
-            for variant in mx.DECODE_VARIANTS[1:]:
-                gate_up, down = mx.mxfp4_decode_configs(2880, 2880, 4, variant)
-                gate_ups, downs = mx.mxfp4_candidate_configs(variant)
-                pairs = [(g, down) for g in gate_ups] + [(gate_up, d) for d in downs]
-                for configs in pairs:
-                    out = mx.fused_moe_mxfp4_decode(
-                        *args, epilogue=epi, configs=configs, variant=variant
-                    )
-                    _check(out, ref)
+        if T <= 8:  # the decode kernels at every candidate config
+            gate_up, down = mx.mxfp4_decode_configs(2880, 2880, 4)
+            pairs = [(g, down) for g in mx.MXFP4_GATE_UP_CONFIGS]
+            pairs += [(gate_up, d) for d in mx.MXFP4_DOWN_CONFIGS]
+            for configs in pairs:
+                _check(mx.fused_moe_mxfp4_decode(*args, epilogue=epi, configs=configs), ref)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 4])
-def test_mxfp4_weights_evict_first_gpu_bit_equal(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mxfp4_weights_evict_first_gpu_bit_equal(T: int) -> None:
     """ops/l2.py's evict-first weight loads are a hint: at gpt-oss-20b's shape the decode output
     is bit for bit the same with them as without."""
-    from specserve.ops import l2
     from specserve.ops import moe_mxfp4 as mx
     from specserve.ops.moe_triton import Epilogue
 
@@ -423,7 +397,7 @@ def test_mxfp4_weights_evict_first_gpu_bit_equal(T: int, monkeypatch: pytest.Mon
     epi = Epilogue(**make_oai_kw(32, 2880, 2880, torch.bfloat16, "cuda", seed=T, limit=2.0))
     args = (x.bfloat16(), b13, s13, b2, s2, tw, ids)
     with torch.inference_mode():
-        monkeypatch.setattr(l2, "WEIGHT_EVICTION", "")
-        base = mx.fused_moe_mxfp4_decode(*args, epilogue=epi)
-        monkeypatch.setattr(l2, "WEIGHT_EVICTION", "evict_first")
-        assert torch.equal(mx.fused_moe_mxfp4_decode(*args, epilogue=epi), base)
+        with override(weight_eviction=""):
+            base = mx.fused_moe_mxfp4_decode(*args, epilogue=epi)
+        with override(weight_eviction="evict_first"):
+            assert torch.equal(mx.fused_moe_mxfp4_decode(*args, epilogue=epi), base)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specserve.ops.moe import fused_moe, fused_moe_ref
+from specserve.tunables import override, tunables
 
 from .test_triton_attention import interpreter  # noqa: F401  (fixture)
 
@@ -320,21 +321,20 @@ def test_moe_decode_gate_up_persistent(
             return launch
 
     monkeypatch.setattr(mt, "_moe_decode_gate_up_kernel", Spy())
-    monkeypatch.setattr(mt, "GATE_UP_PERSISTENT", {(8, 64, 4): ((4, 64, 4), per_sm)})
     args = make_moe(T, E=8, H=64, inter=48, top_k=top_k, dtype=torch.float32, routing=routing)
     kw = make_oai_kw(8, 64, 48, torch.float32, activation="swiglu_oai") if bias else {}
-    out = mt.fused_moe_decode(*args, configs=((8, 64, 4), (2, 64, 4)), epilogue=mt.Epilogue(**kw))
+    configs = ((8, 64, 4), (2, 64, 4))
+    with override(moe_gate_up_persistent={(8, 64, 4): ((4, 64, 4), per_sm)}):
+        out = mt.fused_moe_decode(*args, configs=configs, epilogue=mt.Epilogue(**kw))
     _check(out, fused_moe_ref(*args, **kw))
     P = T * top_k
     persistent = ((P * min(12, -(-per_sm * 4 // P)),), True)
     assert launched == [persistent if T == 1 else ((P * 6,), False)]  # 8-column blocks
     # A persistent config whose K tile does not span H (it has no K loop) is never launched.
-    monkeypatch.setattr(mt, "GATE_UP_PERSISTENT", {(8, 64, 4): ((4, 32, 4), per_sm)})
     launched.clear()
-    _check(
-        mt.fused_moe_decode(*args, configs=((8, 64, 4), (2, 64, 4)), epilogue=mt.Epilogue(**kw)),
-        fused_moe_ref(*args, **kw),
-    )
+    with override(moe_gate_up_persistent={(8, 64, 4): ((4, 32, 4), per_sm)}):
+        out = mt.fused_moe_decode(*args, configs=configs, epilogue=mt.Epilogue(**kw))
+    _check(out, fused_moe_ref(*args, **kw))
     assert launched == [((P * 6,), False)]
 
 
@@ -456,7 +456,7 @@ def test_moe_kernels_compile_for_sm90() -> None:
         (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, dict(HAS_BIAS=False, **silu)),
         (mt._moe_decode_gate_up_kernel, mt.DECODE_GATE_UP_CONFIG, dict(HAS_BIAS=True, **oai)),
     ]
-    decode_cases = [(k, c, dict(EARLY_TRIGGER=False, **e)) for k, c, e in decode_cases] + [
+    decode_cases += [
         (kernel, config, dict(BLOCK_TOPK=8, **steps, **extra))
         for kernel, config, steps in ((mt._moe_decode_down_kernel, (2, 256, 4), dict(STEPS=3)),)
         for bias in (False, True)
@@ -470,25 +470,25 @@ def test_moe_kernels_compile_for_sm90() -> None:
             assert ("griddepcontrol.launch_dependents" in ptx) == pdl
             if pdl:  # only down's preload (routing, weight tiles) loads before the wait
                 assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == preload
-    # GATE_UP_EARLY_TRIGGER: down may launch once gate_up waited (not after its weights)
+    # down may launch once gate_up waited (not after its weights)
     consts = dict(BLOCK_N=8, BLOCK_K=512, PDL=True, HAS_BIAS=False, **silu)
-    for early in (False, True):
-        ptx = _compile(mt._moe_decode_gate_up_kernel, dict(EARLY_TRIGGER=early, **consts), 4)
-        trigger, wait = (
-            ptx.index("griddepcontrol.launch_dependents"),
-            ptx.index("griddepcontrol.wait"),
-        )
-        assert wait < trigger and (trigger < ptx.rindex("ld.global")) == early
+    ptx = _compile(mt._moe_decode_gate_up_kernel, consts, 4)
+    trigger, wait = (
+        ptx.index("griddepcontrol.launch_dependents"),
+        ptx.index("griddepcontrol.wait"),
+    )
+    assert wait < trigger < ptx.rindex("ld.global")
     # gate_up's table configs at their real shapes (Qwen3-30B-A3B: H 2048, I 768, top-8;
     # GLM-4.7-Flash: I 1536, top-4; with a fused shared expert top-4 + 1, and GLM-4.5-Air /
     # DeepSeek-V3's top-8 + 1): no spills.
     shapes = ((2048, 768, 8), (2048, 1536, 4), (2048, 1536, 5), (4096, 1408, 9), (7168, 2048, 9))
     for hidden, inter, top_k in shapes:
         gn, gk, gw = mt.decode_configs(hidden, inter, top_k)[0]
-        consts = dict(PDL=True, HAS_BIAS=False, EARLY_TRIGGER=mt.GATE_UP_EARLY_TRIGGER, **silu)
+        consts = dict(PDL=True, HAS_BIAS=False, **silu)
         _compile(mt._moe_decode_gate_up_kernel, dict(BLOCK_N=gn, BLOCK_K=gk, **consts), gw)
-        if (gn, gk, gw) in mt.GATE_UP_PERSISTENT:  # one token: its two blocks in flight fit too
-            (pn, pk, pw), _ = mt.GATE_UP_PERSISTENT[gn, gk, gw]
+        persistent = tunables().moe_gate_up_persistent
+        if (gn, gk, gw) in persistent:  # one token: its two blocks in flight fit too
+            (pn, pk, pw), _ = persistent[gn, gk, gw]
             _compile(mt._moe_decode_gate_up_kernel,
                      dict(BLOCK_N=pn, BLOCK_K=pk, PERSISTENT=True, **consts), pw)  # fmt: skip
     # down's table at every row's shapes (gpt-oss with its biases): no spills, registers for
@@ -590,13 +590,12 @@ def test_moe_cuda_graph_replay(T: int, gpt_oss: bool) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_moe_pdl_on_off_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_moe_pdl_on_off_equal() -> None:
     """The decode kernels launched with PDL (down preloading its first weight tile) compute
     exactly what plain launches do."""
-    from specserve.ops import pdl
 
     args = make_moe(4, 32, 512, 256, 4, torch.bfloat16, device="cuda", seed=4)
     with torch.inference_mode():
         with_pdl = fused_moe(*args, path="decode")
-        monkeypatch.setattr(pdl, "ENABLED", False)
-        assert torch.equal(fused_moe(*args, path="decode"), with_pdl)
+        with override(pdl=False):
+            assert torch.equal(fused_moe(*args, path="decode"), with_pdl)

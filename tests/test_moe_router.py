@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from specserve.ops.fused import qk_norm_, qk_norm_ref
 from specserve.ops.moe_router import norm_route, norm_route_ref, select_experts_ref
+from specserve.tunables import override
 
 from .test_triton_attention import interpreter  # noqa: F401  (fixture)
 
@@ -103,10 +104,7 @@ def router_bias(scoring: str, E: int, dtype: torch.dtype, seed: int) -> torch.Te
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("case", ROUTE_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_route_matches_reference(
-    case: tuple, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from specserve.ops import moe_router as mr
+def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
     from specserve.ops.moe_router import norm_route_triton
 
     T, E, H, top_k, scoring, renorm, scale, n_group, topk_group, n_shared = case
@@ -121,10 +119,10 @@ def test_norm_route_matches_reference(
     runs = [((4, 512, 4), True), ((8, 32, 4), True), ((1, 16, 2), True), ((1, 16, 1), True)]
     runs += [((4, 512, 4), False), ((1, 16, 2), False)]
     for config, topk_sort in runs:
-        monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", topk_sort)
-        out = norm_route_triton(
-            x, res, norm_w, 1e-6, w, bias, counter, config, router_bias=rb, **routing
-        )
+        with override(moe_route_topk_sort=topk_sort):
+            out = norm_route_triton(
+                x, res, norm_w, 1e-6, w, bias, counter, config, router_bias=rb, **routing
+            )
         # The shared experts after the k chosen, written by the kernel: ids E.., weight 1.0.
         assert out[1].shape == out[0].shape == (T, top_k + n_shared)
         assert out[1][:, top_k:].tolist() == [list(range(E, E + n_shared))] * T
@@ -157,7 +155,7 @@ def test_norm_route_matches_reference(
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("case", [c for c in ROUTE_CASES if c[4] == "softmax"])
 def test_norm_route_softmax_topk_switch(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROUTE_SOFTMAX_TOPK (the default): a renormalized softmax router routed as the k best
+    """tunables().moe_route_softmax_topk (the default): a renormalized softmax router routed as the k best
     logits' softmax equals the reference (float32) and the full softmax's choice; without
     renormalization the switch changes nothing."""
     from specserve.ops import moe_router as mr
@@ -169,9 +167,8 @@ def test_norm_route_softmax_topk_switch(case: tuple, monkeypatch: pytest.MonkeyP
     x, res, norm_w, w, _ = make_route(T, E, H, scoring, torch.float32, seed=T + E)
     counter = torch.zeros(1, dtype=torch.int32)
     args = (x, res, norm_w, 1e-6, w, None, counter, (4, 512, 4))
-    monkeypatch.setattr(mr, "ROUTE_SOFTMAX_TOPK", False)
-    plain = norm_route_triton(*args, **routing)
-    monkeypatch.setattr(mr, "ROUTE_SOFTMAX_TOPK", True)
+    with override(moe_route_softmax_topk=False):
+        plain = norm_route_triton(*args, **routing)
     kernel, launched = mr._norm_route_kernel, []
 
     class Spy:  # records the path each launch takes
@@ -194,10 +191,9 @@ def test_norm_route_softmax_topk_switch(case: tuple, monkeypatch: pytest.MonkeyP
 @pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
-def test_norm_route_without_residual_and_ties(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_norm_route_without_residual_and_ties() -> None:
     """No residual (x is returned as it); equal logits pick the lowest expert ids first, by
     the one-sort choice (the default) and by k rounds alike."""
-    from specserve.ops import moe_router as mr
     from specserve.ops.moe_router import norm_route_triton
 
     x, _, norm_w, _, _ = make_route(2, 8, 32, "softmax", torch.float32, residual=False)
@@ -208,9 +204,9 @@ def test_norm_route_without_residual_and_ties(monkeypatch: pytest.MonkeyPatch) -
     out = norm_route_triton(x.abs(), None, norm_w.abs(), 1e-6, w, None, counter, **routing)
     assert out[3] is not None and torch.equal(out[3], x.abs())
     assert out[1].tolist() == [[5, 0, 1], [5, 0, 1]]
-    monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", False)  # the k rounds break ties alike
     args = (x.abs(), None, norm_w.abs(), 1e-6, w, None, counter)
-    assert norm_route_triton(*args, **routing)[1].tolist() == [[5, 0, 1], [5, 0, 1]]
+    with override(moe_route_topk_sort=False):  # the k rounds break ties alike
+        assert norm_route_triton(*args, **routing)[1].tolist() == [[5, 0, 1], [5, 0, 1]]
     ref = norm_route_ref(x.abs(), None, norm_w.abs(), 1e-6, w, None, **routing)
     torch.testing.assert_close(out[0], ref[0])
 
@@ -280,7 +276,7 @@ def test_router_kernels_compile_for_sm90() -> None:
     DeepSeek-V3 (256 experts, 8 groups, top-4 groups) and gpt-oss (biased router, softmax of
     the k best) shapes, the sigmoid ones also with a fused shared expert appended, and
     requests its router rows before the PDL wait; the choice by one partial sort (the
-    default) and, at ROUTE_CONFIG, by k rounds (more barriers), ROUTE_SOFTMAX_TOPK at Qwen3 batch
+    default) and, at ROUTE_CONFIG, by k rounds (more barriers), moe_route_softmax_topk at Qwen3 batch
     1 (fewer barriers after the atomic); qk-norm at Qwen3's 32 q / 4 kv
     heads of 128."""
     pytest.importorskip("triton")
@@ -347,7 +343,7 @@ def test_router_kernels_compile_for_sm90() -> None:
                 if block_t == 1 and n_group == 1 and E >= 64:  # Qwen3, GLM batch 1: < 60%
                     assert ptx.count("bar.sync") < 0.6 * rounds_ptx.count("bar.sync"), E
             if (scoring, E, block_t, config, pdl) == ("softmax", 128, 1, mr.ROUTE_CONFIG, True):
-                # ROUTE_SOFTMAX_TOPK at Qwen3-30B-A3B batch 1: no spills, and the choosing
+                # moe_route_softmax_topk at Qwen3-30B-A3B batch 1: no spills, and the choosing
                 # program (after the arrival atomic) without the full softmax's max and sum
                 # reductions: fewer than 60% of the barrier rounds.
                 topk_ptx = _compile(
@@ -398,26 +394,22 @@ def test_norm_route_gpu_real_shapes(name: str, T: int) -> None:
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("T", [1, 3, 8])
-def test_norm_route_gpu_full_softmax(T: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ROUTE_SOFTMAX_TOPK off (the full softmax, then the k best renormalized) at
+def test_norm_route_gpu_full_softmax(T: int) -> None:
+    """moe_route_softmax_topk off (the full softmax, then the k best renormalized) at
     Qwen3-30B-A3B's router routes as the reference on the GPU."""
-    from specserve.ops import moe_router as mr
-
-    monkeypatch.setattr(mr, "ROUTE_SOFTMAX_TOPK", False)
-    test_norm_route_gpu_real_shapes("qwen3-30b-a3b", T)
+    with override(moe_route_softmax_topk=False):
+        test_norm_route_gpu_real_shapes("qwen3-30b-a3b", T)
 
 
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("name", list(GPU_SHAPES))
 @pytest.mark.parametrize("T", [1, 3, 8])
-def test_norm_route_gpu_k_rounds(name: str, T: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The choice by k rounds (ROUTE_TOPK_SORT off; the kernel's fallback where the k best do
-    not fit tl.topk) routes as the reference on the GPU."""
-    from specserve.ops import moe_router as mr
-
-    monkeypatch.setattr(mr, "ROUTE_TOPK_SORT", False)
-    test_norm_route_gpu_real_shapes(name, T)
+def test_norm_route_gpu_k_rounds(name: str, T: int) -> None:
+    """The choice by k rounds (moe_route_topk_sort off; the kernel's fallback where the k best
+    do not fit tl.topk) routes as the reference on the GPU."""
+    with override(moe_route_topk_sort=False):
+        test_norm_route_gpu_real_shapes(name, T)
 
 
 @pytest.mark.gpu

@@ -151,7 +151,7 @@ def test_plan_picks_the_fastest_candidate() -> None:
         64,
     ]
     # At most 8 (cuBLAS + 7 gemv configs at one row): Llama-3-8B's plan took 8.0 s with 5
-    # gemv configs on the H100 (issue 23: start-up planning under ~20 s).
+    # gemv configs on the H100 (start-up planning is to stay under ~20 s).
     assert all(len(candidates(b)) <= 8 and candidates(b)[0] is None for b in BUCKETS)
     assert not any(isinstance(c, SkinnyConfig) for c in candidates(1))
     assert all(isinstance(c, SkinnyConfig) for c in candidates(32)[1:])
@@ -344,7 +344,7 @@ def test_norm_loop_waits_on_no_load() -> None:
     and uses no value loaded in the same step: the norm weight and residual tiles are loaded a
     step ahead (carried to the next iteration), x^T and the weights by the pipeliner's async
     copies. A load used in its own step was an L2 round trip every K step (the norm-fed shapes
-    streamed at 2.0-2.4 TB/s against 2.7-2.95 unfused, RESULTS.md session 20)."""
+    streamed at 2.0-2.4 TB/s against 2.7-2.95 unfused on an H100, benchmarks/RESULTS.md)."""
     _skip_no_interpret()
     import re
 

@@ -275,7 +275,7 @@ def test_advance_decode_metadata(device: str, block_size: int) -> None:
 
 @pytest.mark.parametrize("pdl", [False, True])
 def test_step_kernels_pdl_compile(pdl: bool) -> None:
-    """With PDL (spec_kernels_triton.PDL_STEP_KERNELS) every step bookkeeping kernel compiles
+    """With PDL (tunables().pdl_step_kernels) every step bookkeeping kernel compiles
     for sm_90 letting the next kernel launch first thing and waiting for the previous one
     before any load; without it they hold no griddepcontrol at all."""
     pytest.importorskip("triton")
@@ -321,12 +321,12 @@ def test_step_kernels_pdl_compile(pdl: bool) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_step_kernels_pdl_engine_tokens_gpu(ckpt_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With PDL_STEP_KERNELS the engine (CUDA graphs, async scheduling) gives the tokens it
+def test_step_kernels_pdl_engine_tokens_gpu(ckpt_dir) -> None:
+    """With tunables().pdl_step_kernels the engine (CUDA graphs, async scheduling) gives the tokens it
     gives without: plain decode, greedy and sampled, n-gram speculation (verified tokens
     written back with accept counts) and a draft model (its input kernels on the device)."""
     from specserve import LLM, SamplingParams
-    from specserve.ops import spec_kernels_triton as skt
+    from specserve.tunables import override
 
     path = ckpt_dir("llama_step_pdl")
     prompts = [{"prompt_token_ids": [5 + i, 9, 13, 5 + i, 9, 13, 7]} for i in range(3)]
@@ -345,10 +345,9 @@ def test_step_kernels_pdl_engine_tokens_gpu(ckpt_dir, monkeypatch: pytest.Monkey
         return [o.outputs[0].token_ids for o in outs]
 
     for spec in (None, ngram, draft):
-        monkeypatch.setattr(skt, "PDL_STEP_KERNELS", False)
         plain = run(spec)
-        monkeypatch.setattr(skt, "PDL_STEP_KERNELS", True)
-        assert run(spec) == plain
+        with override(pdl_step_kernels=True):
+            assert run(spec) == plain
 
 
 def test_dispatch_on_cpu_is_the_reference() -> None:

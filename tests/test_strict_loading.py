@@ -1,4 +1,4 @@
-"""Strict loading (issue 19): config math specserve implements matches transformers; a tensor
+"""Strict loading: config math specserve implements matches transformers; a tensor
 nothing reads or a config field it does not implement fails the load by name."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Block-scaled fp8 linear layers kept 8-bit (EngineConfig.fp8_weights, issue 21).
+"""Block-scaled fp8 linear layers kept 8-bit (EngineConfig.fp8_weights).
 
 A DeepSeek-V3-style checkpoint (models/fp8.py) stores most linear weights as float8_e4m3fn with
 a float32 scale per [bn, bk] block. With `fp8_weights` "keep" the model's
@@ -42,9 +42,8 @@ FP8_WEIGHTS_MODES = ("auto", "keep", "dequantize")
 def keep_fp8(mode: str, device: torch.device) -> bool:
     """EngineConfig.fp8_weights resolved: "keep" keeps fp8 linear weights 8-bit. "auto"
     dequantizes for now, on every device: the kept path passes its GPU tests (graph == eager,
-    kept == dequantized in float32: benchmarks/RESULTS.md sessions 11-12) but its speed against
-    the planned bf16 gemv at batch 1 is not measured (issue 21); it becomes "keep on CUDA" once
-    it is."""
+    kept == dequantized in float32: benchmarks/RESULTS.md) but its speed against the planned
+    bf16 gemv at batch 1 is not measured; it becomes "keep on CUDA" once it is."""
     if mode not in FP8_WEIGHTS_MODES:
         raise ModelLoadError(
             f"fp8_weights must be one of {', '.join(FP8_WEIGHTS_MODES)}, got {mode!r}"

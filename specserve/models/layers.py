@@ -11,7 +11,6 @@ from torch import nn
 
 from specserve import ops
 from specserve.attention.backend import ForwardContext
-from specserve.ops import gemv as gemv_ops
 from specserve.ops import pdl
 from specserve.ops.gemv import DecodeLinear
 
@@ -279,6 +278,9 @@ class MLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.act = act
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        # decode_matmul="auto" plans this gate_up with its fused SiLU-and-mul epilogue (the
+        # others run their activation after the plain product: ops/gemv_plan.py).
+        self.gate_up_proj.silu_gate_up = act == "silu"
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -318,12 +320,7 @@ def norm_linear(
     Where the decode plan runs `linear` in Triton (decode_matmul triton / auto) the norm runs
     inside the matmul's K loop (`gemv_norm`): one launch instead of two."""
     fusable = not silu_mul or act == "silu"
-    if (
-        fusable
-        and isinstance(linear, DecodeLinear)
-        and isinstance(norm, RMSNorm)
-        and gemv_ops.FUSE_NORM
-    ):
+    if fusable and isinstance(linear, DecodeLinear) and isinstance(norm, RMSNorm):
         cfg = linear.config(x, silu_mul)
         if cfg is not None:
             return linear.run_norm(x, norm.weight, norm.eps, residual, cfg, silu_mul)

@@ -95,7 +95,7 @@ class MLAAttention(KVCacheLayer):
         bias = m.attention_bias
         # (q_proj's rows [H * qk] or q_a_proj's [q_lora_rank], kv_a_proj_with_mqa's [L + R]):
         # one launch instead of two at decode, and no re-read of the normed input (GLM-4.7-Flash
-        # on an H100: the two gemvs took 3.9 + 3.6 us a layer, RESULTS.md session 12).
+        # on an H100: the two gemvs took 3.9 + 3.6 us a layer, benchmarks/RESULTS.md).
         self.qkv_a_sizes = (
             H * qk if m.q_lora_rank is None else m.q_lora_rank,
             m.kv_lora_rank + m.qk_rope_head_dim,

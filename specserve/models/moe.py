@@ -9,7 +9,8 @@ and no separate MLP or add runs. Same math: down(act(gate(x)) * up(x)) of n * I 
 the sum of n experts of I channels each (the intermediate channels are independent). Why: at
 GLM-4.7-Flash batch 1 (H100) the separate MLP and add were three launches, ~16 us a layer,
 where streaming its 19 MB inside the MoE kernels costs ~6 us. `fuse_shared_experts=False`
-keeps the separate MLP (tests compare the two); MXFP4 and gpt-oss-style experts keep it too.
+(`tunables().moe_fuse_shared_experts` off for sigmoid_moe_config) keeps the separate MLP (tests
+compare the two); MXFP4 and gpt-oss-style experts keep it too.
 
 Routers (formulas as in transformers' modeling_qwen3_moe.py / modeling_glm4_moe.py):
   softmax   Qwen3-MoE (and Mixtral, gpt-oss): top-k of softmax(x W^T) in float32, optionally
@@ -32,9 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models.layers import MLP, RMSNorm
-from specserve.models.mxfp4 import BLOCK
 from specserve.ops.moe import fused_moe, fused_moe_mxfp4
 from specserve.ops.moe_router import fusable, norm_route, select_experts_ref
+from specserve.ops.mxfp4 import BLOCK
+from specserve.tunables import tunables
 
 
 @dataclass
@@ -187,7 +189,7 @@ class StackedExperts(nn.Module):
 
 
 class Mxfp4Experts(nn.Module):
-    """StackedExperts' rows kept in MXFP4 (models/mxfp4.py: 32 E2M1 codes a block, two a byte,
+    """StackedExperts' rows kept in MXFP4 (ops/mxfp4.py: 32 E2M1 codes a block, two a byte,
     one E8M0 scale a block, blocked along each row's input dim), read 4-bit by
     `fused_moe_mxfp4`. gpt-oss's checkpoints on CUDA: decode streams ~4.25 bits a weight
     instead of 16. Uint8 parameters (no grad), filled by models/gpt_oss.py's conversion."""
@@ -297,11 +299,6 @@ class SparseMoE(nn.Module):
         return out
 
 
-# The default of sigmoid_moe_config's fuse_shared_experts: a switch for benchmarks
-# (benchmarks/timeline_sweep.py "specserve.models.moe.FUSE_SHARED_EXPERTS=False").
-FUSE_SHARED_EXPERTS = True
-
-
 def sigmoid_moe_config(cfg: dict[str, Any]) -> MoeConfig:
     """The DeepSeek-V3 / GLM-4.x MoE block from config.json: sigmoid group-limited routing with
     a correction bias, routed_scaling_factor, shared experts, a float32 router."""
@@ -316,7 +313,7 @@ def sigmoid_moe_config(cfg: dict[str, Any]) -> MoeConfig:
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
         correction_bias=True,
         n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        fuse_shared_experts=FUSE_SHARED_EXPERTS,
+        fuse_shared_experts=tunables().moe_fuse_shared_experts,
         router_fp32=True,
     )
 

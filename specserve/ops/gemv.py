@@ -34,9 +34,6 @@ MAX_M = 8
 # ARGMAX epilogue, ops/greedy_head.py).
 KEY_EMPTY = -(2**63)
 KEY_COLUMNS = 2**31 - 1
-# Decoder layers run their RMSNorms inside the Triton gemv that follows (models/layers.py
-# norm_linear) wherever the plan picks Triton; a switch for benchmarks (decode.py --sweep).
-FUSE_NORM = True
 
 
 def gemv_ref(
@@ -191,9 +188,9 @@ if triton is not None:
         # pass over x. HAS_RES: x + res first (rounded to the model dtype, as the norm kernel
         # does); program 0 also writes that sum to res_out (the next residual).
         # PDL: weights never depend on the previous kernel, so with PRELOAD the first weight
-        # tile is requested before waiting for it (x is its output); EARLY_TRIGGER lets the
-        # next kernel launch as soon as this grid's last wave is resident, so its programs can
-        # do the same during this one's tail. Without them: trigger after the weight stream.
+        # tile is requested before waiting for it (x is its output); EARLY_TRIGGER (a qkv
+        # projection feeding attention that preloads its first key tile, pdl.early_kv) lets the
+        # next kernel launch at this one's start. Without it: trigger after the weight stream.
         # ARGMAX: also each row's greedy token, folded into keys_ptr (`argmax_epilogue`).
         pid = tl.program_id(0)
         n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -389,8 +386,8 @@ def _launch(
         num_warps=num_warps,
         num_stages=num_stages,
         # Both only mean something under PDL (they are the overlap it buys).
-        EARLY_TRIGGER=kw["PDL"] and (pdl.GEMV_EARLY_TRIGGER or early_trigger),
-        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
+        EARLY_TRIGGER=kw["PDL"] and early_trigger,
+        PRELOAD=kw["PDL"],
         W_EVICT=l2.weight_eviction(),
         ARGMAX=argmax_keys is not None,
         **kw,
@@ -482,6 +479,9 @@ class DecodeLinear(nn.Linear):
     # The model feeds this layer through norm_linear (models/layers.feeds_from_norm): the plan
     # times the norm-fused kernels for it.
     norm_fed: bool = False
+    # An MLP's gate_up with a SiLU activation (models/layers.MLP): only its SiLU plan is made
+    # (the plan times it with the fused SiLU-and-mul epilogue).
+    silu_gate_up: bool = False
     # The gemv lets the next kernel launch at its start (pdl.early_kv: the attention this layer
     # feeds loads its first key tile meanwhile).
     early_trigger: bool = False
@@ -497,6 +497,7 @@ class DecodeLinear(nn.Linear):
         new.plan = default_plan(config)
         new.silu_plan = default_plan(config)
         new.norm_fed = getattr(linear, "norm_fed", False)
+        new.silu_gate_up = getattr(linear, "silu_gate_up", False)
         new.early_trigger = getattr(linear, "early_trigger", False)
         w = linear.weight
         # Column tiles of the narrowest skinny config (block_n 16), allocated outside any capture
@@ -519,7 +520,8 @@ class DecodeLinear(nn.Linear):
 
     def config(self, x: torch.Tensor, silu_mul: bool = False) -> PlanConfig:
         """The Triton launch config for input `x`, or None: cuBLAS. The plan bucket is that of
-        `plan_rows(x.shape[0])`, never the row count itself (issue 23)."""
+        `plan_rows(x.shape[0])`, never the row count itself: an eager step and its padded graph
+        must run the same kernel (`plan_rows` says why)."""
         if not self.takes(x):
             return None
         return (self.silu_plan if silu_mul else self.plan)[bucket(plan_rows(x.shape[0]))]

@@ -25,27 +25,27 @@ from specserve.ops.skinny import SkinnyConfig
 
 logger = logging.getLogger("specserve")
 
-# gemv launch configs tried (each is one Triton compile per row bucket, paid at start-up): the two
-# that won some Llama-3-8B shape at M = 1 in benchmarks/gemv.py, and (8, 1024, 4, 3), twice the
-# weight bytes in flight per K step: with it batch-1 decode went from 5.616 to 5.470 ms a step
-# on the H100 (graph 5.225 -> 5.087; benchmarks/RESULTS.md, session 6 call 4). Then two with a
-# 2048-wide K tile, whose first tile (all of a 2048-deep row: K = 2048 in Qwen3-30B-A3B's qkv,
-# half of it at K = 4096) streams before the PDL wait, during the previous kernel: the plan took
-# them for Qwen3-30B-A3B's qkv and o (o 7.12 -> 5.28 us a layer in the step) and Llama-3-8B's
-# qkv (19.15 -> 18.23 us); batch-1 busy time 3031 -> 2992 us and 5454 -> 5430 us (H100,
-# benchmarks/timeline_sweep.py, RESULTS.md session 14). Of seven tried, the other two never won.
-# Then (2, 4096, 4, 1), a whole 4096-deep row a program: Qwen3-30B-A3B's o 5.40 -> 3.27 us a
-# layer, busy 3003 -> 2951 us (of four 4096-wide configs tried, the best).
-# Then two more whole-row configs (session 28, H100, timeline_sweep.py --step-ms): (4, 4096, 8,
-# 1), the same 64 registers a thread as (2, 4096, 4, 1) on twice the threads, so half the
-# programs: Qwen3-30B-A3B's o projection (512 programs, 4 an SM: the whole grid preloads during
-# attention) 3.29 -> 2.24 us a layer, step 2747-2750 -> 2724-2728 us; Llama-3-8B's 5301 -> 5291
-# us; gpt-oss-20b's step 1669 vs 1670 with it forced (its plan does not tie it). And (2, 8192,
-# 8, 1), a whole row of up to 8192 (GLM-4.7-Flash's 5120-deep o, where (4, 2048, 4, 2)
-# preloaded 2048 of each row): o 7.93 -> 6.53 us a layer, step 3302 -> 3255 us. The tie rule below takes the first
-# whole-row config in this order, so each sits before the wider ones. (16, 512, 4, 3) left
-# the list then: it won no shape of the four families' plans (Llama-3-8B, Qwen3-30B-A3B,
-# GLM-4.7-Flash, gpt-oss-20b; same session), and each candidate is a compile at start-up.
+# gemv launch configs tried (each is one Triton compile per row bucket, paid at start-up), all
+# measured on the H100 (benchmarks/RESULTS.md; `python benchmarks/timeline_sweep.py --step-ms`):
+# - (8, 512, 4, 4), the winner of some Llama-3-8B shape at M = 1 in benchmarks/gemv.py;
+# - (8, 1024, 4, 3), twice the weight bytes in flight per K step: batch-1 decode 5.616 -> 5.470
+#   ms a step (graph 5.225 -> 5.087);
+# - two with a 2048-wide K tile, whose first tile (all of a 2048-deep row: K = 2048 in
+#   Qwen3-30B-A3B's qkv, half of it at K = 4096) streams before the PDL wait, during the
+#   previous kernel: the plan took them for Qwen3-30B-A3B's qkv and o (o 7.12 -> 5.28 us a
+#   layer in the step) and Llama-3-8B's qkv (19.15 -> 18.23 us); batch-1 busy time 3031 ->
+#   2992 us and 5454 -> 5430 us;
+# - (2, 4096, 4, 1), a whole 4096-deep row a program: Qwen3-30B-A3B's o 5.40 -> 3.27 us a
+#   layer, busy 3003 -> 2951 us;
+# - (4, 4096, 8, 1), the same 64 registers a thread as (2, 4096, 4, 1) on twice the threads, so
+#   half the programs: Qwen3-30B-A3B's o projection (512 programs, 4 an SM: the whole grid
+#   preloads during attention) 3.29 -> 2.24 us a layer, step 2747-2750 -> 2724-2728 us;
+#   Llama-3-8B's 5301 -> 5291 us;
+# - (2, 8192, 8, 1), a whole row of up to 8192 (GLM-4.7-Flash's 5120-deep o, where
+#   (4, 2048, 4, 2) preloaded 2048 of each row): o 7.93 -> 6.53 us a layer, step 3302 -> 3255 us.
+# The tie rule below takes the first whole-row config in this order, so each sits before the
+# wider ones. Configs that won no shape of the four families' plans (Llama-3-8B, Qwen3-30B-A3B,
+# GLM-4.7-Flash, gpt-oss-20b) are not tried: each candidate is a compile at start-up.
 CANDIDATES: tuple[Config, ...] = (
     (8, 512, 4, 4),
     (8, 1024, 4, 3),
@@ -56,14 +56,13 @@ CANDIDATES: tuple[Config, ...] = (
     (2, 8192, 8, 1),
 )
 # Skinny-matmul configs tried (at the buckets below). From a 48-config sweep on the H100
-# (benchmarks/skinny.py --sweep, Llama-3-8B shapes, 4 and 16 rows; RESULTS.md session 10): 3
-# stages beat 4-6, and fixed splits beat "two programs per SM" on the o and down projections;
-# wide tiles at 32-64 rows. Which fixed split wins depends on the shape (session 21 call 4,
-# 4-16 rows, unfused, us a weight: qkv 2 splits 20.2-20.3 vs 3 splits 23.5-23.7, o and down 4
-# splits 14.0-14.2 / 42.0-42.4 vs 14.3-14.6 / 43.0-43.4, gate_up + SiLU 1 split 82.5-83.8 vs
-# S32's 84.6-85.1 and cuBLAS 89.7-94.0), so the 64-wide tile is timed at 1, 2 and 4 splits. The
-# split count is a launch argument: every count above one runs one compiled kernel
-# (plan_compile.job).
+# (`python benchmarks/skinny.py --sweep`, Llama-3-8B shapes, 4 and 16 rows): 3 stages beat 4-6,
+# and fixed splits beat "two programs per SM" on the o and down projections; wide tiles at
+# 32-64 rows. Which fixed split wins depends on the shape (4-16 rows, unfused, us a weight: qkv
+# 2 splits 20.2-20.3 vs 3 splits 23.5-23.7, o and down 4 splits 14.0-14.2 / 42.0-42.4 vs
+# 14.3-14.6 / 43.0-43.4, gate_up + SiLU 1 split 82.5-83.8 vs S32's 84.6-85.1 and cuBLAS
+# 89.7-94.0), so the 64-wide tile is timed at 1, 2 and 4 splits. The split count is a launch
+# argument: every count above one runs one compiled kernel (plan_compile.job).
 SKINNY_CANDIDATES: tuple[SkinnyConfig, ...] = (
     SkinnyConfig(64, 128, 3, 4, 3),
     SkinnyConfig(32, 128, 0, 4, 3),
@@ -77,13 +76,12 @@ _S64_SPLITS = (_S64_SPLIT2, _S64_SPLIT4, _S64_SPLIT1)
 # Per bucket, the Triton configs timed against cuBLAS (each a compile at start-up: cold-cache
 # planning is CPU-bound in them). Every gemv config at one row (batch-1 decode, where a few
 # percent matter); elsewhere those that won a Llama-3-8B shape or came within 1% of the winner
-# when every config was timed at every bucket (H100, RESULTS.md session 19 call 6): the gemv
-# lost by 1.16-3.2x at 4 and 8 rows, the 64-row tiles of the skinny matmul by 1.17-2.3x at 64
-# rows, and so on. 99 compile jobs -> 64 for Llama-3-8B. At 2-16 rows (one 16-row tile) the
-# 64-wide tile is also timed at 1 / 2 / 4 splits (session 21 call 4), its fixed 3 splits last
-# (no compile of its own; it won no Llama-3-8B shape there, but the MoE and MLA targets'
-# projections were not timed that way); 32 rows, not timed that way either, keep 3 only. S32
-# came back at 16 rows in session 20 (it had lost there only on the norm-fed loop fixed then).
+# when every config was timed at every bucket (H100): the gemv lost by 1.16-3.2x at 4 and 8
+# rows, the 64-row tiles of the skinny matmul by 1.17-2.3x at 64 rows, and so on. 99 compile
+# jobs -> 64 for Llama-3-8B. At 2-16 rows (one 16-row tile) the 64-wide tile is also timed at
+# 1 / 2 / 4 splits, its fixed 3 splits last (no compile of its own; it won no Llama-3-8B shape
+# there, but the MoE and MLA targets' projections were not timed that way); 32 rows, not timed
+# that way either, keep 3 only.
 BUCKET_CANDIDATES: dict[int, tuple[PlanConfig, ...]] = {
     1: CANDIDATES,
     2: (CANDIDATES[1], *_S64_SPLITS, _S64_SPLIT3),
@@ -111,7 +109,7 @@ def candidates(rows: int, k: int | None = None) -> tuple[PlanConfig, ...]:
     deep, without gemv configs whose K tile is at least twice the row and wider than the
     narrowest (more than half of every tile masked: registers for nothing, and a compile at
     start-up; Qwen3-30B-A3B's 4096-deep o timed (2, 8192, 8, 1) ~1% ahead of (4, 4096, 8, 1)
-    alone, and 2777 vs 2726 us a step in place, RESULTS.md session 28)."""
+    alone, and 2777 vs 2726 us a step in place on an H100)."""
     cands = BUCKET_CANDIDATES.get(rows, ())
     if k is not None:
         narrowest = min((c[1] for c in cands if _is_gemv(c)), default=0)
@@ -187,7 +185,7 @@ def _candidate(
 
 
 # A later candidate must beat every earlier one by more than this fraction to be chosen. Why
-# (H100, RESULTS.md session 12): Llama-3-8B's down projection at 16 rows timed 1389 us for its
+# (H100, benchmarks/RESULTS.md): Llama-3-8B's down projection at 16 rows timed 1389 us for its
 # 32 layers with SkinnyConfig(64, 128, 3, ...) and 1398 with (32, 128, 0, ...); one start-up
 # picked the second, which then cost 55.5 us a layer inside the decode step instead of 44.0
 # (batch-16 span 6569 vs 6197 us). Near ties flip from run to run; the earlier candidates are
@@ -217,7 +215,7 @@ def whole_row_wins_ties(lin: DecodeLinear, cfg: PlanConfig) -> bool:
     norm-fed follows a latency-bound kernel (the o projection follows attention and its
     merge), where that preload is free: gpt-oss-20b's o projection, whose configs tie in the
     plan (231-233 us for 24 layers), took 6.68 us a layer with (4, 2048, 4, 2) and 5.74 with
-    (2, 4096, 4, 1), attention and merge 0.2 us slower (H100, RESULTS.md session 22). A
+    (2, 4096, 4, 1), attention and merge 0.2 us slower (H100, benchmarks/RESULTS.md). A
     norm-fed weight follows the previous layer's weight stream: there it lost (qkv 10.76 ->
     12.78 us), so only a clear win picks it."""
     return _is_gemv(cfg) and not lin.norm_fed and cfg[1] >= lin.weight.shape[1]
@@ -229,19 +227,12 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
     weight shape and row bucket; returns the timings (one row per shape, bucket and kind).
     `timer`: None times CUDA weights in CUDA graphs (plans cached per process in _PLANS); a
     given one plans weights on any device (tests) and caches nothing."""
-    from specserve.models.layers import MLP
-
     t0 = time.perf_counter()
     for m in models:
         use_decode_gemv_(m, config=None)
-    # An MLP's gate_up runs with its activation: SiLU in the fused epilogue (the SiLU plan),
-    # anything else after the plain product (the plain plan). Only that one is planned.
-    gate_up = {
-        id(mod.gate_up_proj): mod.act == "silu"
-        for m in models
-        for mod in m.modules()
-        if isinstance(mod, MLP)
-    }
+    # An MLP's gate_up runs with its activation: SiLU in the fused epilogue (the SiLU plan,
+    # DecodeLinear.silu_gate_up), anything else after the plain product (the plain plan). Only
+    # that one is planned.
     groups: dict[tuple, list[DecodeLinear]] = {}
     for m in models:
         for lin in m.modules():
@@ -251,7 +242,7 @@ def tune_decode_gemv_(models: list[nn.Module], timer: Timer | None = None) -> li
                     tuple(w.shape),
                     w.dtype,
                     lin.bias is not None,
-                    gate_up.get(id(lin), False),
+                    lin.silu_gate_up,
                     lin.norm_fed,
                 )
                 groups.setdefault(key, []).append(lin)

@@ -5,9 +5,9 @@ bg >= B (worker/cudagraph.py), so the graph's kernels were chosen for bg x q row
 step run eagerly has B x q. Choices made from the row count itself (the decode matmul's plan
 bucket and skinny row tile, the MoE decode/GEMM switch and tile config, the fused router's
 switch) then differ whenever q is not a power of two (at q = 3 a batch of 5 has 15 rows, its
-graph of 8 has 24: buckets 16 and 32), and the two round differently in 16-bit (issue 23).
+graph of 8 has 24: buckets 16 and 32), and the two round differently in 16-bit.
 
-The fix: choose from a bound the two share (also the attention split counts and MLA's fused
+So choices read a bound the two share (also the attention split counts and MLA's fused
 path, attention/triton_paged.py and mla_*.py, and every drafter forward).
 The runner declares the forward's batch with `uniform_batch(num_reqs, padded_reqs)`: eagerly
 (B, the capture size a graph engine would pad B to; also around eager drafting of that batch),

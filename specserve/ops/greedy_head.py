@@ -2,17 +2,18 @@
 
 A greedy decode step ends with the lm_head gemv, then `ops.argmax`: two launches (a chunked max
 and its merge) that read the logits back, ~4.4 us plus a launch gap each at batch 1 on an H100
-(RESULTS.md session 28), where the whole step is ~2.7 ms (Qwen3-30B-A3B). Here the gemv folds
+(benchmarks/RESULTS.md), where the whole step is ~2.7 ms (Qwen3-30B-A3B). Here the gemv folds
 each program's best column into a per-row int64 key as it stores its logits (the ARGMAX
 epilogue, `gemv.argmax_epilogue`), and one small kernel turns the keys into token ids and
 resets them for the next step. The logits are still written: logprobs read them.
 
 Only where the plan runs the M <= 8 gemv on the lm_head (batch-1-like decode); skinny, cuBLAS
-and CPU steps take `ops.argmax` (`greedy_logits` returns None). Measured (H100, RESULTS.md
-session 29, Qwen3-30B-A3B batch 1): device time outside the decode graph 209 -> 206-207 us.
-Tried and dropped there: the lm_head captured at the end of the decode graphs, with the token
-write taking the keys: the final norm's gap to it closed, but every layer's kernels ran ~3%
-slower (step 2724 -> 2792 us; benchmarks/experiments/lm-head-in-graph.patch).
+and CPU steps take `ops.argmax` (`greedy_logits` returns None), as do all steps with
+`tunables().greedy_argmax_epilogue` off. Measured (H100, benchmarks/RESULTS.md, Qwen3-30B-A3B
+batch 1): device time outside the decode graph 209 -> 206-207 us. Tried and dropped: the lm_head
+captured at the end of the decode graphs, with the token write taking the keys: the final
+norm's gap to it closed, but every layer's kernels ran ~3% slower (step 2724 -> 2792 us;
+benchmarks/experiments/lm-head-in-graph.patch at commit b3db210).
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ from torch import nn
 
 from specserve.ops import pdl, skinny
 from specserve.ops.gemv import KEY_COLUMNS, KEY_EMPTY, MAX_M, DecodeLinear, gemv
-
-# The epilogue path on (a switch for benchmarks: False takes lm_head, then ops.argmax).
-FUSED = True
+from specserve.tunables import tunables
 
 try:
     import triton
@@ -86,7 +85,7 @@ def greedy_logits(
     ties as torch.argmax, NaN as +inf as ops.argmax) from the lm_head's gemv with its argmax
     epilogue and one launch after it; None where the plan gives these rows to another kernel
     (the caller then runs lm_head and ops.argmax)."""
-    if not FUSED or not isinstance(lm_head, DecodeLinear):
+    if not tunables().greedy_argmax_epilogue or not isinstance(lm_head, DecodeLinear):
         return None
     if hidden.shape[0] > min(MAX_M, keys.shape[0]):
         return None

@@ -4,7 +4,7 @@ sampling bookkeeping) that must compile once, at start-up, whatever the batch.
 Triton compiles a kernel per specialization of its runtime arguments: an integer equal to 1 or
 divisible by 16, a pointer 16-byte aligned or not. The per-step kernels take the batch size, the
 token count and views at offsets of one upload buffer, so a batch shape first seen while serving
-compiled a new variant on the serving path (a one-time ITL stall, issue 23). These kernels move a
+compiled a new variant on the serving path (a one-time inter-token stall). These kernels move a
 few hundred bytes: one variant for every shape costs nothing measurable, and the warm-up
 (worker/warmup.py) then covers them all.
 """

@@ -164,7 +164,7 @@ def fused_moe_mxfp4(
     limit: float = 7.0,
     path: str = "auto",
 ) -> torch.Tensor:
-    """`fused_moe` with 4-bit experts (models/mxfp4.py's layout, rows as `fused_moe`'s w13 and
+    """`fused_moe` with 4-bit experts (ops/mxfp4.py's layout, rows as `fused_moe`'s w13 and
     w2). Triton (ops/moe_mxfp4.py) on CUDA outside autograd, and on CPU tensors under
     TRITON_INTERPRET=1 (tests); elsewhere `fused_moe_mxfp4_ref`, which dequantizes every
     expert on each call (a fallback: the CPU default dequantizes once, at load)."""

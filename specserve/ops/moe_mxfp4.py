@@ -1,21 +1,19 @@
 """`fused_moe` over MXFP4 expert weights, dequantized in registers (decode and grouped GEMM).
 
-gpt-oss ships its experts in MXFP4 (models/mxfp4.py: 32 E2M1 codes a block, two a byte, low
+gpt-oss ships its experts in MXFP4 (ops/mxfp4.py: 32 E2M1 codes a block, two a byte, low
 nibble first, and one E8M0 exponent a block). Decode streams expert weights, so reading them at
-4.25 bits instead of 16 is the ~3.8x of the step's dominant bytes that issue 22 asks for. The
-kernels are ops/moe_triton.py's with the weight tile replaced: each K step loads
-[BLOCK_N, BLOCK_K / 2] code bytes and the per-32 scales they use, decodes both nibbles in
-registers and multiplies them with the even and the odd activation columns.
+4.25 bits instead of 16 cuts the step's dominant bytes ~3.8x. The kernels are
+ops/moe_triton.py's with the weight tile replaced: 4-bit codes and their per-32 scales are
+loaded and decoded in registers.
 
-  `_moe_mxfp4_gate_up_kernel`  decode: program (pair, column block) -> inter[pair] = act(g, u)
-  `_moe_mxfp4_down_kernel`     decode: program (token, column block), the top_k sum fused
-                               ("v1": the simplest formulation, kept for benchmarks/mxfp4.py)
-  ops/moe_mxfp4_v5.py          "v5", the default: a thread owns whole blocks (one 128-bit code load, one scale
-                               byte, one PTX decode + f16x2 dot per (row, block)), BLOCK_N rows
-                               a thread sharing each block's activation conversion.
-  ops/moe_mxfp4_gemm.py        prefill / verification (`uses_mxfp4_decode` false): the grouped
-                               GEMM over the same 4-bit tiles (the in-register dequantization
-                               helpers below are shared).
+  ops/moe_mxfp4_decode.py      decode (`uses_mxfp4_decode`): a thread owns whole blocks (one
+                               128-bit code load, one scale byte, one PTX decode + f16x2 dot
+                               per (row, block)), BLOCK_N rows a thread sharing each block's
+                               activation conversion.
+  ops/moe_mxfp4_gemm.py        prefill / verification: the grouped GEMM over the same 4-bit
+                               tiles.
+This module holds the in-register dequantization helpers both build on, the decode launch
+configs and the dispatch.
 
 Weights in StackedExperts' row layout, quantized along the input dim (models/moe.py
 Mxfp4Experts holds them):
@@ -34,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.models.mxfp4 import BLOCK, dequantize_mxfp4
 from specserve.ops import graph_rows, l2, pdl
 from specserve.ops.moe import fused_moe_ref
 from specserve.ops.moe_triton import (
@@ -42,57 +39,42 @@ from specserve.ops.moe_triton import (
     ConfigTable,
     DecodeConfig,
     Epilogue,
-    _down_program,
-    _down_store,
-    _gate_up_store,
-    _routing,
     table_configs,
 )
+from specserve.ops.mxfp4 import BLOCK, dequantize_mxfp4
 
-# The decode kernels: "v5" (ops/moe_mxfp4_v5.py), the default, and "v1" (byte tiles, a
-# per-step reduction: the simplest formulation, kept beside it for benchmarks/mxfp4.py).
-# Between them (sessions 12-13), "v2"-"v4" (a 32-bit code word a thread, f16x2 dots, scale bytes
-# by PTX) were measured and superseded (RESULTS.md); git history holds them (before session 15).
-# v5 gives a thread whole MXFP4 blocks (one 128-bit code load, one scale byte and one decode +
-# f16x2 dot routine per (row, block)): ~24 instead of v4's ~42 SASS instructions a code word;
-# H100 gpt-oss-20b experts at 1 / 4 / 8 tokens 28.0 / 78.5 / 130.2 us a layer against v4's
-# 31.1 / 97.0 / 182.3 (RESULTS.md session 13).
-DECODE_VARIANTS = ("v1", "v5")
-DECODE_VARIANT = "v5"
 # "auto" runs the decode kernels rather than the grouped GEMM while the batch's (token, expert)
 # pairs are at most this many a expert on average: decode reads each chosen expert once a
 # pair, the GEMM once a 16-pair tile but dequantizes it at ~25% of the copy bandwidth. H100,
-# `benchmarks/mxfp4.py --crossover 8,12,16,24,32,48,64` (RESULTS.md session 13), us a layer
-# decode / GEMM: gpt-oss-20b (32 experts, top-4) T = 16 351 / 541, 24 521 / 613, 32 693 / 639;
-# gpt-oss-120b (128 experts) T = 16 357 / 929, 64 1383 / 2017: the crossover is near 3.5 pairs
-# an expert (20b T = 28).
+# `python benchmarks/mxfp4.py --crossover 8,12,16,24,32,48,64`, us a layer decode / GEMM:
+# gpt-oss-20b (32 experts, top-4) T = 16 351 / 541, 24 521 / 613, 32 693 / 639; gpt-oss-120b
+# (128 experts) T = 16 357 / 929, 64 1383 / 2017: the crossover is near 3.5 pairs an expert
+# (20b T = 28).
 MXFP4_DECODE_MAX_PAIRS_PER_EXPERT = 3.0
-# (BLOCK_N, BLOCK_K, num_warps): BLOCK_K weights a row per step = BLOCK_K / 2 bytes.
-MXFP4_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # v1
-MXFP4_DOWN_CONFIG: DecodeConfig = (4, 256, 4)  # v1
-# v5 (ops/moe_mxfp4_v5.py): lanes own blocks, so NB = BLOCK_K / 32 = 32 (one block a lane a
-# step), and warps split the rows (gate_up) or the experts, then the rows (down): each thread
-# holds BLOCK_N / (warps on that dim) rows of a block, sharing one activation conversion. At
-# H = I = 2880 (90 blocks) a row is 3 steps, 6 of 96 blocks masked. Chosen from sm_90 compile
-# evidence (not yet measured; gpt-oss-20b shape, SASS instructions a code word / registers):
-# gate_up (8, 1024, 2) 4 rows a thread 24.1 / 104 (~19 warps an SM), (8, 1024, 1) 8 rows 21.3
-# / 148 (13 warps), (4, 1024, 2) 2 rows 30 / 79; v4's gate_up (4, 512, 2) 41.8 / 72. down
+# Decode launch configs (BLOCK_N, BLOCK_K, num_warps) of ops/moe_mxfp4_decode.py: lanes own
+# blocks, so NB = BLOCK_K / 32 = 32 (one block a lane a step), and warps split the rows
+# (gate_up) or the experts, then the rows (down): each thread holds BLOCK_N / (warps on that
+# dim) rows of a block, sharing one activation conversion. At H = I = 2880 (90 blocks) a row is
+# 3 steps, 6 of 96 blocks masked. From sm_90 compile evidence (gpt-oss-20b shape, SASS
+# instructions a code word / registers): gate_up (8, 1024, 2) 4 rows a thread 24.1 / 104 (~19
+# warps an SM), (8, 1024, 1) 8 rows 21.3 / 148 (13 warps), (4, 1024, 2) 2 rows 30 / 79. down
 # (8, 1024, 4) 8 rows 24.4 / 111 (18 warps; one token fills ~11 an SM anyway), (4, 1024, 4)
-# 29.8 / 88, (2, 1024, 4) 41 / 80; v4's down (8, 512, 8) ~36 in its K loop / 64.
-# Measured (H100, `benchmarks/mxfp4.py --variants v4,v5`, RESULTS.md session 13; gpt-oss-20b,
-# the whole op, us a layer at 1 / 4 / 8 tokens): the table pair 28.0 / 78.5 / 130.2 against
-# v4's 31.1 / 97.0 / 182.3; gate_up (16, 1024, 2) is 1.5 us faster at one token and 3 / 8 us
-# slower at 4 / 8 (MXFP4_V5_GATE_UP_ONE_TOKEN, for batches of one token).
-MXFP4_V5_GATE_UP_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 1024, 2)),)
-MXFP4_V5_DOWN_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 1024, 4)),)
-MXFP4_V5_GATE_UP_ONE_TOKEN: DecodeConfig = (16, 1024, 2)
-MXFP4_V5_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
+# 29.8 / 88, (2, 1024, 4) 41 / 80. A thread owning one 32-bit code word of a block instead
+# costs ~42 instructions a word: 31.1 / 97.0 / 182.3 us a layer at 1 / 4 / 8 tokens against
+# these tables' 28.0 / 78.5 / 130.2 (H100, gpt-oss-20b, the whole op, `python
+# benchmarks/mxfp4.py`). gate_up (16, 1024, 2) is 1.5 us faster at one token and 3 / 8 us slower at 4 / 8
+# (MXFP4_GATE_UP_ONE_TOKEN, for batches of one token).
+MXFP4_GATE_UP_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 1024, 2)),)
+MXFP4_DOWN_TABLE: ConfigTable = ((float("inf"), float("inf"), (8, 1024, 4)),)
+MXFP4_GATE_UP_ONE_TOKEN: DecodeConfig = (16, 1024, 2)
+# What `python benchmarks/mxfp4.py` sweeps.
+MXFP4_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
     (8, 1024, 2),
     (8, 1024, 1),
     (4, 1024, 1),
     (16, 1024, 2),
 )
-MXFP4_V5_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
+MXFP4_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
     (8, 1024, 4),
     (4, 1024, 4),
     (16, 1024, 8),
@@ -101,27 +83,12 @@ MXFP4_V5_DOWN_CONFIGS: tuple[DecodeConfig, ...] = (
 
 
 def mxfp4_decode_configs(
-    hidden: int, inter: int, top_k: int, variant: str = DECODE_VARIANT, tokens: int = 0
+    hidden: int, inter: int, top_k: int, tokens: int = 0
 ) -> tuple[DecodeConfig, DecodeConfig]:
-    """(gate_up, down) launch configs of the decode kernels of `variant` for this shape;
-    `tokens`: the batch's rows as a captured graph runs them (graph_rows.row_bound; 0: any)."""
-    if variant == "v1":
-        return MXFP4_GATE_UP_CONFIG, MXFP4_DOWN_CONFIG
-    if variant == "v5":
-        configs = table_configs(MXFP4_V5_GATE_UP_TABLE, MXFP4_V5_DOWN_TABLE, hidden, inter, top_k)
-        return (MXFP4_V5_GATE_UP_ONE_TOKEN, configs[1]) if tokens == 1 else configs
-    raise ValueError(f"MXFP4 decode variant {variant!r}: expected one of {DECODE_VARIANTS}")
-
-
-def mxfp4_candidate_configs(
-    variant: str,
-) -> tuple[tuple[DecodeConfig, ...], tuple[DecodeConfig, ...]]:
-    """(gate_up, down) candidate launch configs of `variant` for benchmarks/mxfp4.py's sweep."""
-    if variant == "v1":
-        return (MXFP4_GATE_UP_CONFIG,), (MXFP4_DOWN_CONFIG,)
-    if variant == "v5":
-        return MXFP4_V5_GATE_UP_CONFIGS, MXFP4_V5_DOWN_CONFIGS
-    raise ValueError(f"MXFP4 decode variant {variant!r}: expected one of {DECODE_VARIANTS}")
+    """(gate_up, down) launch configs of the decode kernels for this shape; `tokens`: the
+    batch's rows as a captured graph runs them (graph_rows.row_bound; 0: any)."""
+    configs = table_configs(MXFP4_GATE_UP_TABLE, MXFP4_DOWN_TABLE, hidden, inter, top_k)
+    return (MXFP4_GATE_UP_ONE_TOKEN, configs[1]) if tokens == 1 else configs
 
 
 @triton.jit
@@ -150,132 +117,7 @@ def _mxfp4_tile(byte_ptrs, scale_ptrs, ok):
     return lo * scale, hi * scale
 
 
-@triton.jit
-def _dot_rows(codes, x_even, x_odd, scale, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[ROWS]: code-byte rows [ROWS, BLOCK_K / 2] (uint8) dotted with the activations' even and
-    odd columns ([1, BLOCK_K / 2] fp32). Each 32-weight block is summed unscaled and its scale
-    ([ROWS, BLOCK_K / 32] from _scale_bits) applied once: one multiply a block, not a weight."""
-    lo, hi = _e2m1(codes)
-    prod = lo * x_even + hi * x_odd
-    per_block = tl.sum(tl.reshape(prod, [ROWS, BLOCK_K // 32, 16]), axis=2)
-    return tl.sum(per_block * scale, axis=1)
-
-
-@triton.jit(do_not_specialize=["P"])
-def _moe_mxfp4_gate_up_kernel(
-    x_ptr,
-    wb_ptr,
-    ws_ptr,
-    b_ptr,
-    topk_ids_ptr,
-    inter_ptr,
-    N,
-    K,
-    P,
-    top_k,
-    stride_xm,
-    stride_be,
-    stride_im,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    ALPHA: tl.constexpr,
-    LIMIT: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # As _moe_decode_gate_up_kernel; weight row r of expert e: K / 2 bytes at
-    # wb + (e * 2N + r) * K / 2, K / 32 scales at ws + (e * 2N + r) * K / 32.
-    pid = tl.program_id(0)
-    pair = pid % P
-    n = (pid // P) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    pdl.wait(PDL)
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
-    KB = K // 2
-    KS = K // 32
-    gate_row = expert * 2 * N + n.to(tl.int64)
-    up_row = gate_row + N
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, KB, BLOCK_K // 2):
-        j = k0 + tl.arange(0, BLOCK_K // 2)  # byte j holds columns 2j and 2j + 1
-        j_ok = j < KB
-        ok = n_ok[:, None] & j_ok[None, :]
-        g = k0 // 16 + tl.arange(0, BLOCK_K // 32)  # the step's scale blocks
-        g_ok = n_ok[:, None] & (g < KS)[None, :]
-        x_even = tl.load(x_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        x_odd = tl.load(x_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-        codes = tl.load(wb_ptr + gate_row[:, None] * KB + j[None, :], mask=ok, other=0)
-        scale = _scale_bits(ws_ptr + gate_row[:, None] * KS + g[None, :], g_ok)
-        acc += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
-        codes = tl.load(wb_ptr + up_row[:, None] * KB + j[None, :], mask=ok, other=0)
-        scale = _scale_bits(ws_ptr + up_row[:, None] * KS + g[None, :], g_ok)
-        acc_up += _dot_rows(codes, x_even, x_odd, scale, BLOCK_N, BLOCK_K)
-    pdl.trigger(PDL)
-    _gate_up_store(
-        acc, acc_up, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
-        HAS_BIAS, ACT, ALPHA, LIMIT,
-    )  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["T"])
-def _moe_mxfp4_down_kernel(
-    inter_ptr,
-    wb_ptr,
-    ws_ptr,
-    b_ptr,
-    topk_ids_ptr,
-    topk_w_ptr,
-    out_ptr,
-    N,
-    K,
-    T,
-    top_k,
-    stride_im,
-    stride_be,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    # As _moe_decode_down_kernel: out[t, n] = sum_j w[t, j] * (W2[e_j, n] @ inter[t, j] + b).
-    t, n, n_ok, pair, jj_ok = _down_program(N, T, top_k, BLOCK_N, BLOCK_TOPK)
-    pdl.wait(PDL)
-    expert, route_w = _routing(topk_ids_ptr, topk_w_ptr, pair, jj_ok)
-    KB = K // 2
-    KS = K // 32
-    # [BLOCK_TOPK, BLOCK_N, 1] weight rows
-    row = (expert[:, None] * N + n.to(tl.int64)[None, :])[:, :, None]
-    rows_ok = jj_ok[:, None, None] & n_ok[None, :, None]
-    h_rows = inter_ptr + pair.to(tl.int64)[:, None] * stride_im
-    acc = tl.zeros([BLOCK_TOPK, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, KB, BLOCK_K // 2):
-        j = k0 + tl.arange(0, BLOCK_K // 2)
-        j_ok = j < KB
-        g = k0 // 16 + tl.arange(0, BLOCK_K // 32)
-        h_ok = jj_ok[:, None] & j_ok[None, :]
-        h_even = tl.load(h_rows + 2 * j[None, :], mask=h_ok, other=0.0).to(tl.float32)
-        h_odd = tl.load(h_rows + 2 * j[None, :] + 1, mask=h_ok, other=0.0).to(tl.float32)
-        codes = tl.load(
-            wb_ptr + row * KB + j[None, None, :], mask=rows_ok & j_ok[None, None, :], other=0
-        )
-        scale = _scale_bits(ws_ptr + row * KS + g[None, None, :], rows_ok & (g < KS)[None, None, :])
-        # as _dot_rows, over [BLOCK_TOPK, BLOCK_N] rows
-        lo, hi = _e2m1(codes)
-        prod = lo * h_even[:, None, :] + hi * h_odd[:, None, :]
-        per_block = tl.sum(tl.reshape(prod, [BLOCK_TOPK, BLOCK_N, BLOCK_K // 32, 16]), axis=3)
-        acc += tl.sum(per_block * scale, axis=2)
-    pdl.trigger(PDL)
-    _down_store(
-        acc, b_ptr, expert, stride_be, n, n_ok, jj_ok, route_w, out_ptr, t, stride_om, HAS_BIAS
-    )
-
-
-# --- 32-bit code words: the E2M1 word decode and fp16 helpers moe_mxfp4_v5.py builds on ---------
+# --- 32-bit code words: the E2M1 word decode and fp16 helpers moe_mxfp4_decode.py builds on -----
 
 
 @triton.jit
@@ -358,9 +200,9 @@ def _scale_bits(scale_ptrs, ok):
 @triton.jit
 def _dot_words(words, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
     """Per code word: sum_c value(nibble c) * x_c, unscaled (x 2^-14), fp32."""
-    v0, v1, v2, v3, v4, v5, v6, v7 = _e2m1_words(words, ASM)
-    acc = v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3
-    return acc + v4 * x4 + v5 * x5 + v6 * x6 + v7 * x7
+    c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_words(words, ASM)
+    acc = c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3
+    return acc + c4 * x4 + c5 * x5 + c6 * x6 + c7 * x7
 
 
 @triton.jit
@@ -420,10 +262,8 @@ def uses_mxfp4_decode(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return pairs <= MXFP4_DECODE_MAX_PAIRS_PER_EXPERT * num_experts
 
 
-def _check_config(variant: str, config: DecodeConfig) -> None:
+def _check_config(config: DecodeConfig) -> None:
     block_n, block_k, warps = config
-    if variant not in DECODE_VARIANTS:
-        raise ValueError(f"MXFP4 decode variant {variant!r}: expected one of {DECODE_VARIANTS}")
     if block_k < 32 or block_k & (block_k - 1) or block_n & (block_n - 1) or warps < 1:
         raise ValueError(
             f"MXFP4 decode config {config}: BLOCK_N a power of two, BLOCK_K a power of two >= 32"
@@ -431,7 +271,7 @@ def _check_config(variant: str, config: DecodeConfig) -> None:
 
 
 def _aligned16(t: torch.Tensor, name: str, copy: bool) -> torch.Tensor:
-    """t with its rows 16-byte aligned, as v5's 128-bit loads need: a copy of activations
+    """t with its rows 16-byte aligned, as the decode kernels' 128-bit loads need: a copy of activations
     (`copy`: T rows, cheap), an error for weights (copying them each call would cost more than
     the kernel)."""
     rows_ok = all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1
@@ -439,11 +279,12 @@ def _aligned16(t: torch.Tensor, name: str, copy: bool) -> torch.Tensor:
         return t
     if copy:
         return t.clone(memory_format=torch.contiguous_format)
-    raise ValueError(f"MXFP4 decode v5: {name} must start 16-byte aligned (got a view?)")
+    raise ValueError(f"MXFP4 decode: {name} must start 16-byte aligned (got a view?)")
 
 
+# NOTE: the decode kernels below replaced byte-tile kernels with a reduction every K step (the
+# simplest formulation, slower at every measured shape); those are in git history at b3db210.
 def _gate_up(
-    variant: str,
     # [T, H]
     x: torch.Tensor,
     w13_blocks: torch.Tensor,
@@ -454,34 +295,25 @@ def _gate_up(
     epilogue: Epilogue,
     config: DecodeConfig,
 ) -> None:
+    from specserve.ops.moe_mxfp4_decode import _moe_mxfp4_gate_up_kernel  # imports this
+
     P, inter_size = inter.shape
     H, top_k = x.shape[1], topk_ids.shape[1]
     bn, bk, warps = config
     b13 = epilogue.w13_bias
-    if variant == "v5":
-        x = _aligned16(x, "x", copy=True)
-        _aligned16(w13_blocks, "w13_blocks", copy=False)
-    args = (
-        x, w13_blocks, w13_scales, x if b13 is None else b13, topk_ids, inter, inter_size, H, P,
-        top_k, x.stride(0), 0 if b13 is None else b13.stride(0), inter.stride(0),
-    )  # fmt: skip
-    consts = dict(HAS_BIAS=b13 is not None, **epilogue.consts(), BLOCK_N=bn, BLOCK_K=bk)
+    x = _aligned16(x, "x", copy=True)
+    _aligned16(w13_blocks, "w13_blocks", copy=False)
     kw = pdl.launch_kwargs(x.device)
-    grid = (P * triton.cdiv(inter_size, bn),)
-    if variant == "v1":
-        _moe_mxfp4_gate_up_kernel[grid](*args, **consts, num_warps=warps, **kw)
-        return
-    from specserve.ops.moe_mxfp4_v5 import _moe_mxfp4_gate_up_kernel_v5  # imports this
-
     # K a constexpr (one compile a model shape): the unrolled steps' masks fold away.
-    _moe_mxfp4_gate_up_kernel_v5[grid](
-        *args[:7], *args[8:], K=H, **consts, ASM=not _interpreting(),
-        EVICT_FIRST=l2.weights_evict_first(), num_warps=warps, **kw,
+    _moe_mxfp4_gate_up_kernel[(P * triton.cdiv(inter_size, bn),)](
+        x, w13_blocks, w13_scales, x if b13 is None else b13, topk_ids, inter, inter_size, P,
+        top_k, x.stride(0), 0 if b13 is None else b13.stride(0), inter.stride(0), K=H,
+        HAS_BIAS=b13 is not None, **epilogue.consts(), BLOCK_N=bn, BLOCK_K=bk,
+        ASM=not _interpreting(), EVICT_FIRST=l2.weights_evict_first(), num_warps=warps, **kw,
     )  # fmt: skip
 
 
 def _down(
-    variant: str,
     # [P, I]
     inter: torch.Tensor,
     w2_blocks: torch.Tensor,
@@ -493,30 +325,21 @@ def _down(
     epilogue: Epilogue,
     config: DecodeConfig,
 ) -> None:
+    from specserve.ops.moe_mxfp4_decode import _moe_mxfp4_down_kernel  # imports this
+
     T, top_k = topk_ids.shape
     H, inter_size = out.shape[1], inter.shape[1]
     bn, bk, warps = config
     b2 = epilogue.w2_bias
-    args = (
-        inter, w2_blocks, w2_scales, out if b2 is None else b2, topk_ids, topk_weights, out, H,
-        inter_size, T, top_k, inter.stride(0), 0 if b2 is None else b2.stride(0), out.stride(0),
-    )  # fmt: skip
-    consts = dict(
-        HAS_BIAS=b2 is not None, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=bn, BLOCK_K=bk
-    )
     kw = pdl.launch_kwargs(out.device)
-    grid = (T * triton.cdiv(H, bn),)
-    if variant == "v1":
-        _moe_mxfp4_down_kernel[grid](*args, **consts, num_warps=warps, **kw)
-        return
-    from specserve.ops.moe_mxfp4_v5 import _moe_mxfp4_down_kernel_v5  # imports this
-
     _aligned16(inter, "inter", copy=False)  # allocated by fused_moe_mxfp4_decode
     _aligned16(w2_blocks, "w2_blocks", copy=False)
-    _moe_mxfp4_down_kernel_v5[grid](
-        *args[:8], *args[9:], K=inter_size, **consts, PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
-        ASM=not _interpreting(), EVICT_FIRST=l2.weights_evict_first(),
-        num_warps=warps, **kw,
+    _moe_mxfp4_down_kernel[(T * triton.cdiv(H, bn),)](
+        inter, w2_blocks, w2_scales, out if b2 is None else b2, topk_ids, topk_weights, out, H,
+        T, top_k, inter.stride(0), 0 if b2 is None else b2.stride(0), out.stride(0),
+        K=inter_size, HAS_BIAS=b2 is not None, BLOCK_TOPK=triton.next_power_of_2(top_k),
+        BLOCK_N=bn, BLOCK_K=bk, PRELOAD=kw["PDL"], ASM=not _interpreting(),
+        EVICT_FIRST=l2.weights_evict_first(), num_warps=warps, **kw,
     )  # fmt: skip
 
 
@@ -535,24 +358,20 @@ def fused_moe_mxfp4_decode(
     topk_ids: torch.Tensor,
     epilogue: Epilogue = PLAIN,
     configs: tuple[DecodeConfig, DecodeConfig] | None = None,
-    variant: str | None = None,
 ) -> torch.Tensor:
     """[T, H] in x's dtype: `fused_moe`'s decode path with 4-bit experts (any T; meant for
-    small batches, `uses_mxfp4_decode`). `variant`: DECODE_VARIANTS (default DECODE_VARIANT);
-    `configs`: (gate_up, down) launch configs (default: the variant's shape tables)."""
+    small batches, `uses_mxfp4_decode`). `configs`: (gate_up, down) launch configs (default:
+    the shape tables)."""
     T, top_k = topk_ids.shape
     H = x.shape[1]
     two_i = w13_blocks.shape[1]
     inter_size = two_i // 2
     _check_pair(w13_blocks, w13_scales, two_i, H)
     _check_pair(w2_blocks, w2_scales, H, inter_size)
-    variant = variant or DECODE_VARIANT
     rows = graph_rows.row_bound(T)
-    gate_up_config, down_config = configs or mxfp4_decode_configs(
-        H, inter_size, top_k, variant, rows
-    )
-    _check_config(variant, gate_up_config)
-    _check_config(variant, down_config)
+    gate_up_config, down_config = configs or mxfp4_decode_configs(H, inter_size, top_k, rows)
+    _check_config(gate_up_config)
+    _check_config(down_config)
     if T == 0:
         return torch.empty_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -560,9 +379,9 @@ def fused_moe_mxfp4_decode(
     w13_blocks, w13_scales = w13_blocks.contiguous(), w13_scales.contiguous()
     w2_blocks, w2_scales = w2_blocks.contiguous(), w2_scales.contiguous()
     inter = torch.empty(T * top_k, inter_size, dtype=x.dtype, device=x.device)
-    _gate_up(variant, x, w13_blocks, w13_scales, topk_ids, inter, epilogue, gate_up_config)
+    _gate_up(x, w13_blocks, w13_scales, topk_ids, inter, epilogue, gate_up_config)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-    _down(variant, inter, w2_blocks, w2_scales, topk_weights, topk_ids, out, epilogue, down_config)
+    _down(inter, w2_blocks, w2_scales, topk_weights, topk_ids, out, epilogue, down_config)
     return out
 
 

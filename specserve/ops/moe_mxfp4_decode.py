@@ -1,9 +1,9 @@
-"""MXFP4 MoE decode kernels "v5" (ops/moe_mxfp4.py's DECODE_VARIANTS): a thread owns blocks.
+"""The MXFP4 MoE decode kernels (ops/moe_mxfp4.py dispatches to them): a thread owns blocks.
 
-The earlier "v2"-"v4" kernels (sessions 12-13, superseded and removed) gave a thread one 32-bit
-code word (8 codes) of a block per row; their sm_90 SASS spent ~42 instructions a word, ~18 of them on decode and math, the rest on
-per-word addressing, scales and activation conversion (they are issue-bound at ~55-60% of
-the copy bandwidth). Here a thread owns (row, MXFP4 block) pairs whole:
+A thread owning one 32-bit code word (8 codes) of a block per row spends ~42 sm_90 SASS
+instructions a word, ~18 of them on decode and math, the rest on per-word addressing, scales
+and activation conversion (issue-bound at ~55-60% of the copy bandwidth). Here a thread owns
+(row, MXFP4 block) pairs whole:
 
   * the block's 16 code bytes are ONE 128-bit load, its scale byte one load;
   * one inline-PTX routine (`_E2M1_BLOCK_DOT_PTX`) decodes the 4 words with moe_mxfp4's
@@ -348,7 +348,7 @@ def _step_x(x_blocks, x_ok, step: tl.constexpr, NB: tl.constexpr, KS: tl.constex
 
 
 @triton.jit(do_not_specialize=["P"])
-def _moe_mxfp4_gate_up_kernel_v5(
+def _moe_mxfp4_gate_up_kernel(
     x_ptr,
     wb_ptr,
     ws_ptr,
@@ -417,7 +417,7 @@ def _moe_mxfp4_gate_up_kernel_v5(
 
 
 @triton.jit(do_not_specialize=["T"])
-def _moe_mxfp4_down_kernel_v5(
+def _moe_mxfp4_down_kernel(
     inter_ptr,
     wb_ptr,
     ws_ptr,

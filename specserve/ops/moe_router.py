@@ -23,39 +23,40 @@ program, so a captured graph replays it) reads every logit and makes the choice,
 the appended shared experts' columns itself (no torch.cat launch on the decode path).
 
 Latency, not bandwidth, is this kernel's cost (0.5 MB of router at Qwen3-30B-A3B): its time is
-the chain of dependent memory round trips. So (issue 18: 10 us a layer before):
+the chain of dependent memory round trips (a norm kernel, cuBLAS and torch took 10 us a layer
+there). So:
 - the router rows (weights: they never depend on the previous kernel) are requested before the
   PDL wait, a program's whole [BLOCK_E, H] slab in one go where it fits a tile (K_TILES = 1 at
   H = 2048), so they arrive during the previous kernel's tail;
 - the K loops are unrolled (K_TILES constexpr), so no load waits on the previous tile's math;
 - the choice ranks (score, expert) packed in an int64 (the weight decoded from the winning
-  key) and takes the k best in one partial bitonic sort (tl.topk, ROUTE_TOPK_SORT): 5 barrier
-  rounds at 128 experts on 4 warps. Before it, k rounds of ONE max reduction each over those
-  keys (still the fallback where the k + n_shared tile exceeds the experts' row): a round is a
-  cross-warp reduction through shared memory and a barrier, and the rounds are serial. (A
-  one-shot rank from an [E, E] comparison was tried: it spills at E = 128 with 4 warps.)
-- Tried and dropped (H100, session 15, benchmarks/timeline_sweep.py): the choosing program
-  bulk-prefetching the first 0.5-2 MB of each chosen expert's gate and up rows into L2 before
-  writing the choice. Busy time a step: Qwen3-30B-A3B 2966-2971 us (1 MB / 2 MB) vs 2945 us,
-  gpt-oss-20b 1781-1782 vs 1778-1780 us: the expert kernel's ramp is not idle HBM it can fill.
-  Fewer warps a program (reductions within a warp, no shared-memory rounds): (2, 2048, 2) and
+  key) and takes the k best in one partial bitonic sort (tl.topk,
+  `tunables().moe_route_topk_sort`): 5 barrier rounds at 128 experts on 4 warps. The fallback,
+  where the k + n_shared tile exceeds the experts' row, is k rounds of ONE max reduction each
+  over those keys: a round is a cross-warp reduction through shared memory and a barrier, and
+  the rounds are serial. (A one-shot rank from an [E, E] comparison spills at E = 128 with 4
+  warps.)
+Tried and dropped (H100, batch-1 steps, `python benchmarks/timeline.py`; patches in
+benchmarks/experiments/ at commit b3db210):
+- the choosing program bulk-prefetching the first 0.5-2 MB of each chosen expert's gate and up
+  rows into L2 before writing the choice. Busy time a step: Qwen3-30B-A3B 2966-2971 us (1 MB /
+  2 MB) vs 2945 us, gpt-oss-20b 1781-1782 vs 1778-1780 us: the expert kernel's ramp is not idle
+  HBM it can fill.
+- fewer warps a program (reductions within a warp, no shared-memory rounds): (2, 2048, 2) and
   (2, 1024, 2) at Qwen3-30B-A3B 5.42 / 5.41 us a layer vs 5.39, (2, 1024, 2) and (2, 1024, 1)
-  at gpt-oss-20b 4.17 us all three (session 15): the reductions are not where its time goes.
-- Tried and dropped (H100, session 26; benchmarks/experiments/moe-defer-choice.patch): the
-  choice left to the MoE gate_up kernel, every program making its token's and column block 0
-  writing it for down. Without the choice this kernel takes 2.3 us a layer instead of 5.4
-  (Qwen3-30B-A3B; 2.3 vs 4.7 at GLM-4.7-Flash), but the choice in every gate_up program
-  costs more: +3.5 us a layer with this kernel's k rounds, +5.7 with a rank count (Qwen3 step
-  2841 -> 2857 / 2812 -> 3005 us); GLM-4.7-Flash's 3840 gate_up programs, 24.5 -> 128 us.
-  So the choice stays here, made shorter instead: ROUTE_TOPK_SORT (session 27, the default).
-- Tried and dropped (H100, session 27, batch-1 step): one-warp launches at one token with the
-  sort, (1, 1024, 1) 2789 us a step and (2, 512, 1) with every K tile's router rows before the
-  PDL wait 2843 us, against 2760 with the sort alone (router 5.06 / 6.16 vs 4.42 us a layer,
-  Qwen3-30B-A3B). The code (ROUTE_CONFIG_ONE_TOKEN, ROUTE_PRELOAD_ALL) is at commit 7c598c7.
-  Also (session 27; benchmarks/experiments/route-ready-flag.patch): the MoE kernels polling a
-  ready word this kernel's last program releases, instead of waiting for its grid: the
-  polling programs slow everything beside them (Qwen3-30B-A3B step 2761 -> 2992 us, router
-  4.4 -> 7.6 us a layer; GLM-4.7-Flash 3301 -> 4290 us).
+  at gpt-oss-20b 4.17 us all three: the reductions are not where its time goes.
+- the choice left to the MoE gate_up kernel, every program making its token's and column block
+  0 writing it for down. Without the choice this kernel takes 2.3 us a layer instead of 5.4
+  (Qwen3-30B-A3B; 2.3 vs 4.7 at GLM-4.7-Flash), but the choice in every gate_up program costs
+  more: +3.5 us a layer with k rounds, +5.7 with a rank count (Qwen3 step 2841 -> 2857 / 2812
+  -> 3005 us); GLM-4.7-Flash's 3840 gate_up programs, 24.5 -> 128 us. So the choice stays
+  here, made shorter by the sort instead.
+- one-warp launches at one token with the sort, (1, 1024, 1) 2789 us a step and (2, 512, 1)
+  with every K tile's router rows before the PDL wait 2843 us, against 2760 with the sort alone
+  (router 5.06 / 6.16 vs 4.42 us a layer, Qwen3-30B-A3B; the code is at commit 7c598c7).
+- the MoE kernels polling a ready word this kernel's last program releases, instead of waiting
+  for its grid: the polling programs slow everything beside them (Qwen3-30B-A3B step 2761 ->
+  2992 us, router 4.4 -> 7.6 us a layer; GLM-4.7-Flash 3301 -> 4290 us).
 
 Ties among experts: the kernel takes the lowest expert index first (torch.topk does not promise
 an order among equal values); the choice is otherwise the reference's, the weights equal up to
@@ -69,6 +70,7 @@ import torch.nn.functional as F
 
 from specserve.ops import graph_rows, pdl
 from specserve.ops.fused import _use_triton, rms_norm_ref
+from specserve.tunables import tunables
 
 try:
     import triton
@@ -90,21 +92,20 @@ ROUTE_CONFIGS: tuple[tuple[int, int, int], ...] = (
     (8, 1024, 8),
 )
 # The k best in one partial bitonic sort (tl.topk) instead of k rounds of one max reduction
-# each; sm_90 at 128 experts on 4 warps: 5 barrier rounds against 23. Ties still go to the
-# lower id (the id, inverted, is the key's low bits). Measured (H100, session 27, batch-1
-# step): Qwen3-30B-A3B 2760 / 2760 us vs 2805 / 2806 (router 4.42 vs 5.35 us a layer),
-# GLM-4.7-Flash 3317 / 3303 vs 3334 / 3337 (4.05 vs 4.70). False: the k rounds, which the
+# each (`tunables().moe_route_topk_sort`); sm_90 at 128 experts on 4 warps: 5 barrier rounds
+# against 23. Ties still go to the lower id (the id, inverted, is the key's low bits). Measured
+# (H100, batch-1 step): Qwen3-30B-A3B 2760 / 2760 us vs 2805 / 2806 (router 4.42 vs 5.35 us a
+# layer), GLM-4.7-Flash 3317 / 3303 vs 3334 / 3337 (4.05 vs 4.70). Off: the k rounds, which the
 # kernel also takes where next_power_of_2(top_k + n_shared) > the experts' row (tl.topk's k).
-ROUTE_TOPK_SORT = True
-# Renormalized softmax routers (Qwen3-MoE) take the softmax_topk path: the k best logits, then
-# their softmax among themselves, which equals the full softmax's k best renormalized up to
-# float32 rounding (ties aside: exp may round two close logits to one probability, where
-# torch.topk promises no order either). The choosing program skips the full softmax's max and
-# sum reductions: sm_90 barrier rounds after its atomic 13 -> 7 at Qwen3-30B-A3B batch 1
-# (tests/test_moe_router.py). Measured (H100, session 28, batch-1 step): Qwen3-30B-A3B 2750 /
-# 2748 us vs 2762 / 2764 (router 4.15 vs 4.44 us a layer); EAGLE-3 K=3 4.91 vs 4.94 ms.
-# False: the full softmax, then the k best renormalized.
-ROUTE_SOFTMAX_TOPK = True
+# Renormalized softmax routers (Qwen3-MoE) take the softmax_topk path
+# (`tunables().moe_route_softmax_topk`): the k best logits, then their softmax among
+# themselves, which equals the full softmax's k best renormalized up to float32 rounding (ties
+# aside: exp may round two close logits to one probability, where torch.topk promises no order
+# either). The choosing program skips the full softmax's max and sum reductions: sm_90 barrier
+# rounds after its atomic 13 -> 7 at Qwen3-30B-A3B batch 1 (tests/test_moe_router.py).
+# Measured (H100, batch-1 step): Qwen3-30B-A3B 2750 / 2748 us vs 2762 / 2764 (router 4.15 vs
+# 4.44 us a layer); EAGLE-3 K=3 4.91 vs 4.94 ms. Off: the full softmax, then the k best
+# renormalized.
 SCORINGS = ("softmax", "sigmoid", "softmax_topk")
 
 
@@ -583,7 +584,12 @@ def norm_route_triton(
     sigmoid = scoring == "sigmoid"
     # A renormalized softmax's weights are the chosen logits' softmax among themselves (the
     # full softmax's denominator cancels), and its choice the k best logits (exp is monotone).
-    as_topk = ROUTE_SOFTMAX_TOPK and scoring == "softmax" and renormalize and router_bias is None
+    as_topk = (
+        tunables().moe_route_softmax_topk
+        and scoring == "softmax"
+        and renormalize
+        and router_bias is None
+    )
     _norm_route_kernel[(triton.cdiv(E, block_e),)](
         x,
         residual if residual is not None else x,
@@ -624,7 +630,8 @@ def norm_route_triton(
         BLOCK_ALL_E=block_all_e,
         num_warps=route_warps(block_t, config),
         # tl.topk takes at most the row: BLOCK_TOPK <= BLOCK_ALL_E
-        TOPK_SORT=ROUTE_TOPK_SORT and triton.next_power_of_2(top_k + n_shared) <= block_all_e,
+        TOPK_SORT=tunables().moe_route_topk_sort
+        and triton.next_power_of_2(top_k + n_shared) <= block_all_e,
         **pdl.launch_kwargs(dev),
     )
     return topk_w, topk_ids, normed, res_out

@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from specserve.ops import graph_rows, l2, pdl, skinny
+from specserve.tunables import tunables
 
 DECODE_MAX_TOKENS = 8
 # Decode launch configs: (BLOCK_N, BLOCK_K, num_warps). gate_up: a [BLOCK_N, BLOCK_K] gate
@@ -55,13 +56,13 @@ DecodeConfig = tuple[int, int, int]
 ConfigTable = tuple[tuple[float, float, DecodeConfig], ...]
 DECODE_GATE_UP_CONFIG: DecodeConfig = (8, 512, 4)  # any shape (the tables' fallback)
 # Per shape class, the first row whose bounds hold: (max K, max top_k, config); K is H for
-# gate_up, the expert intermediate I for down. Why (issue 18, Qwen3-30B-A3B batch 1 at
-# (8, 512, 4): gate_up 81% of the copy bandwidth, ~4 us over its bytes): at short K a program's
-# few K steps are serial round trips (each step's loads wait for the previous step's math, a
-# cross-warp reduction). One tile spanning K (BLOCK_K >= K) makes a program ONE round trip:
+# gate_up, the expert intermediate I for down. Why: at short K a program's few K steps are
+# serial round trips (each step's loads wait for the previous step's math, a cross-warp
+# reduction); at (8, 512, 4) Qwen3-30B-A3B's batch-1 gate_up reached 81% of the copy bandwidth,
+# ~4 us over its bytes. One tile spanning K (BLOCK_K >= K) makes a program ONE round trip:
 # gate_up issues all its weights as soon as it has its expert id. Registers (sm_90 cubin,
-# Qwen3 shape): (4, 2048, 4) 72 -> 7 programs an SM. Measured on the H100 (benchmarks/moe.py
-# --quick --sweep, RESULTS.md session 10): GLM-4.7-Flash 31.5 us a layer at one token with
+# Qwen3 shape): (4, 2048, 4) 72 -> 7 programs an SM. Measured on the H100 (`python
+# benchmarks/moe.py --quick --sweep`): GLM-4.7-Flash 31.5 us a layer at one token with
 # (2, 2048, 8) vs 42.7 with (4, 2048, 4). gate_up's tile does not depend on top_k (fused
 # shared experts, models/moe.py, make it top_k + 1; only the grid grows).
 DECODE_GATE_UP_TABLE: ConfigTable = (
@@ -81,36 +82,32 @@ DECODE_GATE_UP_CONFIGS: tuple[DecodeConfig, ...] = (
     (16, 512, 8),
 )
 # The down kernel holds a program's whole slab in registers and requests it before the PDL
-# wait. Its predecessor ("v1", removed in session 16) walked K in a loop with a cross-thread
-# reduction a step, so a program was STEPS serial round trips: in batch-1 steps (H100,
-# `benchmarks/timeline_sweep.py`, RESULTS.md session 13) Qwen3-30B-A3B spanned 3137 / 3125 us
-# with v1 and gate_up's early trigger vs 3095 with this kernel; GLM-4.7-Flash (top-4 + shared)
-# 3961 vs 3839; GLM-4.5-Air + shared (top-9) 124.2 vs 112.0 us a layer alone.
+# wait. A down kernel walking K in a loop with a cross-thread reduction a step is STEPS serial
+# round trips a program: in batch-1 steps (H100, `python benchmarks/timeline.py`) Qwen3-30B-A3B
+# spanned 3137 / 3125 us with it vs 3095 with this kernel; GLM-4.7-Flash (top-4 + shared) 3961
+# vs 3839; GLM-4.5-Air + shared (top-9) 124.2 vs 112.0 us a layer alone.
 # The gate_up decode kernel lets down launch right after its own PDL wait instead of after its
 # weight stream, so down's programs take SM slots early and stream their slabs during gate_up's
-# tail (the dense gemv measured slower that way: ops/pdl.py). down triggering right after its
-# wait as well was slower (session 26, H100): Qwen3-30B-A3B step 2807 -> 2857-2861 us, down
-# 5.8 -> 8.3 us a layer (the next gemv's programs take the slots its second wave needs),
-# GLM-4.7-Flash 3336 -> 3344 us.
-GATE_UP_EARLY_TRIGGER = True
-# Tried and dropped (session 27, H100; benchmarks/experiments/gate-up-fixed-first.patch): the
-# fused shared experts' gate_up programs (their ids are fixed) requesting their weights before
-# the wait. GLM-4.7-Flash gate_up 24.5 -> 23.2-23.4 us a layer, but the step does not move
+# tail (Qwen3-30B-A3B span 3095 vs ~3178 us, GLM-4.7-Flash 3839 vs ~3896; the dense gemv
+# measured slower that way: ops/pdl.py). down triggering right after its wait as well was
+# slower (H100): Qwen3-30B-A3B step 2807 -> 2857-2861 us, down 5.8 -> 8.3 us a layer (the next
+# gemv's programs take the slots its second wave needs), GLM-4.7-Flash 3336 -> 3344 us.
+# Tried and dropped (H100; the patch is at commit b3db210, benchmarks/experiments/): the fused
+# shared experts' gate_up programs (their ids are fixed) requesting their weights before the
+# wait. GLM-4.7-Flash gate_up 24.5 -> 23.2-23.4 us a layer, but the step does not move
 # (3304-3327 vs 3307-3311 us): down or the router, which the early stream competes with, slow.
-# One-token steps whose table config is a key here run the persistent gate_up kernel instead,
-# at the value's own config (one K tile: BLOCK_K >= H) and programs an SM; everything else
-# runs one program a column block, in waves. Each persistent program serves one pair's column
-# blocks, its expert id and x row loaded once, the next block's weights requested before the
-# current block's sums. Alone the experts stream no faster (benchmarks/moe_stream.py,
-# RESULTS.md session 24: ~2.7 TB/s either way); in Qwen3-30B-A3B's batch-1 step it is 20-30 us
-# faster (2854 -> 2829, 2.86 -> 2.83 ms: the grid fits the SMs at once, so down's programs
-# take their slots sooner). Not with more tokens: each program's blocks multiply, and one
-# block of prefetch no longer covers a round trip (its EAGLE-3 K = 3 step, 4 tokens, 5.01 ->
-# 6.18 ms; and the wave kernel at (4, 2048, 8) instead of (4, 2048, 4): 5.52). GLM-4.7-Flash's
-# (2, 2048, 8) at 4 an SM was 140 us a step slower (3473 -> 3613): it stays in waves.
-GATE_UP_PERSISTENT: dict[DecodeConfig, tuple[DecodeConfig, int]] = {
-    (4, 2048, 4): ((4, 2048, 8), 2),  # Qwen3-30B-A3B
-}
+# One-token steps whose table config is a key of `tunables().moe_gate_up_persistent` run the
+# persistent gate_up kernel instead, at the value's own config (one K tile: BLOCK_K >= H) and
+# programs an SM; everything else runs one program a column block, in waves. Each persistent
+# program serves one pair's column blocks, its expert id and x row loaded once, the next
+# block's weights requested before the current block's sums. Alone the experts stream no faster
+# (H100: ~2.7 TB/s either way); in Qwen3-30B-A3B's batch-1 step it is 20-30 us faster (2854 ->
+# 2829, 2.86 -> 2.83 ms: the grid fits the SMs at once, so down's programs take their slots
+# sooner). Not with more tokens: each program's blocks multiply, and one block of prefetch no
+# longer covers a round trip (its EAGLE-3 K = 3 step, 4 tokens, 5.01 -> 6.18 ms; and the wave
+# kernel at (4, 2048, 8) instead of (4, 2048, 4): 5.52). GLM-4.7-Flash's (2, 2048, 8) at 4 an SM
+# was 140 us a step slower (3473 -> 3613): it stays in waves.
+
 # A program's whole [next_pow2(top_k), BLOCK_N, STEPS * BLOCK_K] bf16 slab sits in
 # registers (plus a [.., BLOCK_K] fp32 accumulator), so BLOCK_N (and warps) are chosen per shape
 # to keep the slab near 24 KB: no spills, registers for >= 4 programs an SM where the slab
@@ -268,7 +265,7 @@ def _down_store(
     HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """out[t, n] = sum_j route_w[j] * (acc[j, n] (+ b2[expert_j, n])): the decode down
-    kernels' epilogue (bf16, MXFP4 v1 / v5), acc [BLOCK_TOPK, BLOCK_N] fp32, the top_k sum
+    kernels' epilogue (bf16 and MXFP4), acc [BLOCK_TOPK, BLOCK_N] fp32, the top_k sum
     in a fixed order."""
     if HAS_BIAS:  # the chosen experts' biases
         b = b_ptr + expert[:, None] * stride_be + n[None, :]
@@ -416,7 +413,6 @@ def _moe_decode_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
     W_EVICT: tl.constexpr = "",
     PERSISTENT: tl.constexpr = False,
 ):
@@ -433,8 +429,9 @@ def _moe_decode_gate_up_kernel(
     n_ok = n < N
     # The expert id is the router's output (the previous kernel): nothing to preload.
     pdl.wait(PDL)
-    if EARLY_TRIGGER:  # after the wait: down preloads the routing, which the router wrote
-        pdl.trigger(PDL)
+    # Right after the wait, so down's programs launch and preload their slabs during this
+    # kernel's weight stream (down also preloads the routing, which the router wrote).
+    pdl.trigger(PDL)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_xm
     w_expert = w_ptr + expert * stride_we
@@ -465,8 +462,6 @@ def _moe_decode_gate_up_kernel(
                 stride_im, HAS_BIAS, ACT, ALPHA, LIMIT,
             )  # fmt: skip
             gate, up = gate_next, up_next
-        if not EARLY_TRIGGER:
-            pdl.trigger(PDL)
     else:
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -480,10 +475,6 @@ def _moe_decode_gate_up_kernel(
             xk = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             acc += tl.sum(gate * xk, axis=1)
             acc_up += tl.sum(up * xk, axis=1)
-        # After the weight stream, as the dense gemv: the successor takes no SM slots from this
-        # kernel's later waves.
-        if not EARLY_TRIGGER:
-            pdl.trigger(PDL)
         _gate_up_store(
             acc, acc_up, b_ptr, expert, stride_be, n, n_ok, N, inter_ptr, pair, stride_im,
             HAS_BIAS, ACT, ALPHA, LIMIT,
@@ -736,7 +727,7 @@ def fused_moe_gemm(
     E, two_i, H = w13.shape
     P = T * top_k
     # NOTE: the tiles of the pairs a captured graph runs (graph_rows), not of P itself: the
-    # eager step and its padded graph must pick the same config (issue 23).
+    # eager step and its padded graph must pick the same config.
     config = config or gemm_config(graph_rows.row_bound(T) * top_k, E, x.dtype)
     align = moe_align(topk_ids, E, config[0])
     inter = torch.empty(P, two_i // 2, dtype=x.dtype, device=x.device)
@@ -776,11 +767,11 @@ def fused_moe_decode(
     b13, s13 = _bias_args(epilogue.w13_bias, w13)
     b2, s2 = _bias_args(epilogue.w2_bias, w2)
     inter = torch.empty(P, inter_size, dtype=x.dtype, device=x.device)
-    persistent = GATE_UP_PERSISTENT.get((gn, gk, gw))
+    persistent = tunables().moe_gate_up_persistent.get((gn, gk, gw))
     # One K tile (the persistent loop has no K loop) and one token only (judged on the graph's
     # row bound, as uses_decode_path): with more, each program's column blocks multiply, and
     # one block of prefetch no longer covers a round trip (Qwen3-30B-A3B's EAGLE-3 K = 3 step,
-    # 4 tokens: 5.01 -> 6.18 ms; RESULTS.md session 24).
+    # 4 tokens: 5.01 -> 6.18 ms on an H100).
     persistent_launch = bool(persistent) and persistent[0][1] >= H and graph_rows.row_bound(T) == 1
     if persistent_launch:
         (gn, gk, gw), per_sm = persistent
@@ -791,7 +782,7 @@ def fused_moe_decode(
         x, w13, b13, topk_ids, inter, inter_size, H, P, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), s13, inter.stride(0),
         HAS_BIAS=epilogue.w13_bias is not None, **epilogue.consts(),
-        BLOCK_N=gn, BLOCK_K=gk, num_warps=gw, EARLY_TRIGGER=GATE_UP_EARLY_TRIGGER,
+        BLOCK_N=gn, BLOCK_K=gk, num_warps=gw,
         PERSISTENT=persistent_launch,
         W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
@@ -803,7 +794,7 @@ def fused_moe_decode(
         HAS_BIAS=epilogue.w2_bias is not None,
         BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=dn, BLOCK_K=dk,
         STEPS=triton.cdiv(inter_size, dk), num_warps=dw,
-        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD, W_EVICT=l2.weight_eviction(), **kw,
+        PRELOAD=kw["PDL"], W_EVICT=l2.weight_eviction(), **kw,
     )  # fmt: skip
     return out
 

@@ -8,34 +8,30 @@ be scheduled while its predecessor still runs (once every program of the predece
 weight stream, so its successor does not take SM slots from its own later waves, and loads its
 first weight tile before waiting (weights never depend on the previous kernel).
 
-Measured (batch-1 decode, Llama-3-8B shape, H100; benchmarks/RESULTS.md, session 5): PDL took a
-step from 6.16 to 6.00 ms; the first-tile preload then the captured graph from 5.34 to 5.32 ms.
-Tried and dropped: the matmul triggering its successor at its start (graph 5.38 ms; 5.56 with
-the preload), and the matmul prefetching all its weight rows into L2 (TMA bulk prefetch) before
-waiting (6.37 ms a step; 6.32 with the early trigger). Session 6 (H100, RESULTS.md): only
-o_proj's gemv prefetching its weight slice to L2 while attention runs (graph 5.247 vs 5.221
-ms), and the matmul triggering 1 or 2 K tiles before its last (graph 5.234 / 5.372 ms).
-Session 11 (H100, Qwen3-30B-A3B batch-1 timeline): the attention kernel loading its first
-key tile (page, keys, values) before waiting, this step's keys put into it from registers:
-step span 3246 / 3260 vs 3179 / 3169 us (attention 8.49 vs 7.31 us a layer).
-Session 12 (H100, benchmarks/timeline_sweep.py): the K loops of the decode gemv and of the MoE
-decode down kernel requesting their next weight tile before each tile's math (software
-pipelining by hand; their sm_90 PTX has no cp.async): Llama-3-8B batch-1 span 5731 vs 5498 us
-with the gemv's, Qwen3-30B-A3B 3229 / 3202 vs 3162 us with the down kernel's; both dropped.
-Session 13 (H100, timeline_sweep): the MoE gate_up decode kernel triggering right after its
-own wait, so the down kernel's programs (the whole weight slab before their wait) launch
-early: Qwen3-30B-A3B span 3095 vs ~3178 us, GLM-4.7-Flash 3839 vs ~3896; kept
-(moe_triton.GATE_UP_EARLY_TRIGGER). With the earlier K-loop down kernel it was worse on
-GLM-4.7-Flash (3961 us).
-Session 14 (H100, gpt-oss-20b, timeline_sweep, RESULTS.md): the same for the MXFP4 v5 kernels
-(gate_up triggering early, down loading all its K steps before waiting) did nothing (busy 1812
-vs 1795 us): gate_up's programs hold the SM's registers until they finish; capping both
-kernels' registers (ptxas maxnreg) to make room was far slower (2195-2553 us).
-Session 15 (H100, timeline_sweep): the attention kernel requesting its first key tile's page
-ids before the wait with the other metadata (triton_paged.PRELOAD_FIRST_PAGE, kept): Qwen3-30B-A3B
-busy 2930 vs 2945 us, gpt-oss-20b 1788 vs 1781. gpt-oss-20b's o projection with whole 4096-deep
-rows (all its weights loaded before its wait): o 6.71 -> 4.70 us a layer, but the attention it
-overlaps 8.35 -> 10.50 us (its dependent loads queue behind o's weights): busy 1811 vs 1797 us.
+Measured (batch-1 decode, Llama-3-8B shape, H100; benchmarks/RESULTS.md): PDL took a step from
+6.16 to 6.00 ms; the first-tile preload then the captured graph from 5.34 to 5.32 ms. Tried and
+dropped: the matmul triggering its successor at its start (graph 5.38 ms; 5.56 with the
+preload), the matmul prefetching all its weight rows into L2 (TMA bulk prefetch) before waiting
+(6.37 ms a step; 6.32 with the early trigger), only o_proj's gemv prefetching its weight slice
+to L2 while attention runs (graph 5.247 vs 5.221 ms), and the matmul triggering 1 or 2 K tiles
+before its last (graph 5.234 / 5.372 ms).
+Also dropped (H100, `benchmarks/timeline_sweep.py`): the attention kernel loading its first key
+tile before waiting with this step's keys put into it from registers (Qwen3-30B-A3B step span
+3246 / 3260 vs 3179 / 3169 us; attention 8.49 vs 7.31 us a layer); the K loops of the decode
+gemv and of the MoE decode down kernel requesting their next weight tile before each tile's math
+(software pipelining by hand; their sm_90 PTX has no cp.async): Llama-3-8B batch-1 span 5731 vs
+5498 us with the gemv's, Qwen3-30B-A3B 3229 / 3202 vs 3162 us with the down kernel's; the MXFP4
+decode kernels' gate_up triggering early and down loading all its K steps before waiting (busy
+1812 vs 1795 us at gpt-oss-20b: gate_up's programs hold the SM's registers until they finish;
+capping both kernels' registers with ptxas maxnreg to make room was far slower, 2195-2553 us);
+gpt-oss-20b's o projection with whole 4096-deep rows (all its weights loaded before its wait):
+o 6.71 -> 4.70 us a layer, but the attention it overlaps 8.35 -> 10.50 us (its dependent loads
+queue behind o's weights): busy 1811 vs 1797 us.
+Kept: the MoE gate_up decode kernel triggering right after its own wait, so the down kernel's
+programs (the whole weight slab before their wait) launch early (Qwen3-30B-A3B span 3095 vs
+~3178 us, GLM-4.7-Flash 3839 vs ~3896; ops/moe_triton.py); the attention kernel requesting its
+first key tile's page ids before the wait with the other metadata (Qwen3-30B-A3B busy 2930 vs
+2945 us, gpt-oss-20b 1788 vs 1781; attention/triton_paged.py).
 
 The rule every kernel launched with `launch_kwargs` keeps: `start` comes before any memory
 access other than weight loads, in every program, including programs that then exit early.
@@ -45,8 +41,10 @@ predecessor still reads, and finishes only after its predecessor did: ordering s
 along the stream and results are bitwise those of plain launches. Launches from torch or cuBLAS
 in between simply never trigger early.
 
-EARLY_METADATA relaxes the rule for attention metadata. It is written before the forward pass
-(input preparation, in-place metadata advance between draft steps): by kernels that are not PDL
+Attention metadata is the rule's one relaxation: attention and RoPE + KV write load their
+metadata (positions, seq_lens, query_start_loc, slots, cos/sin) before the wait (batch-1 decode
+5.817 -> 5.773 ms a step on the H100). It is written before the forward pass (input
+preparation, in-place metadata advance between draft steps): by kernels that are not PDL
 launches, separated from the attention kernel by at least one kernel whose successor cannot
 launch before it has waited (a decode gemv triggers after its wait; cuBLAS never triggers early;
 a first PDL kernel after a plain launch starts after that launch completed). So when the
@@ -63,8 +61,7 @@ predecessor, and so everything before that, has finished: the writer is complete
 attention kernel starts. Keys written this step (positions >= seq_len - q_len, by this kernel
 or a KV-write kernel just before it) load after the wait, as before.
 
-`ENABLED`, `GEMV_PRELOAD`, `GEMV_EARLY_TRIGGER`, `EARLY_METADATA` and `EARLY_KV_MAX_HEAD_DIM`
-are switches for benchmarks and tests (`benchmarks/decode.py --sweep "pdl=0;pdl=1"`).
+`tunables().pdl` turns PDL off (`benchmarks/decode.py --sweep "pdl=0;pdl=1"`; tests compare).
 """
 
 from __future__ import annotations
@@ -73,34 +70,28 @@ import functools
 
 import torch
 
+from specserve.tunables import tunables
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs
     triton = None
 
-ENABLED = True  # launch the forward pass's Triton kernels with PDL where the GPU has it
-GEMV_PRELOAD = True  # the decode matmul loads its first weight tile before waiting
-GEMV_EARLY_TRIGGER = False  # the decode matmul lets its successor launch at its start
-# Attention and RoPE + KV write load their metadata (positions, seq_lens, query_start_loc,
-# slots, cos/sin) before waiting for the previous kernel: batch-1 decode 5.817 -> 5.773 ms a
-# step on the H100 (benchmarks/RESULTS.md, session 6 call 1).
-EARLY_METADATA = True
 # Attention over heads of at most this size (split launches: batch-1-like decode) also loads
 # its first key tile's older keys and values before the wait (triton_paged EARLY_KV), and the
 # qkv projection feeding it lets it launch at the projection's start (`early_kv`) so those
-# loads run during the projection. H100 (RESULTS.md session 22): gpt-oss-120b (head_dim 64)
-# batch 1 2.39 -> 2.35 ms a step; Qwen3-30B-A3B (head_dim 128, a tile twice the registers)
-# was slower with it (device-busy 2875 -> 2984 us a step), so 64.
+# loads run during the projection. H100: gpt-oss-120b (head_dim 64) batch 1 2.39 -> 2.35 ms a
+# step; Qwen3-30B-A3B (head_dim 128, a tile twice the registers) was slower with it
+# (device-busy 2875 -> 2984 us a step), so 64.
 EARLY_KV_MAX_HEAD_DIM = 64
 
 
 def early_kv(head_dim: int) -> bool:
     """Whether attention with `head_dim` preloads its first key tile (and its qkv projection
-    triggers at its start): EARLY_KV_MAX_HEAD_DIM, with the early metadata it extends. Not
-    with GEMV_EARLY_TRIGGER: its o projection would no longer trigger after its wait, which
-    is what makes the older keys safe to read early (above)."""
-    return EARLY_METADATA and not GEMV_EARLY_TRIGGER and head_dim <= EARLY_KV_MAX_HEAD_DIM
+    triggers at its start): safe because the o projection's gemv triggers only after its wait
+    (above)."""
+    return head_dim <= EARLY_KV_MAX_HEAD_DIM
 
 
 @functools.cache
@@ -110,7 +101,7 @@ def _supported(index: int | None) -> bool:
 
 def on(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL now."""
-    return ENABLED and device.type == "cuda" and _supported(device.index)
+    return tunables().pdl and device.type == "cuda" and _supported(device.index)
 
 
 def launch_kwargs(device: torch.device) -> dict[str, bool]:

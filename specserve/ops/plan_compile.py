@@ -4,7 +4,7 @@ A cold start compiles every candidate: one after another before timing each, Lla
 planning took 87 s on an H100 host. Here a thread pool compiles them (Triton's warmup: compile,
 no launch, so nothing lands on the GPU between a timed graph's events) in the order the plan
 times them, and the plan times each (shape, rows) as soon as its candidates are compiled.
-RESULTS.md session 18, Llama-3-8B on H100 hosts: 21.0-26.3 s (compiling first, then timing:
+Llama-3-8B on H100 hosts (benchmarks/RESULTS.md): 21.0-26.3 s (compiling first, then timing:
 24.7 s; worker processes instead of threads compiled no faster: 16.5 vs 16.6 s for the same
 162 compiles, CPU-bound either way).
 
@@ -45,11 +45,6 @@ class Job(NamedTuple):
     early_trigger: bool = False  # a gemv's DecodeLinear.early_trigger (a constexpr of it)
 
 
-# Compile in a thread pool ahead of the timing (False: each candidate at its first timing). A
-# switch for benchmarks.
-PARALLEL = True
-
-
 def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
     """The compiled kernel candidate `cfg` launches for `rows` rows over `layer`'s weight."""
     n, k = layer.weight.shape
@@ -67,12 +62,12 @@ def job(layer: DecodeLinear, rows: int, silu_mul: bool, cfg: PlanConfig) -> Job:
 
 class Compiles:
     """Compiles `jobs` (each with a model layer it compiles for) in a thread pool, in the given
-    order; `wait` blocks until the given ones are done. Inert when PARALLEL is off."""
+    order; `wait` blocks until the given ones are done."""
 
     def __init__(self, jobs: dict[Job, DecodeLinear], device: torch.device) -> None:
         self.t0 = time.perf_counter()
         self.futures: dict[Job, Future] = {}
-        if not jobs or not PARALLEL:
+        if not jobs:
             return
         from specserve.ops.gemv_plan import _candidate
 

@@ -43,7 +43,7 @@ except ImportError:  # CPU-only installs: the reference only
 MAX_M = 64
 # Row tiles: the MMA's small dimension is 16 at least; one tile holds every row, so the weight
 # is read once whatever M is. A 128-row tile (batch-16 verification at K = 4: 80 rows) lost to
-# cuBLAS on every Llama-3-8B shape (H100, RESULTS.md session 23: best 1.5-2.1 TB/s vs 2.0-2.7,
+# cuBLAS on every Llama-3-8B shape (H100, benchmarks/RESULTS.md: best 1.5-2.1 TB/s vs 2.0-2.7,
 # the norm-fed ones spilling): each program reads the whole [128, BLOCK_K] x^T tile per K step,
 # as many bytes as its weight tile or more, so the activation's L2 traffic outgrows the weight
 # stream; cuBLAS's wider tiles read it fewer times.
@@ -483,7 +483,7 @@ def _launch(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=num_stages(cfg, bm, silu_mul, x.element_size()),
-        PRELOAD=kw["PDL"] and pdl.GEMV_PRELOAD,
+        PRELOAD=kw["PDL"],
         W_EVICT=l2.weight_eviction(),
         **kw,
     )

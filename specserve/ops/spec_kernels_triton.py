@@ -15,18 +15,18 @@ from torch import Tensor
 from specserve.ops import pdl
 from specserve.ops.jit import jit_any_shape
 from specserve.ops.spec_kernels import DraftDecodeInputs
-
-# The step's bookkeeping kernels (every kernel of this file: the verified-token write, the
-# next step's and the drafter's input preparation, async scheduling's start correction, the
-# draft loop's metadata advance) launched with PDL: each lets the next launch at its start
-# and waits for the previous before reading anything, so the ~1 us gap a launch waits on its
-# predecessor's completion goes (two such gaps a plain batch-1 step in an H100 trace, session
-# 25; more in a speculative one). Experiment, off: not yet timed on a GPU.
-PDL_STEP_KERNELS = False
+from specserve.tunables import tunables
 
 
 def _step_pdl(device: torch.device) -> dict[str, bool]:
-    return pdl.launch_kwargs(device) if PDL_STEP_KERNELS else {"PDL": False}
+    """Launch arguments of the step's bookkeeping kernels (every kernel of this file: the
+    verified-token write, the next step's and the drafter's input preparation, async
+    scheduling's start correction, the draft loop's metadata advance): with
+    `tunables().pdl_step_kernels` each lets the next launch at its start and waits for the
+    previous before reading anything, so the ~1 us gap a launch waits on its predecessor's
+    completion goes (two such gaps a plain batch-1 step in an H100 trace; more in a speculative
+    one). Off until timed on a GPU."""
+    return pdl.launch_kwargs(device) if tunables().pdl_step_kernels else {"PDL": False}
 
 
 # Tokens per program of the per-token kernels; block-table columns copied per inner iteration.
