@@ -450,7 +450,7 @@ def _check_verify(
     if block_v is None:
         out = rejection_sample_kernel(logits, drafts, q, num_draft, st, positions)
     else:
-        from specserve.ops.spec_kernels_rejection import rejection_sample_triton
+        from specserve.sample.rejection_triton import rejection_sample_triton
 
         out = rejection_sample_triton(
             logits, drafts, q, num_draft, st.temperature, st.seeds, positions,
@@ -553,7 +553,7 @@ def test_coupled_verify_matches_reference_and_plain_sampling(device: str) -> Non
     """ "coupled": kernels == reference (greedy, mixed, filtered rows, several vocab splits), and
     every output slot is what `sample` draws at that position from the same logits (plain
     decoding's token), however many drafts were accepted."""
-    from specserve.ops.spec_kernels_rejection import coupled_sample_triton
+    from specserve.sample.rejection_triton import coupled_sample_triton
     from specserve.sample.sampler import sample
 
     g = torch.Generator().manual_seed(80)

@@ -6,8 +6,8 @@ microseconds; preparing one target step, one draft prefill or one draft decode s
 of them. Each op below is one launch instead. All are CUDA-graph safe: no host sync, grids from
 host-side sizes only, outputs allocated with torch.empty (graph-pool memory under capture) or
 written in place. The CPU path runs the references, which the tests compare the kernels with
-(tests/test_spec_kernels.py, under TRITON_INTERPRET=1 and on CUDA). Verification has its kernel
-in `spec_kernels_rejection.py`, dispatched from `sample/rejection.py`.
+(tests/test_spec_kernels.py, under TRITON_INTERPRET=1 and on CUDA). Verification's kernels sit
+with their reference in `sample/` (rejection_triton.py, dispatched from rejection.py).
 """
 
 from __future__ import annotations

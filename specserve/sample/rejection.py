@@ -163,7 +163,7 @@ def rejection_sample(
     "synthetic" (benchmarking only) accepts drafts with a fixed probability.
     The recovered/bonus token is drawn only at each request's final slot, so Gumbel noise costs
     [B, V], not [B, K+1, V]. On CUDA "strict" and "probabilistic" run as Triton kernels
-    (ops/spec_kernels_rejection.py) checked against `rejection_sample_ref`, the CPU path.
+    (sample/rejection_triton.py) checked against `rejection_sample_ref`, the CPU path.
     """
     if method not in METHODS:
         raise ValueError(f"rejection_sample method must be one of {METHODS}, got {method!r}.")
@@ -205,7 +205,7 @@ def coupled_sample_kernel(
 ) -> tuple[Tensor, Tensor]:
     """The Triton path of `rejection_sample(method="coupled")` (CUDA, or CPU tensors under
     TRITON_INTERPRET=1); same arguments and results, K >= 1."""
-    from specserve.ops.spec_kernels_rejection import coupled_sample_triton
+    from specserve.sample.rejection_triton import coupled_sample_triton
 
     return coupled_sample_triton(
         target_logits,
@@ -229,7 +229,7 @@ def rejection_sample_kernel(
 ) -> tuple[Tensor, Tensor]:
     """The Triton path of `rejection_sample` for "strict" and "probabilistic" (CUDA, or CPU
     tensors under TRITON_INTERPRET=1); same arguments and results, K >= 1."""
-    from specserve.ops.spec_kernels_rejection import rejection_sample_triton
+    from specserve.sample.rejection_triton import rejection_sample_triton
 
     # The thresholds need a sort: filtered logits come from the torch code; the
     # temperature-only case is scaled inside the kernels.

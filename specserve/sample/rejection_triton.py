@@ -1,5 +1,6 @@
 """Verification (`rejection_sample`, strict and probabilistic) as Triton kernels over all requests
-at once (CUDA; the torch reference is `rejection_sample_ref` in sample/rejection.py).
+at once (CUDA; the kernels are in rejection_kernels.py, the torch reference is
+`rejection_sample_ref` in rejection.py, which dispatches here).
 
 `coupled_sample_triton` ("coupled", the default method) is two launches; it is described at
 its definition. Speculative sampling ("strict" / "probabilistic"): four launches (two for
@@ -16,7 +17,7 @@ still spreads over the whole GPU; R = B * (K + 1) slot rows, S vocabulary splits
   4. _final_combine_kernel grid (B,): the sampled rows' final token from the splits.
 
 NOTE on bit-identity with the reference. The random numbers are computed in the kernels with the
-counter-based hash of sample/gumbel.py (`_hash_u32` and friends in the _triton module mirror it op
+counter-based hash of sample/gumbel.py (`_hash_u32` and friends in rejection_kernels.py mirror it op
 for op on int64), not precomputed with torch: the final slot's Gumbel key depends on the accept
 count, so precomputing it would put the ~25 torch ops of `gumbel()` and their [B, V] int64
 temporaries between kernels 2 and 3, the very launches this replaces. The uniforms are integer math
@@ -37,7 +38,7 @@ import torch
 import triton
 from torch import Tensor
 
-from specserve.ops.spec_kernels_rejection_triton import (
+from specserve.sample.rejection_kernels import (
     _accept_kernel,
     _coupled_accept_kernel,
     _coupled_slot_kernel,

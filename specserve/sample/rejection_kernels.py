@@ -1,4 +1,5 @@
-"""The Triton kernels of `rejection_sample_triton` and their counter-based RNG helpers."""
+"""The Triton kernels of `rejection_sample_triton` and `coupled_sample_triton`
+(rejection_triton.py) and their counter-based RNG helpers (gumbel.py's, op for op)."""
 
 from __future__ import annotations
 
