@@ -299,7 +299,7 @@ def test_every_launch_config() -> None:
 def test_moe_decode_gate_up_persistent(
     monkeypatch: pytest.MonkeyPatch, per_sm: int, T: int, routing: str, top_k: int, bias: bool
 ) -> None:
-    """The persistent gate_up kernel (a table config's GATE_UP_PERSISTENT entry: its own config
+    """The persistent gate_up kernel (a table config's moe_gate_up_persistent tunable: its own config
     (4, 64, 4) at per_sm programs an SM, 4 SMs on the interpreter), for one token only: 1 and 3
     an SM give each program several column blocks (I = 48 in blocks of 4, 12 a pair: with 2
     pairs and 4 SMs 2 programs a pair, 6 blocks each; with 6 pairs one program a pair), 64 one
