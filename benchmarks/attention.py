@@ -118,7 +118,7 @@ def bench_case(
     # The Triton kernel again with split-KV off, where the launcher would split.
     from unittest import mock
 
-    from specserve.attention import triton_paged as tp
+    from specserve.attention import launch_policy as tp
 
     if tp._num_splits(num_reqs * 2 * NUM_KV_HEADS, context + query_len, device) > 1:
         backend = TritonAttentionBackend()

@@ -4,7 +4,7 @@ path is faster at each prompt length.
 GLM-4.7-Flash shape (benchmarks/mla_decode.py's config, layers cut to fit), random bf16
 weights. One engine; for each prompt length, the time to first token of one request (an eager
 prefill step, chunked at the token budget, then one sampled token) with
-`attention.mla.EXPAND_PREFILL_MIN_QUERY` None (latent: the Triton MLA kernel) and 1 (expanded:
+`tunables().mla_expand_prefill_min_query` None (latent: the Triton MLA kernel) and 1 (expanded:
 W_UK / W_UV bmm's + SDPA), alternating, median of --repeats. The switch is read at every
 forward, and prefill steps are never captured, so both paths run in the same engine.
 
@@ -63,7 +63,7 @@ def main() -> None:
         cfg["num_hidden_layers"] = args.layers or n
     model_dir = write_config(cfg, tempfile.mkdtemp(prefix="mla-prefill-"))
     from specserve import LLM
-    from specserve.attention import mla
+    from specserve.tunables import override
 
     llm = LLM(
         model_dir, dtype="float32" if smoke else "bfloat16", device="cpu" if smoke else "cuda",
@@ -72,7 +72,6 @@ def main() -> None:
         gpu_memory_utilization=0.9,
     )  # fmt: skip
     g = torch.Generator().manual_seed(0)
-    default_min_q = mla.EXPAND_PREFILL_MIN_QUERY
     rows = []
     for n in lengths:
         prompt = torch.randint(0, cfg["vocab_size"], (n,), generator=g).tolist()
@@ -80,11 +79,10 @@ def main() -> None:
         first: dict[str, int] = {}
         for _ in range(args.repeats + 1):  # the first round compiles / warms up: dropped
             for mode, min_q in MODES.items():
-                mla.EXPAND_PREFILL_MIN_QUERY = min_q
-                t, tok = ttft(llm, prompt)
+                with override(mla_expand_prefill_min_query=min_q):
+                    t, tok = ttft(llm, prompt)
                 times[mode].append(t)
                 first[mode] = tok
-        mla.EXPAND_PREFILL_MIN_QUERY = default_min_q
         row = {"prompt_tokens": n, "first_tokens": first}
         for mode in MODES:
             row[f"{mode}_ms"] = statistics.median(times[mode][1:]) * 1e3

@@ -1,4 +1,4 @@
-"""Row-count-dependent kernel choices do not depend on graph padding (issue 23).
+"""Row-count-dependent kernel choices do not depend on graph padding.
 
 A uniform batch of B requests x q tokens runs eagerly at B x q rows and, with CUDA graphs, in
 the graph of the next capture size bg at bg x q rows. The decode matmul's plan bucket
@@ -149,9 +149,9 @@ def test_decode_linear_padded_equals_eager_gpu(B: int, q: int, bg: int) -> None:
 
 def _draft_choices(rows: int, num_reqs: int) -> tuple:
     """`_choices` plus the attention choices of a drafter forward over `rows` rows."""
-    from specserve.attention.mla_fused import FUSE_MAX_TOKENS
+    from specserve.attention.launch_policy import split_count
     from specserve.attention.mla_triton import mla_split_count
-    from specserve.attention.triton_paged import split_count
+    from specserve.tunables import tunables
 
     cpu = torch.device("cpu")
     bound = graph_rows.row_bound(rows)
@@ -159,7 +159,7 @@ def _draft_choices(rows: int, num_reqs: int) -> tuple:
         _choices(rows),
         split_count(rows, num_reqs, 4, 8, 4096, cpu),
         split_count(rows, num_reqs, 16, 2, 400, cpu),
-        bound <= FUSE_MAX_TOKENS,
+        bound <= tunables().mla_fuse_max_tokens,
         mla_split_count(bound, 2, 4096, cpu),
     )
 

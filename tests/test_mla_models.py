@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from specserve import LLM, SamplingParams
+from specserve.tunables import override, tunables
 
 from .conftest import hf_greedy, random_prompts
 from .mla_utils import MLA_ARCHS, mla_ckpt  # noqa: F401 - fixture
@@ -125,25 +126,26 @@ def test_expanded_prefill_matches_transformers(
     name: str,
     engine_kw: dict,  # noqa: F811
 ) -> None:
-    """Prefill through per-head K/V (attention.mla.mla_prefill_expanded: every step with a
-    query of >= 2 tokens, decode rows beside prefills included): greedy still equals
+    """Prefill through per-head K/V (attention.mla_expanded.mla_prefill_expanded: every step
+    with a query of >= 2 tokens, decode rows beside prefills included): greedy still equals
     transformers on the mixed-length batch; the path really ran."""
-    from specserve.attention import mla
+    from specserve.attention import mla_expanded
 
-    monkeypatch.setattr(mla, "EXPAND_PREFILL_MIN_QUERY", 2)
     calls = []
-    run = mla.mla_prefill_expanded
-    monkeypatch.setattr(mla, "mla_prefill_expanded", lambda *a: calls.append(1) or run(*a))
-    llm = LLM(mla_ckpt(name), max_model_len=128, **engine_kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in hf_refs["_prompts"]], GREEDY)
+    run = mla_expanded.mla_prefill_expanded
+    monkeypatch.setattr(mla_expanded, "mla_prefill_expanded", lambda *a: calls.append(1) or run(*a))
+    with override(mla_expand_prefill_min_query=2):
+        llm = LLM(mla_ckpt(name), max_model_len=128, **engine_kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in hf_refs["_prompts"]], GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == hf_refs[name]
     assert calls
 
 
-def test_expanded_prefill_stays_latent_past_its_budget(mla_ckpt, monkeypatch) -> None:  # noqa: F811
-    """EXPAND_MAX_ELEMENTS bounds the expanded K/V of a step: past it the step stays latent."""
-    from specserve.attention import mla
+def test_expanded_prefill_stays_latent_past_its_budget(mla_ckpt) -> None:  # noqa: F811
+    """mla_expand_max_elements bounds the expanded K/V of a step: past it the step stays
+    latent."""
     from specserve.attention.backend import CommonAttentionMetadata
+    from specserve.attention.mla_expanded import expand_fits
 
     model = LLM(mla_ckpt("deepseek_v3"), max_model_len=64).engine.model
     w = model.model.layers[1].self_attn.weights()
@@ -154,17 +156,16 @@ def test_expanded_prefill_stays_latent_past_its_budget(mla_ckpt, monkeypatch) ->
         token_req=torch.zeros(32, dtype=torch.long), num_reqs=1, num_tokens=32,
         max_query_len=32, max_seq_len=32,
     )  # fmt: skip
-    assert not mla.expand_fits(c, w, 8)  # off by default
-    monkeypatch.setattr(mla, "EXPAND_PREFILL_MIN_QUERY", 16)
-    assert mla.expand_fits(c, w, 8)
+    assert not expand_fits(c, w, 8)  # off by default
     need = 32 * w.w_uk.shape[0] * (w.nope + 8 + w.w_uv.shape[1])  # S x H x (nope + R + v)
-    monkeypatch.setattr(mla, "EXPAND_MAX_ELEMENTS", need)
-    assert mla.expand_fits(c, w, 8)
-    monkeypatch.setattr(mla, "EXPAND_MAX_ELEMENTS", need - 1)
-    assert not mla.expand_fits(c, w, 8)
-    monkeypatch.setattr(mla, "EXPAND_PREFILL_MIN_QUERY", 33)
-    monkeypatch.setattr(mla, "EXPAND_MAX_ELEMENTS", 1 << 28)
-    assert not mla.expand_fits(c, w, 8)
+    with override(mla_expand_prefill_min_query=16):
+        assert expand_fits(c, w, 8)
+        with override(mla_expand_max_elements=need):
+            assert expand_fits(c, w, 8)
+        with override(mla_expand_max_elements=need - 1):
+            assert not expand_fits(c, w, 8)
+    with override(mla_expand_prefill_min_query=33, mla_expand_max_elements=1 << 28):
+        assert not expand_fits(c, w, 8)
 
 
 def test_absorbed_attention_equals_expanded(mla_ckpt) -> None:  # noqa: F811
@@ -192,11 +193,12 @@ def test_triton_mla_layer_equals_expanded_interpreter(
     from specserve.attention import mla_fused
     from specserve.attention.triton_paged import TritonAttentionBackend
 
-    monkeypatch.setattr(mla_fused, "ENABLED", fused)
     calls = []
     run_fused = mla_fused.mla_forward_fused
     monkeypatch.setattr(mla_fused, "mla_forward_fused", lambda *a: calls.append(1) or run_fused(*a))
-    _absorbed_vs_expanded(mla_ckpt, TritonAttentionBackend(max_model_len=256), name)
+    # glue: no step is small enough for the fused kernels
+    with override(mla_fuse_max_tokens=tunables().mla_fuse_max_tokens if fused else 0):
+        _absorbed_vs_expanded(mla_ckpt, TritonAttentionBackend(max_model_len=256), name)
     assert len(calls) == (3 if fused else 0)
 
 

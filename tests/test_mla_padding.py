@@ -1,4 +1,4 @@
-"""MLA numerics do not depend on graph padding (issue 21): a uniform decode / verification batch
+"""MLA numerics do not depend on graph padding: a uniform decode / verification batch
 of B requests x q tokens, run as the eager step runs it (B rows, the batch's own metadata) and as
 its captured graph runs it (padded to the next capture size: padded rows at positions 0..q-1,
 slot -1, null-block tables, max_seq_len = max_model_len), gives bitwise the same real rows and
@@ -93,8 +93,8 @@ def test_mla_choices_same_for_graph_and_eager() -> None:
     in `eager_rows`) and its padded graph (bg, in `uniform_batch(bg, bg)`) take the same path
     and split count, for any query length; outside a uniform batch the bound is the count."""
     pytest.importorskip("triton")
-    from specserve.attention.mla_fused import FUSE_MAX_TOKENS
     from specserve.attention.mla_triton import mla_split_count
+    from specserve.tunables import tunables
     from specserve.worker.cudagraph import capture_sizes, eager_rows
 
     cpu = torch.device("cpu")
@@ -106,7 +106,7 @@ def test_mla_choices_same_for_graph_and_eager() -> None:
             mla_split_count(bound, head_blocks, split_len, cpu)
             for head_blocks, split_len in ((1, 512), (2, 4096), (8, 32768))
         ]
-        return bound <= FUSE_MAX_TOKENS, splits
+        return bound <= tunables().mla_fuse_max_tokens, splits
 
     for max_num_seqs in (1, 3, 6, 20, 100, 256):
         sizes = capture_sizes(max_num_seqs)
@@ -120,6 +120,6 @@ def test_mla_choices_same_for_graph_and_eager() -> None:
                 assert eager == graph, (b, bg, q)
     # 5 requests x 3 tokens: 15 tokens take the fused path, their graph's 24 do not; the
     # bound is what makes the test above fail-able.
-    assert 15 <= FUSE_MAX_TOKENS < 24
+    assert 15 <= tunables().mla_fuse_max_tokens < 24
     with uniform_batch(5, 8):
         assert row_bound(15) == 24

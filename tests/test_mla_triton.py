@@ -8,6 +8,7 @@ import torch
 
 from specserve.attention.backend import CommonAttentionMetadata
 from specserve.attention.mla import mla_attention_ref, write_latent
+from specserve.tunables import override
 
 from .test_triton_attention import interpreter, needs_cuda, needs_interpreter  # noqa: F401
 
@@ -81,7 +82,6 @@ def test_mla_triton_matches_reference_interpreter(interpreter, heads, lora, rope
 @pytest.mark.parametrize("early_kv", [False, True])
 def test_mla_split_kv_matches_reference_interpreter(
     interpreter,  # noqa: F811
-    monkeypatch: pytest.MonkeyPatch,
     splits: int,
     with_wuv: bool,
     early_kv: bool,
@@ -91,10 +91,7 @@ def test_mla_split_kv_matches_reference_interpreter(
     prefill rows; with W_UV applied in the merge kernel, against the reference's latent output
     times W_UV. EARLY_KV (the first tile's older rows loaded before the PDL wait, the rows this
     step may have written after it) computes the same."""
-    from specserve.attention import mla_triton
     from specserve.attention.mla_triton import mla_attention
-
-    monkeypatch.setattr(mla_triton, "EARLY_KV", early_kv)
 
     heads, lora, rope = 17, 32, 16
     q_lat, q_pe, cache, c = _batch([1, 1, 4, 9], [7, 70, 13, 9], heads, lora, rope, 4,
@@ -104,12 +101,35 @@ def test_mla_split_kv_matches_reference_interpreter(
     if with_wuv:
         w_uv = torch.randn(heads, 24, lora, generator=torch.Generator().manual_seed(2))
         want = torch.einsum("thl,hvl->thv", want, w_uv)
-    got = mla_attention(q_lat, q_pe, cache, c, 0.2, num_splits=splits, w_uv=w_uv)
+    with override(mla_early_kv=early_kv):
+        got = mla_attention(q_lat, q_pe, cache, c, 0.2, num_splits=splits, w_uv=w_uv)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("with_wuv", [False, True])
+def test_mla_merge_matches_reference_interpreter(interpreter, splits, with_wuv) -> None:  # noqa: F811
+    """The merge kernel alone equals its torch reference: a split left empty (m = -inf, l = 0),
+    latent rows padded to BLOCK_L, W_UV applied or not."""
+    from specserve.attention.mla_merge import mla_merge, mla_merge_ref
+
+    g = torch.Generator().manual_seed(3)
+    T, H, L, block_l, v = 3, 5, 24, 32, 12
+    ws_acc = torch.randn(T * H * splits, block_l, generator=g)
+    m = torch.randn(T * H * splits, generator=g) * 4
+    ws_ml = torch.stack([m, torch.rand(T * H * splits, generator=g) + 0.5], dim=-1)
+    ws_ml[0] = torch.tensor([float("-inf"), 0.0])
+    ws_acc[0] = 0.0
+    w_uv = torch.randn(H, v, L, generator=g) if with_wuv else None
+    out = torch.empty(T, H, v if with_wuv else L)
+    mla_merge(out, ws_acc, ws_ml, splits, L, w_uv)
+    want = mla_merge_ref(ws_acc, ws_ml, T, H, splits, L, w_uv, torch.float32)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 def test_mla_split_count_follows_host_sizes() -> None:
-    """Batch-1 decode on a 132-SM GPU splits as far as MAX_SPLITS; a short max_model_len or a
+    """Batch-1 decode on a 132-SM GPU splits as far as mla_max_splits; a short max_model_len or a
     big prefill does not split; padded and real batch sizes round alike."""
     from specserve.attention.mla_triton import mla_split_count
 

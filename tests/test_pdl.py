@@ -87,8 +87,9 @@ def _pdl_ptx(ptx: str) -> None:
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_gemv_compiles_with_pdl(silu_mul: bool, norm: bool, overlap: bool) -> None:
-    """overlap: the first weight tile loaded before the wait, the successor triggered at the
-    start (pdl.GEMV_PRELOAD / GEMV_EARLY_TRIGGER)."""
+    """overlap: the first weight tile loaded before the wait (PRELOAD, every PDL launch), the
+    successor triggered at the start (EARLY_TRIGGER: a qkv projection feeding attention that
+    preloads its first key tile, pdl.early_kv)."""
     from specserve.ops.gemv import _gemv_kernel
 
     def constexprs(pdl: bool, **over: object) -> dict:
@@ -165,16 +166,18 @@ def test_norm_rope_activation_compile_with_pdl() -> None:
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("early_meta", [False, True])
 @pytest.mark.parametrize("fuse_kv", [False, True])
-def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool, fuse_kv: bool) -> None:
-    """early_meta (pdl.EARLY_METADATA): metadata loads before the wait, q and KV after it;
-    fuse_kv (triton_paged.FUSE_ROPE_KV): RoPE + KV write inside the attention kernel."""
-    from specserve.attention import triton_paged as tp
+def test_attention_kernels_compile_with_pdl(splits: int, fuse_kv: bool) -> None:
+    """Metadata loads before the wait, q and KV after it (ops/pdl.py); fuse_kv (tunables
+    attn_fuse_rope_kv): RoPE + KV write inside the attention kernel."""
+    from specserve.attention.kv_write import _reshape_and_cache_kernel
+    from specserve.attention.paged_attention import _paged_attention_kernel
+    from specserve.attention.rope_kv_write import _rope_and_cache_kernel
+    from specserve.attention.split_merge import _combine_splits_kernel
 
     cache = dict(BLOCK_SIZE=16, HEAD_DIM=128, PDL=True)
-    _pdl_ptx(compile_sm90(tp._reshape_and_cache_kernel, dict(cache, BLOCK_H=8)))
-    rope = dict(cache, HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8, EARLY_META=early_meta)
+    _pdl_ptx(compile_sm90(_reshape_and_cache_kernel, dict(cache, BLOCK_H=8)))
+    rope = dict(cache, HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8)
     attn = dict(
         GROUP=4,
         HEAD_DIM=128,
@@ -186,24 +189,23 @@ def test_attention_kernels_compile_with_pdl(splits: int, early_meta: bool, fuse_
         DOT_PRECISION="tf32",
         SPLITS=splits,
         PDL=True,
-        EARLY_META=early_meta,
         FUSE_KV=fuse_kv,
         QK_NORM=fuse_kv,  # Qwen3's per-head q / k RMSNorm inside the fused RoPE tiles
-        PAGE_EARLY=early_meta,  # pdl.EARLY_METADATA with PRELOAD_FIRST_PAGE
+        HAS_SINKS=False,
     )
     eps = {"q_eps": "fp32", "k_eps": "fp32"}
-    for kernel, consts in ((tp._rope_and_cache_kernel, rope), (tp._paged_attention_kernel, attn)):
+    for kernel, consts in ((_rope_and_cache_kernel, rope), (_paged_attention_kernel, attn)):
         ptx = compile_sm90(kernel, consts, types=eps)
         _pdl_ptx(ptx)
-        assert (ptx.index("ld.global") < ptx.index("griddepcontrol.wait")) == early_meta
+        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
     assert "atom" not in ptx
     if splits > 1:
         combine = dict(HEAD_DIM=128, SPLITS=splits, PDL=True)
-        _pdl_ptx(compile_sm90(tp._combine_splits_kernel, combine))
+        _pdl_ptx(compile_sm90(_combine_splits_kernel, combine))
 
 
 def test_place_on_device_compiles() -> None:
-    """It runs before the forward pass, without PDL unless spec_kernels_triton.PDL_STEP_KERNELS
+    """It runs before the forward pass, without PDL unless tunables().pdl_step_kernels
     (tests/test_spec_kernels.py compiles that); compiled the same way: its loop has bounds
     loaded from memory, which the interpreter needs a workaround for."""
     from specserve.ops.spec_kernels_triton import _place_on_device_kernel
@@ -215,21 +217,21 @@ def test_place_on_device_compiles() -> None:
 
 @pytest.mark.parametrize("stages", [2, 3, 5])
 def test_attention_key_loop_pipeline_depth(stages: int) -> None:
-    """What triton_paged.NUM_STAGES buys the decode attention's key loop (sm_90 compile): from
+    """What tunables attn_num_stages buys the decode attention's key loop (sm_90 compile): from
     3 stages the page ids of the next tile load an iteration ahead (an i32 shared buffer), from
     5 the K and V tiles are double-buffered."""
     import re
 
-    from specserve.attention import triton_paged as tp
+    from specserve.attention.paged_attention import _paged_attention_kernel
 
     attn = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=64)
-    attn.update(USE_WINDOW=False, DOT_PRECISION="tf32", SPLITS=1, PDL=True, EARLY_META=True)
-    attn.update(FUSE_KV=True, QK_NORM=False, PAGE_EARLY=True)
-    names = tp._paged_attention_kernel.arg_names
+    attn.update(USE_WINDOW=False, DOT_PRECISION="tf32", SPLITS=1, PDL=True)
+    attn.update(FUSE_KV=True, QK_NORM=False, HAS_SINKS=False)
+    names = _paged_attention_kernel.arg_names
     aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
     out: list = []
     compile_sm90(
-        tp._paged_attention_kernel,
+        _paged_attention_kernel,
         attn,
         4,
         stages,
@@ -248,12 +250,12 @@ def test_attention_key_loop_pipeline_depth(stages: int) -> None:
 def _loads_around_wait(attn: dict, load: str) -> tuple[int, int]:
     """(before, after) the PDL wait: PTX lines of `load` loads in the decode attention kernel
     compiled for sm_90 with the constexprs `attn` (a split launch, 4 warps, 2 stages)."""
-    from specserve.attention import triton_paged as tp
+    from specserve.attention.paged_attention import _paged_attention_kernel
 
-    names = tp._paged_attention_kernel.arg_names
+    names = _paged_attention_kernel.arg_names
     aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("stride"))
     types = {"q_eps": "fp32", "k_eps": "fp32"}
-    ptx = compile_sm90(tp._paged_attention_kernel, attn, 4, 2, types, aligned)
+    ptx = compile_sm90(_paged_attention_kernel, attn, 4, 2, types, aligned)
     lines = ptx.splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     hits = ["ld.global" in line and load in line for line in lines]
@@ -265,14 +267,14 @@ def test_attention_first_key_tile_before_the_wait(head_dim: int) -> None:
     """EARLY_KV (pdl.early_kv): a split launch also requests its first key tile's keys and
     values (16-byte loads, K and V) before the PDL wait; the qkv projection feeding attention
     with heads of at most EARLY_KV_MAX_HEAD_DIM triggers at its start (DecodeLinear copies the
-    flag), none with bigger heads or with every gemv triggering early."""
+    flag), none with bigger heads."""
     from specserve.models.layers import Attention, RotaryEmbedding
     from specserve.ops import pdl
     from specserve.ops.gemv import DecodeLinear
 
     attn = dict(GROUP=8, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=2, BLOCK_N=64)
-    attn.update(USE_WINDOW=True, DOT_PRECISION="tf32", SPLITS=16, PDL=True, EARLY_META=True)
-    attn.update(FUSE_KV=True, QK_NORM=False, PAGE_EARLY=True, HAS_SINKS=True)
+    attn.update(USE_WINDOW=True, DOT_PRECISION="tf32", SPLITS=16, PDL=True)
+    attn.update(FUSE_KV=True, QK_NORM=False, HAS_SINKS=True)
     before = [_loads_around_wait(dict(attn, EARLY_KV=e), "")[0] for e in (False, True)]
     assert before[1] - before[0] == 2 * 64 * head_dim * 2 // 16 // 128
 
@@ -281,23 +283,16 @@ def test_attention_first_key_tile_before_the_wait(head_dim: int) -> None:
     assert small.qkv_proj.early_trigger == pdl.early_kv(head_dim) == (head_dim <= 64)
     assert DecodeLinear.sharing(small.qkv_proj).early_trigger == (head_dim <= 64)
     assert not getattr(small.o_proj, "early_trigger", False)
-    pdl.GEMV_EARLY_TRIGGER = True
-    try:
-        assert not pdl.early_kv(head_dim)
-    finally:
-        pdl.GEMV_EARLY_TRIGGER = False
 
 
 @pytest.mark.parametrize("model", ["qwen3", "gpt-oss"])
 def test_attention_params_before_the_wait(model: str) -> None:
-    """EARLY_PARAMS (triton_paged.EARLY_ATTN_PARAMS): the layer's own parameters load before
-    the PDL wait, the same loads fewer after it: Qwen3's fused q / k norm weights and their
-    rotate-half partners (four 16-bit loads a thread), gpt-oss's sink logits (two)."""
+    """The layer's own parameters load before the PDL wait: Qwen3's fused q / k norm weights
+    and their rotate-half partners (four 16-bit loads a thread), gpt-oss's sink logits (two);
+    no other 16-bit load goes before it."""
     qwen3 = model == "qwen3"
     attn = dict(GROUP=8, HEAD_DIM=128 if qwen3 else 64, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=2)
     attn.update(BLOCK_N=64, USE_WINDOW=not qwen3, DOT_PRECISION="tf32", SPLITS=16, PDL=True)
-    attn.update(EARLY_META=True, FUSE_KV=True, QK_NORM=qwen3, PAGE_EARLY=True, EARLY_ROPE=True)
-    attn.update(HAS_SINKS=not qwen3)
-    off, on = (_loads_around_wait(dict(attn, EARLY_PARAMS=e), "b16") for e in (False, True))
-    moved = 4 if qwen3 else 2
-    assert off[0] == 0 and on == (moved, off[1] - moved)
+    attn.update(FUSE_KV=True, QK_NORM=qwen3, HAS_SINKS=not qwen3)
+    before, _ = _loads_around_wait(attn, "b16")
+    assert before == (4 if qwen3 else 2)

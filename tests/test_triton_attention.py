@@ -15,6 +15,7 @@ import torch
 
 from specserve.attention.backend import CommonAttentionMetadata
 from specserve.attention.torch_ref import TorchAttentionBackend
+from specserve.tunables import override, tunables
 
 if TYPE_CHECKING:
     from specserve.attention.triton_paged import TritonAttentionBackend
@@ -203,11 +204,11 @@ def compare_with_reference(
     ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.build(common, window), scale, window)
     from unittest import mock
 
-    from specserve.attention import triton_paged
+    from specserve.attention import launch_policy
 
-    choose = triton_paged._num_splits
+    choose = launch_policy._num_splits
     with mock.patch.object(
-        triton_paged, "_num_splits", (lambda *a: num_splits) if num_splits else choose
+        launch_policy, "_num_splits", (lambda *a: num_splits) if num_splits else choose
     ):
         out = backend.forward(q, k, v, kv_cache, backend.build(common, window), scale, window)
     real = real_tokens(common)
@@ -274,7 +275,7 @@ def test_split_kv_gpu(
 def test_split_choice() -> None:
     """Splits only where the grid leaves SMs idle and keys are many; a power of two <= 16."""
     pytest.importorskip("triton")
-    from specserve.attention.triton_paged import _num_splits
+    from specserve.attention.launch_policy import _num_splits
 
     cpu = torch.device("cpu")  # counted as 132 SMs
     assert _num_splits(16, 8192, cpu) == 8  # batch-1 decode, 8 KV heads, long context
@@ -289,12 +290,12 @@ def test_key_loop_pipeline_depth_choice() -> None:
     """Decode / verification tiles walking a request's whole key range take the deep key
     pipeline; split launches (batch 1) and prefill tiles keep 2 stages."""
     pytest.importorskip("triton")
-    from specserve.attention import triton_paged as tp
+    from specserve.attention.launch_policy import launch_config
 
-    decode = tp._launch_config(4, 1, 128, torch.bfloat16)  # Llama-3-8B decode: 16 rows
-    verify = tp._launch_config(4, 5, 128, torch.bfloat16)  # K = 4 verification: 32 rows
-    prefill = tp._launch_config(4, 512, 128, torch.bfloat16)  # 128 rows
-    assert decode.stages(1) == verify.stages(1) == tp.NUM_STAGES == 5
+    decode = launch_config(4, 1, 128, torch.bfloat16)  # Llama-3-8B decode: 16 rows
+    verify = launch_config(4, 5, 128, torch.bfloat16)  # K = 4 verification: 32 rows
+    prefill = launch_config(4, 512, 128, torch.bfloat16)  # 128 rows
+    assert decode.stages(1) == verify.stages(1) == tunables().attn_num_stages == 5
     assert decode.stages(16) == verify.stages(2) == 2
     assert prefill.stages(1) == 2
 
@@ -304,7 +305,7 @@ def test_split_count_same_for_graph_and_eager() -> None:
     step it stands for (the real batch, in the runner's `eager_rows`) choose the same split
     count, so they compute the same bits."""
     pytest.importorskip("triton")
-    from specserve.attention.triton_paged import split_count
+    from specserve.attention.launch_policy import split_count
     from specserve.ops.graph_rows import uniform_batch
     from specserve.worker.cudagraph import capture_sizes, eager_rows
 
@@ -375,20 +376,38 @@ def test_split_kv_interpreter(
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tile,early", [(16, False), (16, True), (32, True)])
-def test_split_small_tiles_interpreter(
-    interpreter: None, tile: int, early: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Split launches with smaller key tiles (triton_paged.SPLIT_BLOCK_N), their first tile
-    loaded early at a 128-wide head (SPLIT_EARLY_KV): the reference's output, and with the
-    RoPE + KV write and qk-norm fused (Qwen3's path) the unfused kernels' bits."""
-    from specserve.attention import triton_paged
+@pytest.mark.parametrize("tile", [16, 32])
+def test_split_small_tiles_interpreter(interpreter: None, tile: int) -> None:
+    """Split launches with smaller key tiles (tunables attn_split_block_n) at a 128-wide head:
+    the reference's output, and with the RoPE + KV write and qk-norm fused (Qwen3's path) the
+    unfused kernels' bits."""
+    with override(attn_split_block_n=tile):
+        reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
+        compare_with_reference(reqs, 4, 2, 128, None, torch.bfloat16, "cpu", 1, num_splits=4)
+        _check_fused_kv_write("cpu", torch.bfloat16, (4, 2), 128, None, 4, qk_norm=True)
 
-    monkeypatch.setattr(triton_paged, "SPLIT_BLOCK_N", tile)
-    monkeypatch.setattr(triton_paged, "SPLIT_EARLY_KV", early)
-    reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
-    compare_with_reference(reqs, 4, 2, 128, None, torch.bfloat16, "cpu", 1, num_splits=4)
-    _check_fused_kv_write("cpu", torch.bfloat16, (4, 2), 128, None, 4, qk_norm=True)
+
+@needs_interpreter
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_combine_splits_interpreter(interpreter: None, splits: int) -> None:
+    """The split-KV merge kernel equals its torch reference, empty splits (m = -inf, l = 0)
+    and rows with nothing visible at all included."""
+    pytest.importorskip("triton")
+    from specserve.attention.split_merge import combine_splits, combine_splits_ref
+
+    g = torch.Generator().manual_seed(5)
+    T, H, D = 5, 3, 16
+    ws_acc = torch.randn(T, H, splits, D, generator=g)
+    ws_m = torch.randn(T, H, splits, generator=g) * 4
+    ws_l = torch.rand(T, H, splits, generator=g) + 0.5
+    ws_m[1, :, 0] = float("-inf")  # an empty split
+    ws_l[1, :, 0] = 0.0
+    ws_acc[1, :, 0] = 0.0
+    ws_m[2], ws_l[2], ws_acc[2] = float("-inf"), 0.0, 0.0  # every split empty
+    out = torch.empty(T, H, D)
+    combine_splits(out, ws_acc, ws_m, ws_l)
+    torch.testing.assert_close(out, combine_splits_ref(ws_acc, ws_m, ws_l))
+    assert not out[2].any()
 
 
 # ---- advance_decode_ ----------------------------------------------------------------------------
@@ -497,8 +516,8 @@ def _check_rope_and_cache(device: str, dtype: torch.dtype, heads: tuple[int, int
     """rope_and_cache_ leaves q and the cache bit-equal to the RoPE kernel followed by the KV
     write (q, k as strided views into one qkv tensor; padding slots write nothing), and close to
     the torch reference."""
-    from specserve.attention.backend import write_kv
-    from specserve.attention.triton_paged import reshape_and_cache, rope_and_cache_
+    from specserve.attention.kv_write import reshape_and_cache
+    from specserve.attention.rope_kv_write import rope_and_cache_, rope_and_cache_ref
     from specserve.ops.fused import rope_ref
     from specserve.ops.triton_kernels import rope_triton_
 
@@ -530,11 +549,10 @@ def _check_rope_and_cache(device: str, dtype: torch.dtype, heads: tuple[int, int
     reshape_and_cache(k2, v2, two_cache, slots)
     assert torch.equal(q, q2) and torch.equal(fused_cache, two_cache)
 
-    q0, k0, v0 = views(qkv.clone())
-    ref_cache = cache.clone()
-    keep = slots >= 0
-    k_rot = rope_ref(positions, k0, cos, sin)
-    write_kv(ref_cache, k_rot[keep], v0[keep], slots[keep])
+    ref_x, ref_cache = qkv.clone(), cache.clone()
+    q0, k0, v0 = views(ref_x)
+    rope_and_cache_ref(positions, q0, k0, v0, cos, sin, ref_cache, slots)
+    q0 = views(qkv.clone())[0]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(
         q.float(), rope_ref(positions, q0, cos, sin).float(), atol=tol, rtol=tol
@@ -559,7 +577,7 @@ def test_rope_and_cache_gpu(dtype: torch.dtype, heads: tuple[int, int], head_dim
     _check_rope_and_cache("cuda", dtype, heads, head_dim)
 
 
-# ---- RoPE + KV write inside the attention kernel (triton_paged.FUSE_ROPE_KV) -----------------
+# ---- RoPE + KV write inside the attention kernel (tunables attn_fuse_rope_kv) ---------------
 def _check_fused_kv_write(
     device: str,
     dtype: torch.dtype,
@@ -573,7 +591,8 @@ def _check_fused_kv_write(
     new key written once, by the program whose key range holds it; padded rows write nothing)
     and the same outputs, for decode and 4-token verification requests. qk_norm: Qwen3's
     per-head RMSNorm fused too (paged_attention(qk_norm=...)) == the qk-norm kernel first."""
-    from specserve.attention.triton_paged import paged_attention, rope_and_cache_
+    from specserve.attention.paged_attention import paged_attention
+    from specserve.attention.rope_kv_write import rope_and_cache_
     from specserve.ops.triton_kernels import qk_norm_triton_
 
     hq, hk = heads
@@ -624,19 +643,13 @@ def test_fused_kv_write_interpreter(interpreter: None, window: int | None, split
 
 
 @needs_interpreter
-@pytest.mark.parametrize("early_weights", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_qk_norm_interpreter(
-    interpreter: None, dtype: torch.dtype, early_weights: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """early_weights: triton_paged.EARLY_ATTN_PARAMS (the norm weights loaded with the
-    metadata): the same bits."""
-    from specserve.attention import triton_paged
-
-    monkeypatch.setattr(triton_paged, "EARLY_ATTN_PARAMS", early_weights)
+def test_fused_qk_norm_interpreter(interpreter: None, dtype: torch.dtype) -> None:
+    """The norm weights loaded with the metadata, before the PDL wait: the unfused kernels'
+    bits."""
     _check_fused_kv_write("cpu", dtype, (4, 2), 16, None, 2, qk_norm=True)
     with pytest.raises(ValueError, match="qk_norm is fused only with new_kv"):
-        from specserve.attention.triton_paged import paged_attention
+        from specserve.attention.paged_attention import paged_attention
 
         q = torch.zeros(1, 4, 16)
         paged_attention(q, None, None, 1.0, None, qk_norm=(q, q, 1e-6, 1e-6))  # type: ignore

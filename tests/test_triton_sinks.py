@@ -48,9 +48,9 @@ def compare_sinks(
     ref_meta = ref_backend.build(common, window)
     ref = ref_backend.forward(q, k, v, kv_cache.clone(), ref_meta, scale, window, sinks=sinks)
     plain = ref_backend.forward(q, k, v, kv_cache.clone(), ref_meta, scale, window)
-    from specserve.attention import triton_paged
+    from specserve.attention import launch_policy
 
-    with mock.patch.object(triton_paged, "_num_splits", lambda *a: num_splits):
+    with mock.patch.object(launch_policy, "_num_splits", lambda *a: num_splits):
         meta = backend.build(common, window)
         out = backend.forward(q, k, v, kv_cache, meta, scale, window, sinks=sinks)
     real = real_tokens(common)
@@ -69,20 +69,13 @@ def compare_sinks(
         (torch.bfloat16, None, 2),
     ],
 )
-@pytest.mark.parametrize("early_params", [False, True])
 def test_sinks_interpreter(
     interpreter: None,  # noqa: F811
     dtype: torch.dtype,
     window: int | None,
     splits: int,
-    early_params: bool,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """early_params: triton_paged.EARLY_ATTN_PARAMS (the sink logits loaded with the
-    metadata)."""
-    from specserve.attention import triton_paged
-
-    monkeypatch.setattr(triton_paged, "EARLY_ATTN_PARAMS", early_params)
+    """The sink logits loaded with the metadata, before the PDL wait."""
     reqs = [(0, 21), (30, 9), (40, 1), (17, 5), (70, 1)]
     compare_sinks(reqs, (4, 2), 16, window, dtype, "cpu", splits)
 

@@ -8,7 +8,6 @@ call `advance_decode_` (graph-safe, in place) where the backend supports it.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +62,12 @@ class AttentionBackend(ABC):
     # rotation (inside the attention kernel where it fuses the RoPE, else with ops.qk_norm_).
     fuses_qk_norm: bool = False
 
+    @classmethod
+    def create(cls, device: torch.device, max_model_len: int | None = None) -> AttentionBackend:
+        """This backend for `device` (attention.registry.get_attn_backend calls it);
+        `max_model_len`: the longest sequence a forward may see."""
+        return cls()
+
     @abstractmethod
     def build(self, common: CommonAttentionMetadata, sliding_window: int | None) -> Any:
         """Derive this backend's metadata from the common metadata."""
@@ -102,15 +107,10 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """MLA (attention/mla.py): norm and rotate, write the latent rows, attend in the latent
         space, apply W_UV. Returns [num_tokens, num_heads, v_head_dim]. Every backend's
-        metadata carries `common`."""
+        metadata carries `common`. Here the torch path; the Triton backend overrides it."""
         from specserve.attention.mla import mla_forward
 
-        use_triton = self.name == "triton"
-        # Split-KV counts follow max_model_len (the Triton backend's), as paged attention's.
-        split_len = getattr(self, "max_model_len", None)
-        return mla_forward(
-            positions, q, kv_a, weights, kv_cache, meta.common, use_triton, split_len
-        )
+        return mla_forward(positions, q, kv_a, weights, kv_cache, meta.common)
 
     def advance_decode_(self, meta: Any, block_size: int) -> None:
         """Every request advanced by one decode token: update `meta` in place (graph-safe)."""
@@ -130,39 +130,3 @@ def build_forward_context(
 ) -> ForwardContext:
     meta = {w: backend.build(common, w) for w in sliding_windows}
     return ForwardContext(backend=backend, kv_caches=kv_caches, metadata=meta)
-
-
-def write_kv(
-    # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,
-    # [num_tokens, num_kv_heads, head_dim]
-    k: torch.Tensor,
-    v: torch.Tensor,
-    # [num_tokens] int64, -1 = padding
-    slot_mapping: torch.Tensor,
-) -> None:
-    # NOTE: slot -1 indexes the last slot of the flattened cache: that block is reserved as the
-    # null block and never handed out, so padded tokens write there harmlessly.
-    nb, bs, hk, d = kv_cache.shape[1:]
-    kv_cache[0].view(nb * bs, hk, d)[slot_mapping] = k.to(kv_cache.dtype)
-    kv_cache[1].view(nb * bs, hk, d)[slot_mapping] = v.to(kv_cache.dtype)
-
-
-def get_backend(
-    name: str, device: torch.device, max_model_len: int | None = None
-) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from specserve.attention.torch_ref import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        # TRITON_INTERPRET=1 runs the kernels on CPU tensors (tests: the whole engine through
-        # the Triton attention path without a GPU).
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("attention_backend=triton needs a CUDA device.")
-        from specserve.attention.triton_paged import TritonAttentionBackend
-
-        return TritonAttentionBackend(max_model_len)
-    raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton).")

@@ -9,14 +9,7 @@ and output projections (models/mla.py), attention runs in the latent space:
     out[h]      = sum_s softmax(score)[h, s] * c[s]           (then W_UV, o_proj)
 
 Decode and verification always take this path (the kernel in attention/mla_triton.py for
-CUDA). Prefill may instead expand per-head keys and values from the latent (`mla_prefill_expanded`,
-vLLM's choice for MLA prefill): k = [W_UK c, k_pe], v = W_UV c, then ordinary attention with
-nope + R = 256 channels a score and v = 256 a value (GLM-4.7-Flash) instead of L + R = 576 and
-L = 512, at the price of the expansion (S x H x (nope + v) x L multiply-adds for S context rows).
-`EXPAND_PREFILL_MIN_QUERY` switches it on for steps with long enough queries. Measured on an H100
-(`benchmarks/mla_prefill.py`, GLM-4.7-Flash shape, time to first token of one prompt, RESULTS.md
-2026-11-26): latent 39.5 / 80.1 / 817 ms vs expanded 54.6 / 56.2 / 254 ms at 512 / 2048 / 8192
-tokens, so queries from 1024 tokens on expand.
+CUDA); long prefills may expand per-head keys and values instead (attention/mla_expanded.py).
 
 `mla_forward` is everything between the projections: the latent's RMSNorm, RoPE of q_pe and
 k_pe, the W_UK absorb, the latent KV write, attention and W_UV. Its torch form here
@@ -32,12 +25,6 @@ import torch
 
 from specserve import ops
 from specserve.attention.backend import CommonAttentionMetadata
-
-# Steps whose longest query has at least this many tokens take `mla_prefill_expanded` (None:
-# never). A step's expanded keys and values (requests x longest context x H x (nope + R + v)
-# elements) above EXPAND_MAX_ELEMENTS stay latent.
-EXPAND_PREFILL_MIN_QUERY: int | None = 1024
-EXPAND_MAX_ELEMENTS = 1 << 28
 
 
 @dataclass
@@ -85,13 +72,13 @@ def mla_prologue_ref(
     slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_latent [T, H, L], rotated q_pe [T, H, R]), this step's latent rows written."""
-    q_nope, q_pe = _prologue_unabsorbed(positions, q, kv_a, w, kv_cache, slot_mapping)
+    q_nope, q_pe = prologue_unabsorbed(positions, q, kv_a, w, kv_cache, slot_mapping)
     # [H, T, nope] @ [H, nope, L] -> [T, H, L]
     q_latent = torch.bmm(q_nope.transpose(0, 1), w.w_uk).transpose(0, 1)
     return q_latent, q_pe
 
 
-def _prologue_unabsorbed(
+def prologue_unabsorbed(
     positions: torch.Tensor,
     q: torch.Tensor,
     kv_a: torch.Tensor,
@@ -113,7 +100,7 @@ def _prologue_unabsorbed(
     return q_nope, q_pe
 
 
-def _gather_requests(
+def gather_requests(
     # [num_tokens, ...]
     x: torch.Tensor,
     c: CommonAttentionMetadata,
@@ -127,55 +114,6 @@ def _gather_requests(
     return out, offset
 
 
-def expand_fits(c: CommonAttentionMetadata, w: MLAWeights, rope_dim: int) -> bool:
-    """Whether `mla_forward` takes `mla_prefill_expanded` for this step (host sizes only)."""
-    if EXPAND_PREFILL_MIN_QUERY is None or c.max_query_len < EXPAND_PREFILL_MIN_QUERY:
-        return False
-    H, nope = w.w_uk.shape[0], w.nope
-    per_row = H * (nope + rope_dim + w.w_uv.shape[1])
-    return c.num_reqs * c.max_seq_len * per_row <= EXPAND_MAX_ELEMENTS
-
-
-def mla_prefill_expanded(
-    # [num_tokens]
-    positions: torch.Tensor,
-    # [num_tokens, H, nope + R]
-    q: torch.Tensor,
-    # [num_tokens, L + R]
-    kv_a: torch.Tensor,
-    w: MLAWeights,
-    # [num_blocks, block_size, L + R]
-    kv_cache: torch.Tensor,
-    c: CommonAttentionMetadata,
-) -> torch.Tensor:
-    """`mla_forward` through per-head K/V: this step's latent rows written as always, then
-    every request's context rows gathered from the cache and expanded (k_nope = W_UK c,
-    v = W_UV c; k_pe shared by the heads) and attended causally by position with SDPA.
-    Returns [num_tokens, H, v] in q's dtype."""
-    q_nope, q_pe = _prologue_unabsorbed(positions, q, kv_a, w, kv_cache, c.slot_mapping)
-    H, L = w.w_uk.shape[0], w.w_uk.shape[2]
-    R = q_pe.shape[-1]
-    bs = kv_cache.shape[1]
-    nblk = (c.max_seq_len + bs - 1) // bs
-    # [B, S, L + R]: each request's pages gathered into one run (rows past its length unused).
-    kv = kv_cache[c.block_table[:, :nblk].long()].flatten(1, 2).to(q.dtype)
-    B, S = kv.shape[0], kv.shape[1]
-    lat, k_pe = kv[..., :L], kv[..., L:]
-    # [B, S, L] x [H, nope, L] -> [B, H, S, nope]; the same for W_UV: [B, H, S, v]
-    k_nope = torch.einsum("bsl,hnl->bhsn", lat, w.w_uk)
-    v = torch.einsum("bsl,hvl->bhsv", lat, w.w_uv)
-    k = torch.cat([k_nope, k_pe[:, None].expand(B, H, S, R)], dim=-1)
-    qp, offset = _gather_requests(torch.cat([q_nope, q_pe], dim=-1), c)
-    pos, _ = _gather_requests(positions, c, fill=-1)
-    # [B, 1, Q, S]: a key is visible to the queries at or after its position; padded query
-    # rows (position -1) see key 0 only, so SDPA stays finite (their output is dropped).
-    visible = torch.arange(S, device=q.device)[None, None, :] <= pos.clamp(min=0)[:, :, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qp.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=w.scale
-    )  # [B, H, Q, v]
-    return out.transpose(1, 2)[c.token_req, offset].to(q.dtype)
-
-
 def write_latent(
     # [num_blocks, block_size, L + R]
     kv_cache: torch.Tensor,
@@ -186,7 +124,7 @@ def write_latent(
     # [num_tokens] int64, -1 = padding
     slot_mapping: torch.Tensor,
 ) -> None:
-    # NOTE: slot -1 is the last slot of the reserved null block (as attention.backend.write_kv).
+    # NOTE: slot -1 is the last slot of the reserved null block (as torch_ref's KV write).
     nb, bs, d = kv_cache.shape
     row = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
     kv_cache.view(nb * bs, d)[slot_mapping] = row
@@ -210,8 +148,8 @@ def mla_attention_ref(
     # [B, nblk * bs, L + R]: each request's pages gathered into one run.
     kv = kv_cache[c.block_table[:, :nblk].long()].flatten(1, 2).float()
     S = kv.shape[1]
-    qp, offset = _gather_requests(torch.cat([q_latent, q_pe], dim=-1).float(), c)
-    pos, _ = _gather_requests(c.positions.long(), c, fill=-1)
+    qp, offset = gather_requests(torch.cat([q_latent, q_pe], dim=-1).float(), c)
+    pos, _ = gather_requests(c.positions.long(), c, fill=-1)
     scores = torch.einsum("bqhd,bsd->bhqs", qp, kv) * scale
     visible = torch.arange(S, device=kv.device)[None, None, :] <= pos[:, :, None]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
@@ -238,13 +176,15 @@ def mla_forward(
 ) -> torch.Tensor:
     """Norm, RoPE, absorb, write the latent rows, attend, W_UV: [num_tokens, H, v]. Triton
     where asked (fused kernels for small batches, mla_fused.py), else torch."""
+    from specserve.attention import mla_expanded
+
     if use_triton:
         from specserve.attention import mla_fused
 
         if mla_fused.fusable(q, w, c):
             return mla_fused.mla_forward_fused(positions, q, kv_a, w, kv_cache, c, split_len)
-    if expand_fits(c, w, q.shape[2] - w.nope):
-        return mla_prefill_expanded(positions, q, kv_a, w, kv_cache, c)
+    if mla_expanded.expand_fits(c, w, q.shape[2] - w.nope):
+        return mla_expanded.mla_prefill_expanded(positions, q, kv_a, w, kv_cache, c)
     q_latent, q_pe = mla_prologue_ref(positions, q, kv_a, w, kv_cache, c.slot_mapping)
     if use_triton:
         from specserve.attention.mla_triton import mla_attention

@@ -11,11 +11,12 @@ latent KV write, and two cuBLAS bmm's (W_UK, W_UV) of ~4 us each. Here:
    The last program RMS-normalizes each token's latent, rotates its k_pe and writes the cache
    row (padding slots -1 write nothing).
 2. `_mla_attention_kernel` (mla_triton.py), split-KV, partial states to a workspace.
-3. `_mla_merge_kernel`: merges the splits and applies W_UV: [T, H, v], ready for o_proj.
+3. `_mla_merge_kernel` (mla_merge.py): merges the splits and applies W_UV: [T, H, v], ready
+   for o_proj.
 
 Each program loops over the batch's tokens with its weight tile in registers, so weights are
-read once a step; that loop is why only small batches (`FUSE_MAX_TOKENS`) take this path:
-prefill keeps the torch glue and cuBLAS bmm's.
+read once a step; that loop is why only small batches (`tunables().mla_fuse_max_tokens`) take
+this path: prefill keeps the torch glue and cuBLAS bmm's.
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ import triton
 import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
-from specserve.attention.mla import MLAWeights
+from specserve.attention.mla import MLAWeights, mla_prologue_ref
 from specserve.ops import graph_rows, l2, pdl
+from specserve.tunables import tunables
 
-# Tokens a step at most for the fused path (a batch-16 decode, a batch-4 K = 3 verification).
-FUSE_MAX_TOKENS = 16
-# Set False to run the torch glue + cuBLAS bmm's around the Triton attention (benchmarks).
-ENABLED = True
+__all__ = ["fusable", "mla_forward_fused", "mla_prologue", "mla_prologue_ref"]
 
 
 @triton.jit
@@ -129,7 +128,7 @@ def _mla_prologue_kernel(
                 # q_pe's loads (position, then its rows, cos and sin) issued with q_nope's, not
                 # after q_latent's store: the compiler keeps loads behind a store that may
                 # alias them, and these programs are the prologue's longest chain (GLM-4.7-Flash
-                # batch 1 3473 -> 3456 us a step, RESULTS.md session 24).
+                # batch 1, H100: 3473 -> 3456 us a step, benchmarks/RESULTS.md).
                 pos = tl.load(positions_ptr + t)
                 rot = _rope_row(q_row + NOPE, pos, cos_ptr, sin_ptr, stride_cos, R, INTERLEAVE)
                 _absorb_store(w, q_row, k, km, q_lat_ptr + dst * L + col, cm)
@@ -216,11 +215,11 @@ def fusable(
     RoPE row is one tl.arange), W_UK / W_UV rows contiguous. "Few" is judged on
     `graph_rows.row_bound` of the token count (the rows of the padded graph a uniform batch
     replays), never the count itself: a captured graph's padded batch and the eager step it
-    stands for must take the same path (the two paths round differently; issue 21)."""
+    stands for must take the same path (the two paths round differently, so the graph's tokens
+    would differ from eager decoding's)."""
     R = q.shape[2] - w.nope
     return (
-        ENABLED
-        and graph_rows.row_bound(c.num_tokens) <= FUSE_MAX_TOKENS
+        graph_rows.row_bound(c.num_tokens) <= tunables().mla_fuse_max_tokens
         and R >= 2
         and R & (R - 1) == 0
         and w.w_uk.stride(-1) == 1

@@ -14,8 +14,8 @@ Split-KV (flash-decoding): a batch-1 decode step has one token and cdiv(20, 16) 
 of each token are then split evenly over `num_splits` programs (a count fixed by host-side
 sizes that a padded graph batch and the eager step it stands for share: max_model_len, never
 the batch's seq lens, and `graph_rows.row_bound` of the token count, never the count itself);
-each writes its partial softmax state (m, l, unnormalized acc) and `_mla_merge_kernel` merges
-the splits in a fixed order (deterministic). The merge can also apply W_UV (the absorbed value
+each writes its partial softmax state (m, l, unnormalized acc) and mla_merge.py merges the
+splits in a fixed order (deterministic). The merge can also apply W_UV (the absorbed value
 up-projection, [H, v, L]) to the merged latent: the output is then [T, H, v] and the separate
 bmm after attention goes away.
 """
@@ -29,7 +29,12 @@ import triton
 import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
-from specserve.ops import graph_rows, l2, pdl
+from specserve.attention.mla import mla_attention_ref
+from specserve.attention.mla_merge import mla_merge
+from specserve.ops import graph_rows, pdl
+from specserve.tunables import tunables
+
+__all__ = ["mla_attention", "mla_attention_ref", "mla_split_count"]
 
 
 @triton.jit
@@ -58,7 +63,7 @@ def _latent_tile(q_lat, q_pe, c, k_pe, sm, m_i, l_i, acc, qk_scale, DOT_PRECISIO
 
 
 # Per-step views (metadata uploads, split workspaces): no alignment specialization, so no batch
-# shape compiles a variant after start-up (see triton_paged._PER_STEP_ARGS).
+# shape compiles a variant after start-up (see paged_attention._PER_STEP_ARGS).
 @triton.jit(
     do_not_specialize=["stride_bt"],
     do_not_specialize_on_alignment=[
@@ -110,7 +115,7 @@ def _mla_attention_kernel(
     dl = tl.arange(0, BLOCK_L)
     dr = tl.arange(0, BLOCK_R)
     lm, rm = dl < L, dr < R
-    # Metadata is written before the forward (pdl.EARLY_METADATA's argument): load it early.
+    # Metadata is written before the forward (ops/pdl.py says why): load it early.
     req = tl.load(token_req_ptr + t)
     seq_len = tl.load(positions_ptr + t) + 1
     # This split's share of the key tiles (empty splits keep m = -inf, l = 0, acc = 0).
@@ -123,7 +128,10 @@ def _mla_attention_kernel(
         # The first key tile's rows written before this step, requested before the wait: they
         # stream while the previous kernels (the prologue writing this step's rows) run. Rows
         # this step may have written (a request's new tokens are at most the batch's T, at
-        # positions >= seq_len - T) are read after the wait.
+        # positions >= seq_len - T) are read after the wait. Safe because kernels that trigger
+        # only after their own wait (the o projection's gemv; the MoE gate_up, whose PTX order
+        # tests/test_moe_ops.py checks) sit between a layer's cache writes of one step and its
+        # attention in the next, so those writes are complete before this kernel launches.
         s0 = kv_begin + offs_n
         sm0 = s0 < kv_end
         page0 = tl.load(bt_row + s0 // PAGE, mask=sm0, other=0)
@@ -177,75 +185,6 @@ def _mla_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=hm[:, None] & lm[None, :],
         )
-
-
-@triton.jit
-def _mla_merge_kernel(
-    out_ptr,
-    ws_acc_ptr,
-    ws_ml_ptr,
-    w_uv_ptr,
-    num_tokens,
-    num_heads,
-    stride_ot,
-    stride_oh,
-    stride_wh,
-    stride_wv,
-    L: tl.constexpr,
-    V: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HAS_WUV: tl.constexpr,
-    PDL: tl.constexpr,
-    W_EVICT: tl.constexpr = "",  # ops/l2.py's policy for the W_UV tile
-):
-    """out[t, h] for every token t of head h: the SPLITS partial states merged (rescaled to the
-    global max, log2 domain, summed in split order, normalized once), rounded to the output
-    dtype as the attention output is; with HAS_WUV then times W_UV[h] rows vb (fp32 sums).
-    grid = (num_heads, cdiv(V, BLOCK_V)): each W_UV tile is read once for all tokens."""
-    h = tl.program_id(0)
-    vb = tl.program_id(1)
-    dl = tl.arange(0, BLOCK_L)
-    # BLOCK_S = max(SPLITS, 2): a one-split workspace still gets a two-lane (masked) vector.
-    sp = tl.arange(0, BLOCK_S)
-    sp_ok = sp < SPLITS
-    lm = dl < L
-    if HAS_WUV:
-        v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        vm = v < V
-        # Weights never depend on the previous kernel: request the tile before waiting.
-        w = tl.load(
-            w_uv_ptr + h * stride_wh + v[:, None] * stride_wv + dl[None, :],
-            mask=vm[:, None] & lm[None, :],
-            other=0.0,
-            eviction_policy=W_EVICT,
-        )
-    pdl.trigger(PDL)
-    pdl.wait(PDL)
-    for t in range(num_tokens):
-        row = (t * num_heads + h) * SPLITS + sp
-        m = tl.load(ws_ml_ptr + 2 * row, mask=sp_ok, other=float("-inf"))
-        lse = tl.load(ws_ml_ptr + 2 * row + 1, mask=sp_ok, other=0.0)
-        m_max = tl.max(m, axis=0)
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        wt = tl.math.exp2(m - m_safe)
-        denom = tl.sum(lse * wt, axis=0)
-        denom = tl.where(denom == 0.0, 1.0, denom)
-        # Every split's rows, requested beside m rather than masked on it (one dependent L2
-        # round trip less: GLM-4.7-Flash batch 1 3473 -> 3450 us a step, RESULTS.md session
-        # 24): an empty split's acc rows are zeros (its program stores them) and its wt 0.
-        part = tl.load(
-            ws_acc_ptr + row[:, None] * BLOCK_L + dl[None, :], mask=sp_ok[:, None], other=0.0
-        )
-        lat = tl.sum(part * wt[:, None], axis=0) / denom
-        lat = lat.to(out_ptr.dtype.element_ty)
-        if HAS_WUV:
-            o = tl.sum(w.to(tl.float32) * lat.to(tl.float32)[None, :], axis=1)
-            tl.store(out_ptr + t * stride_ot + h * stride_oh + v, o.to(lat.dtype), mask=vm)
-        else:
-            tl.store(out_ptr + t * stride_ot + h * stride_oh + dl, lat, mask=lm)
 
 
 def mla_attention(
@@ -311,57 +250,26 @@ def mla_attention(
         DOT_PRECISION="ieee" if fp32 else "tf32",
         # On a GPU 32-key tiles already fill the registers (sm_90: 255 and 32 bytes of stack;
         # 528 with the early tile); the CPU interpreter has none to fill.
-        EARLY_KV=EARLY_KV
-        and not pdl.GEMV_EARLY_TRIGGER
-        and (block_n == 16 or q_latent.device.type == "cpu"),
+        EARLY_KV=tunables().mla_early_kv and (block_n == 16 or q_latent.device.type == "cpu"),
         num_warps=4,
         **kw,
     )  # fmt: skip
     if partials:
-        if w_uv is not None and w_uv.stride(-1) != 1:
-            w_uv = w_uv.contiguous()
-        block_v = 32 if w_uv is not None else 1
-        V = out_dim if w_uv is not None else 1
-        _mla_merge_kernel[(H, triton.cdiv(V, block_v))](
-            out, ws_acc, ws_ml, w_uv if w_uv is not None else out, T, H,
-            out.stride(0), out.stride(1),
-            w_uv.stride(0) if w_uv is not None else 0,
-            w_uv.stride(1) if w_uv is not None else 0,
-            L=L, V=V, BLOCK_L=block_l, BLOCK_V=block_v, SPLITS=num_splits,
-            BLOCK_S=max(2, num_splits),
-            HAS_WUV=w_uv is not None,
-            W_EVICT=l2.weight_eviction(),
-            num_warps=4,
-            **kw,
-        )  # fmt: skip
+        mla_merge(out, ws_acc, ws_ml, num_splits, L, w_uv)
     return out
 
 
 def mla_split_count(max_tokens: int, head_blocks: int, split_len: int, device: torch.device) -> int:
     """Key splits per (token, head block): 1 unless the grid leaves most SMs idle (decode and
-    small verification batches) and keys are many (at least MIN_KEYS_PER_SPLIT a split); a power
-    of two <= MAX_SPLITS. From host-side sizes only: `max_tokens` (`graph_rows.row_bound` of
+    small verification batches) and keys are many (at least tunables().mla_min_keys_per_split a
+    split); a power of two <= mla_max_splits. From host-side sizes only: `max_tokens` (`graph_rows.row_bound` of
     the token count: bg x q for a uniform batch of B padded to bg, eager or graph; rounded up to
     a power of two) and split_len (max_model_len), so graph and eager split alike."""
     programs = triton.next_power_of_2(max(max_tokens, 1)) * head_blocks
     sms = _num_sms(device.index) if device.type == "cuda" else 132
-    want = min(MAX_SPLITS, split_len // MIN_KEYS_PER_SPLIT, sms // programs)
+    t = tunables()
+    want = min(t.mla_max_splits, split_len // t.mla_min_keys_per_split, sms // programs)
     return 1 if want < 2 else 1 << (want.bit_length() - 1)
-
-
-# The first key tile's older rows requested before the PDL wait, with 16-key tiles (session 25:
-# GLM-4.7-Flash batch 1 on an H200, attention 7.64 -> 6.08 us a layer, step 3021-3023 -> 2938-2939
-# us, RESULTS.md). Safe because kernels that trigger only after their own wait (the o
-# projection's gemv unless pdl.GEMV_EARLY_TRIGGER, as for the dense kernels' pdl.early_kv; the
-# MoE gate_up, whose PTX order tests/test_moe_ops.py checks) sit between a layer's cache writes
-# of one step and its attention in the next, so those writes are complete before this kernel
-# can launch. `--variants "base;specserve.attention.mla_triton.EARLY_KV=False"` A/B's it.
-EARLY_KV = True
-# A split below 32 keys is two 16-key tiles or less: more programs than work.
-MIN_KEYS_PER_SPLIT = 32
-# 8 with EARLY_KV on (H100, GLM-4.7-Flash batch 1, session 26): attention 6.09 -> 8.98 us a
-# layer, step 3336 -> 3459 us.
-MAX_SPLITS = 16
 
 
 @functools.cache
