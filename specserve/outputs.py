@@ -53,6 +53,9 @@ class RequestOutput:
     # Beside prompt_logprobs: the prompt token's rank in its distribution (vLLM's: 1 + the
     # tokens more likely); the top-N rank by their order (1..N).
     prompt_logprob_ranks: list[int | None] | None = None
+    # Prompt tokens whose KV came from the prefix cache when the request was first scheduled
+    # (vLLM's field).
+    num_cached_tokens: int = 0
 
 
 @dataclass

@@ -88,6 +88,15 @@ class Request:
         # sampling_params.bad_words as token id sequences (the engine tokenizes them on add).
         self.bad_words_token_ids: list[list[int]] = []
         self.block_ids: list[int] = []
+        # Prefix caching (engine/kv_cache.py): the chained keys of the request's full blocks so
+        # far, how many of `block_ids` are registered in the cache (hit or published), the
+        # tokens the current admission took from the cache (their KV is read-only: no step
+        # of this request writes below them), and vLLM's num_cached_tokens: those of the first
+        # admission (-1 until then).
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.cache_hit_tokens = 0
+        self.num_cached_tokens = -1
         self.row = -1  # row in the runner's persistent request-state tensors
         self.seed = seed
         # Text and stop strings, when the engine detokenizes inline (offline use): the engine's

@@ -44,6 +44,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Automatic prefix caching (engine/kv_cache.py): full blocks shared by requests whose
+    # tokens agree, target and drafter KV alike; on by default, as in vLLM.
+    enable_prefix_caching: bool = True
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes

@@ -27,7 +27,8 @@ from specserve.sampling_params import SamplingParams
 from specserve.scheduler_output import SchedulerOutput
 from specserve.spec_decode.speculator import build_speculator
 from specserve.structured.grammar import StructuredOutputs
-from specserve.worker.model_runner import ModelRunner, PendingStep, StepOutput
+from specserve.worker.model_runner import ModelRunner
+from specserve.worker.step_results import PendingStep, StepOutput
 
 logger = logging.getLogger("specserve")
 
@@ -109,7 +110,15 @@ class LLMEngine:
         # serving stalls warmup.watch_late_compiles reports (an engine built after another).
         with engine_startup():
             num_blocks = self._prepare_device(config, device)
-        self.kv = KVCacheManager(num_blocks, config.block_size, self.max_model_len)
+        self.kv = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            config.enable_prefix_caching,
+            lookahead=self.speculator.kv_lookahead if self.speculator is not None else 0,
+            # Whatever else the KV depends on: the target, the drafter, the KV dtype.
+            salt=(config.model, repr(spec), str(dtype)),
+        )
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -381,8 +390,17 @@ class LLMEngine:
     def metrics_snapshot(self) -> dict[str, Any]:
         """The counters of `stats` with the scheduler's and the KV cache's gauges."""
         return self.stats.snapshot(
-            len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage()
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.kv.usage(),
+            self.kv.num_queries,
+            self.kv.num_hits,
         )
+
+    def _maybe_log(self) -> None:
+        kv = self.kv
+        prefix = (kv.num_queries, kv.num_hits) if kv.enable_prefix_caching else None
+        self.stats.maybe_log(self.config.disable_log_stats, self.config.log_stats_interval, prefix)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -409,7 +427,7 @@ class LLMEngine:
         outputs = self._update(sched, out)
         if self.auto_k is not None and decode_only:
             self.auto_k.record_step(len(sched.scheduled), k or 0, time.perf_counter() - t0)
-        self.stats.maybe_log(self.config.disable_log_stats, self.config.log_stats_interval)
+        self._maybe_log()
         return outputs
 
     def _schedule(self, k: int | None) -> SchedulerOutput:
@@ -484,7 +502,7 @@ class LLMEngine:
             self.runner.finish(nxt[1])  # nothing left to read from it
             nxt = None
         self._inflight = nxt
-        self.stats.maybe_log(self.config.disable_log_stats, self.config.log_stats_interval)
+        self._maybe_log()
         return outputs
 
     def _can_overlap(self, sched: SchedulerOutput) -> bool:
@@ -557,6 +575,7 @@ class LLMEngine:
                 self._add_prompt_logprobs(req, *out.prompt_logprobs[i])
             if not s.samples:
                 req.num_computed_tokens = s.start + s.num_tokens
+                self.kv.cache_blocks(req)
                 continue
             n_acc = int(out.num_accepted[i])
             # A start placed on the device is the one the previous step's `_update` recorded.
@@ -624,6 +643,9 @@ class LLMEngine:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         output = self._output(req, added, lps[: len(added)] if lps else None)
+        # After the tokens are appended (a block's key reads the tokens after it), before a
+        # finished request's blocks are freed.
+        self.kv.cache_blocks(req)
         if req.is_finished():
             req.metrics.finished_time = now
             self.requests.pop(req.request_id, None)
@@ -705,6 +727,7 @@ class LLMEngine:
                 if req.sampling_params.prompt_logprobs is not None
                 else None
             ),
+            num_cached_tokens=max(req.num_cached_tokens, 0),
         )
 
 

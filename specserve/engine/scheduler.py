@@ -1,4 +1,5 @@
-"""Continuous batching: FCFS, a token budget, chunked prefill, preemption by recompute."""
+"""Continuous batching: FCFS, a token budget, chunked prefill, preemption by recompute, and
+prefix-cache hits for requests as they are admitted."""
 
 from __future__ import annotations
 
@@ -115,7 +116,9 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            start = req.num_computed_tokens
+            # A request holding no blocks starts with the prefix cache's longest hit.
+            hit = self.kv.lookup(req) if not req.block_ids else []
+            start = len(hit) * self.kv.block_size if hit else req.num_computed_tokens
             remaining = req.num_scheduling_tokens - start
             if remaining > budget and not self.chunked:
                 break
@@ -123,8 +126,13 @@ class Scheduler:
             if not self._fits_alone(req, start, req.num_scheduling_tokens - start):
                 self._end(req, out)  # it would block every request behind it forever
                 continue
-            if not self.kv.allocate(req, self._kv_tokens(req, start, n)):
+            if not self.kv.allocate(req, self._kv_tokens(req, start, n), hit):
                 break  # new work never preempts running work
+            # Admitted (new, or resumed after preemption: waiting requests hold no KV).
+            req.num_computed_tokens = req.cache_hit_tokens = start
+            self.kv.record_lookup(req.num_tokens, start)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = start
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

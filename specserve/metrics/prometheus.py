@@ -36,6 +36,12 @@ _COUNTERS = {
     "prompt_tokens_total": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
     "generation_tokens_total": ("vllm:generation_tokens", "Number of generation tokens."),
     "num_preemptions_total": ("vllm:num_preemptions", "Cumulative number of preemptions."),
+    "prefix_cache_queries_total": (
+        "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    "prefix_cache_hits_total": (
+        "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+    ),
     "spec_decode_num_drafts_total": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
     "spec_decode_num_draft_tokens_total": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
     "spec_decode_num_accepted_tokens_total": (

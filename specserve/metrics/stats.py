@@ -52,6 +52,8 @@ class EngineStats:
         self.num_preemptions = 0
         self._last_log = time.monotonic()
         self._logged = SpecDecodingStats(num_spec_tokens)
+        # Prefix-cache (queries, hits) in tokens at the last log line.
+        self._logged_prefix = (0, 0)
 
     def record_draft(self, req: Request, num_draft: int, num_accepted: int) -> None:
         s = self.spec
@@ -65,13 +67,23 @@ class EngineStats:
         m.num_draft_tokens += num_draft
         m.num_accepted_tokens += num_accepted
 
-    def snapshot(self, num_running: int, num_waiting: int, kv_usage: float) -> dict[str, Any]:
-        """The counters with the engine's gauges, which the engine reads for it."""
+    def snapshot(
+        self,
+        num_running: int,
+        num_waiting: int,
+        kv_usage: float,
+        prefix_cache_queries: int = 0,
+        prefix_cache_hits: int = 0,
+    ) -> dict[str, Any]:
+        """The counters with the engine's gauges and the KV cache's prefix-cache counters
+        (tokens), which the engine reads for it."""
         s = self.spec
         return {
             "num_requests_running": num_running,
             "num_requests_waiting": num_waiting,
             "kv_cache_usage_perc": kv_usage,
+            "prefix_cache_queries_total": prefix_cache_queries,
+            "prefix_cache_hits_total": prefix_cache_hits,
             "prompt_tokens_total": self.prompt_tokens,
             "generation_tokens_total": self.generation_tokens,
             "num_preemptions_total": self.num_preemptions,
@@ -83,11 +95,19 @@ class EngineStats:
             "spec_decode_acceptance_rate": s.acceptance_rate,
         }
 
-    def maybe_log(self, disabled: bool, interval: float) -> None:
+    def maybe_log(
+        self, disabled: bool, interval: float, prefix_cache: tuple[int, int] | None = None
+    ) -> None:
+        """`prefix_cache`: the (queries, hits) token counters when prefix caching is on."""
         now = time.monotonic()
         if disabled or now - self._last_log < interval:
             return
         self._last_log = now
+        if prefix_cache is not None:
+            # vLLM's wording; over the interval since the previous line.
+            q, h = (a - b for a, b in zip(prefix_cache, self._logged_prefix))
+            self._logged_prefix = prefix_cache
+            logger.info("Prefix cache hit rate: %.1f%%", 100 * h / q if q else 0.0)
         if self.spec.num_spec_tokens:
             # The line covers the interval since the previous one, as vLLM's does.
             d = SpecDecodingStats(self.spec.num_spec_tokens)

@@ -58,6 +58,11 @@ class DeviceSpeculator(Speculator):
         self.device = device
         self._draft_probs: torch.Tensor | None = None  # [rows, K, vocab], lazily
 
+    @property
+    def kv_lookahead(self) -> int:
+        # EAGLE / EAGLE-3 / MTP (shift 1): the drafter's input at p is the token at p + 1.
+        return self.model.shift
+
     def sliding_windows(self) -> set[int | None]:
         return self.model.sliding_windows()
 

@@ -29,6 +29,9 @@ class RequestBuffers(Protocol):
     num_rows: int
     # the row that padded batch rows point at; writes to it are discarded
     scratch_row: int
+    # [num_rows] int64 positions below which a row's KV is read-only: its prefix-cache hit,
+    # shared with other requests (0 without one)
+    kv_floor: torch.Tensor
 
 
 class DraftRunner(Protocol):
@@ -61,6 +64,14 @@ class Speculator:
     graph_capturable: ClassVar[bool] = False
     # The drafter module (its KV layers share the target's block pool), or None.
     model: Any = None
+
+    @property
+    def kv_lookahead(self) -> int:
+        """How many tokens after position p the drafter's KV at p depends on (and, at most,
+        how far behind the verified tokens a step may rewrite it): the prefix cache keys a block
+        by them and registers it only once they are final (engine/kv_cache.py). 0: no drafter
+        KV, or KV at p from tokens up to p (a draft model)."""
+        return 0
 
     def sliding_windows(self) -> set[int | None]:
         """The drafter's attention windows (None: full attention)."""

@@ -84,6 +84,11 @@ class MultiLayerMTPSpeculator(OneShotSpeculator):
         # [K - 1, rows, hidden]: module k's output at its last verified position, per request row.
         self._carry: torch.Tensor | None = None
 
+    @property
+    def kv_lookahead(self) -> int:
+        # Chain step k's KV at i reads t_{i+k} and is rewritten until that token is verified.
+        return self.k
+
     def _lazy_carry(self, runner: DraftRunner, hidden: torch.Tensor) -> torch.Tensor:
         if self._carry is None:
             n = runner.states.num_rows  # every persistent row (padding rows included)
@@ -111,8 +116,12 @@ class MultiLayerMTPSpeculator(OneShotSpeculator):
         pos = start + s - shift
         ids = runner.states.token_ids[row, start + s + 1]
         # Verified and chain slots write KV; rejected padding, positions below 0 and a padded
-        # row of a captured batch (the scratch row) do not.
-        valid = (s <= v[req] + shift) & (pos >= 0) & (row != runner.states.scratch_row)
+        # row of a captured batch (the scratch row) do not, nor positions below a prefix-cache
+        # hit: their blocks are shared and their KV final for every module (kv_lookahead), and
+        # no carry reaches them (the hit was never drafted from here). Positions past the hit
+        # read hidden states of positions past it only, so they are exact.
+        floor = runner.states.kv_floor[row]
+        valid = (s <= v[req] + shift) & (pos >= floor) & (row != runner.states.scratch_row)
         safe = pos.clamp(min=0)
         bs = runner.block_size
         blk = runner.states.block_table[row, safe // bs].long()

@@ -32,6 +32,8 @@ class RequestStates:
         # [rows] tokens whose KV is computed, as of the last launched step (async scheduling
         # reads it to place a step launched before the host knows the accept counts).
         self.num_computed = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
+        # [rows] the request's prefix-cache hit: positions below it are read-only (shared).
+        self.kv_floor = torch.zeros(self.num_rows, dtype=torch.int64, device=device)
         # Host mirror of the block table; rows that changed are uploaded before the next step.
         self.block_table_cpu = np.full((self.num_rows, max_blocks_per_req), null_block, np.int32)
         self.block_table = torch.from_numpy(self.block_table_cpu.copy()).to(device)
@@ -67,6 +69,7 @@ class RequestStates:
         self.float_params[row].copy_(fp, non_blocking=True)
         ip = self._pinned(torch.tensor([sp.top_k, req.seed], dtype=torch.int64))
         self.int_params[row].copy_(ip, non_blocking=True)
+        self.kv_floor[row].fill_(req.cache_hit_tokens)
         self._num_blocks_in_row[row] = 0
         self.block_table_cpu[row] = self.null_block
         self.sync_blocks(req)
