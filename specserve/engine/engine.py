@@ -27,7 +27,8 @@ from specserve.sampling_params import SamplingParams
 from specserve.scheduler_output import SchedulerOutput
 from specserve.spec_decode.speculator import build_speculator
 from specserve.structured.grammar import StructuredOutputs
-from specserve.worker.model_runner import ModelRunner, PendingStep, StepOutput
+from specserve.worker.model_runner import ModelRunner
+from specserve.worker.step_results import PendingStep, StepOutput
 
 logger = logging.getLogger("specserve")
 

@@ -11,7 +11,7 @@ the copy; `finish` waits for it, so the engine may schedule and launch the next 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,54 +36,16 @@ from specserve.sample.logits_processors import (
     build_logits_processor_inputs,
 )
 from specserve.sample.rejection import rejection_sample
-from specserve.sample.sampler import compute_logprobs, sample
+from specserve.sample.sampler import SamplingTensors, compute_logprobs, sample
 from specserve.scheduler_output import SchedulerOutput
 from specserve.spec_decode.drafting import TargetStep
 from specserve.spec_decode.interface import Speculator
 from specserve.step_inputs import StepInputs
 from specserve.structured.bitmask import apply_grammar_bitmask_, build_grammar_step
-from specserve.worker import copy_streams
 from specserve.worker.cudagraph import eager_rows
 from specserve.worker.input_batch import prepare_inputs
 from specserve.worker.request_states import RequestStates
-
-
-@dataclass
-class PendingStep:
-    """A launched step whose results are still on their way to the host."""
-
-    # [N] float64 host buffer (pinned on CUDA) the step's one device-to-host copy lands in
-    host: torch.Tensor
-    # recorded after that copy (None on CPU: the copy was synchronous)
-    event: torch.cuda.Event | None
-    num_reqs: int
-    k1: int
-    n_top: int
-    # whether `host` holds accept counts after the tokens (else none were drafted: zeros)
-    has_acc: bool
-    # prompt logprobs at the end of `host`: (batch row, first token position, count) per
-    # request, and their top-N (None: no request of the step asked)
-    prompt_spans: list[tuple[int, int, int]] | None = None
-    prompt_top: int = 0
-    # columns of next-step drafts at the end of `host` (structured-output steps), else 0
-    n_drafts: int = 0
-
-
-@dataclass
-class StepOutput:
-    # [B, K + 1] sampled / verified tokens (only the first num_accepted + 1 are valid)
-    tokens: np.ndarray
-    # [B]
-    num_accepted: np.ndarray
-    # Per batch row: per valid slot, {token: logprob} of the sampled token and the top-N.
-    logprobs: list[list[dict[int, float]]] | None
-    # batch row -> (position of the first prompt token covered, per covered prompt token
-    # {token: logprob} of that token and the top-N, per covered prompt token its rank):
-    # prompt logprobs computed this step
-    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]], list[int]]] | None = None
-    # [B, K] drafts the drafter proposed for the next step, read back only for steps with
-    # structured requests (their grammar walks the drafts on the host); else None
-    next_drafts: np.ndarray | None = None
+from specserve.worker.step_results import HostPacket, PendingStep, StepOutput, unpack_step
 
 
 class ModelRunner:
@@ -217,20 +179,49 @@ class ModelRunner:
         self, sched: SchedulerOutput, reqs_logprobs: list[int], num_drafts: int | None = None
     ) -> PendingStep:
         """Queue the whole step on the device, its results copied to the host asynchronously;
-        `finish` waits for them. Nothing here waits for the device."""
+        `finish` waits for them. Nothing here waits for the device.
+
+        Phases: inputs -> forward -> verify / sample -> propose -> copy out."""
+        inp = self._prepare_inputs(sched)
+        fwd = self._forward(inp)
+        # Structured requests: their masks are filled on the host now, while the device runs
+        # the forward just queued (CUDA), and uploaded asynchronously. None: no grammar here.
+        k1 = self.num_spec_tokens + 1
+        gs = build_grammar_step(sched.scheduled, k1, self.vocab_size, self.device)
+        ver = self._verify_and_sample(sched, inp, fwd, gs)
+        # NOTE: before drafting, which may reuse the target graph's output buffers.
+        prompt_lp = self._prompt_logprobs(sched, inp, fwd.hidden)
+        if self.speculator is not None:
+            self._propose(inp, fwd, ver, num_drafts)
+        next_drafts = None
+        if gs is not None and self.speculator is not None and not self.speculator.proposes_on_host:
+            next_drafts = self._next_drafts(inp, ver.num_acc)
+        return self._start_copy(inp, ver, reqs_logprobs, prompt_lp, next_drafts)
+
+    def finish(self, pending: PendingStep) -> StepOutput:
+        """Wait for a launched step's results and unpack them."""
+        return unpack_step(pending)
+
+    # ---- phase 1: inputs ------------------------------------------------------------------
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """New requests take their rows, block tables are synced and uploaded, the step's
+        inputs go up in one copy, and host-proposed drafts land in the token buffer."""
         for s in sched.scheduled:
             if s.req.row < 0:
                 self.add_request(s.req)
             self.states.sync_blocks(s.req)
         self.states.upload_block_table()
-        k = self.num_spec_tokens
-        inp = prepare_inputs(sched, k, self.device)
+        inp = prepare_inputs(sched, self.num_spec_tokens, self.device)
         if inp.start_on_device is not None:
             self._place_on_device(inp)
-        st_rows = inp.idx_mapping
-        tok = self.states.token_ids
         if inp.host_drafts.shape[1] > 0:
-            tok[inp.host_drafts[0], inp.host_drafts[1]] = inp.host_drafts[2]
+            hd = inp.host_drafts
+            self.states.token_ids[hd[0], hd[1]] = hd[2]
+        return inp
+
+    # ---- phase 2: the target forward ------------------------------------------------------
+    def _forward(self, inp: StepInputs) -> TargetForward:
+        """The target forward: a CUDA graph replay where the batch has one, else eager."""
         graphs = self.cudagraphs
         bg = graphs.padded_batch(inp) if graphs is not None else None
         if graphs is not None:
@@ -238,30 +229,44 @@ class ModelRunner:
         # One launch on CUDA: input ids, slot mapping and block-table rows (into the graph's
         # input buffers when it replays, with its positions and seq_lens).
         input_ids, slot_mapping, block_table = prepare_target_inputs(
-            tok, self.states.block_table, st_rows, inp.token_req, inp.positions, self.block_size,
+            self.states.token_ids, self.states.block_table, inp.idx_mapping, inp.token_req,
+            inp.positions, self.block_size,
             graphs.input_buffers(inp) if bg is not None else None,
             (inp.seq_lens, *graphs.meta_buffers(inp)) if bg is not None else None,
         )  # fmt: skip
-        common = ctx = None  # attention metadata: built when something runs eagerly
+        fwd = TargetForward(slot_mapping, block_table)
         if bg is not None:
-            hidden, aux = graphs.replay(inp, bg)
+            fwd.hidden, fwd.aux = graphs.replay(inp, bg)
+            fwd.replayed = graphs.last_replayed
         else:
-            common = self.common_metadata(inp, slot_mapping, block_table)
-            ctx = self.forward_context(common)
+            ctx = self._context(inp, fwd)
             # A uniform batch chooses its kernels as its graph would (ops/graph_rows.py).
             with self._eager_rows(inp):
-                hidden, aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
-        # Structured requests: their masks are filled on the host now, while the device runs
-        # the forward just queued (CUDA), and uploaded asynchronously. None: no grammar here.
-        gs = build_grammar_step(sched.scheduled, k + 1, self.model.config.vocab_size, self.device)
+                fwd.hidden, fwd.aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
+        return fwd
 
+    def _context(self, inp: StepInputs, fwd: TargetForward) -> ForwardContext:
+        """The step's attention metadata, built once, when something runs eagerly."""
+        if fwd.ctx is None:
+            fwd.common = self.common_metadata(inp, fwd.slot_mapping, fwd.block_table)
+            fwd.ctx = self.forward_context(fwd.common)
+        return fwd.ctx
+
+    # ---- phase 3: verify and sample -------------------------------------------------------
+    def _verify_and_sample(
+        self, sched: SchedulerOutput, inp: StepInputs, fwd: TargetForward, gs: object | None
+    ) -> Verified:
+        """Logits of the verified slots, masks and processors, then rejection sampling of the
+        drafts (or plain sampling) and the accepted tokens written to the token buffer."""
+        k = self.num_spec_tokens
         B, k1 = inp.num_reqs, k + 1
+        tok = self.states.token_ids
         drafted = k > 0 and bool(inp.num_draft_np.any())
         # A uniform batch with K drafts everywhere (plain decode: K = 0) has its verified slots
         # in token order: no gather.
-        verified = hidden
+        verified = fwd.hidden
         if inp.num_tokens != B * k1 or (inp.num_draft_np != k).any():
-            verified = hidden[inp.logits_indices.flatten()]
+            verified = fwd.hidden[inp.logits_indices.flatten()]
         rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64, B)
         # Without a speculator only sampling reads the sampling parameters, and greedy
         # sampling reads none: no gathers then.
@@ -293,7 +298,6 @@ class ModelRunner:
             target_logits = apply_logits_processors(
                 logits, tok, inp.idx_mapping, inp.out_pos0, inp.max_seq_len, lpi
             )
-        prompt_lp = self._prompt_logprobs(sched, inp, hidden)
         st = None if greedy_only else self.states.sampling_tensors(rows, inp.idx_mapping)
         num_acc = None  # nothing drafted: 0 accepted everywhere
         if not drafted:
@@ -308,8 +312,8 @@ class ModelRunner:
         else:
             spec = self.config.spec
             draft_pos = inp.out_pos0[:, None] + torch.arange(k, device=self.device)
-            draft_tokens = tok[st_rows[:, None], draft_pos]
-            draft_probs = self.speculator.draft_probs(st_rows) if self.speculator else None
+            draft_tokens = tok[inp.idx_mapping[:, None], draft_pos]
+            draft_probs = self.speculator.draft_probs(inp.idx_mapping) if self.speculator else None
             out_tokens, num_acc = rejection_sample(
                 target_logits.float(),
                 draft_tokens,
@@ -327,35 +331,34 @@ class ModelRunner:
             tok, inp.idx_mapping, inp.out_pos0, out_tokens, num_acc, inp.samples, computed,
             inp.seq_lens, inp.num_draft,
         )  # fmt: skip
-        if self.speculator is not None:
-            if self.draft_events is not None:
-                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                ev[0].record()
-            if num_acc is None:
-                num_acc = torch.zeros(B, dtype=torch.int64, device=self.device)
-            replayed = graphs.last_replayed if graphs is not None else None
-            if self.draft_graphs is not None and replayed and self.draft_graphs.can_run(st):
-                self.draft_graphs.run(inp, num_acc, st, *replayed, num_drafts=num_drafts)
-            else:
-                if ctx is None:  # the target replayed a graph: eager drafting needs metadata
-                    common = self.common_metadata(inp, slot_mapping, block_table)
-                    ctx = self.forward_context(common)
-                kw = {"num_drafts": num_drafts} if num_drafts is not None else {}
-                t = TargetStep(inp, common, ctx, hidden, aux, num_acc, st)
-                # Drafter forwards of a uniform batch (B x rows each) choose their kernels as
-                # the draft graphs of its padded batch do (DraftGraphRunner).
-                with self._eager_rows(inp):
-                    self.speculator.propose(self, t, **kw)
-            if self.draft_events is not None:
-                ev[1].record()
-                self.draft_events.append(ev)
-        next_drafts = None
-        if gs is not None and k and self.speculator is not None:
-            if not self.speculator.proposes_on_host:
-                next_drafts = self._next_drafts(inp, num_acc)
-        return self._start_copy(
-            inp, logits, out_tokens, num_acc, reqs_logprobs, prompt_lp, next_drafts
-        )
+        return Verified(logits, out_tokens, num_acc, st)
+
+    # ---- phase 4: propose the next drafts -------------------------------------------------
+    def _propose(
+        self, inp: StepInputs, fwd: TargetForward, ver: Verified, num_drafts: int | None
+    ) -> None:
+        """The drafter writes the next step's drafts into the token buffer: the captured
+        drafting loop where the target replayed a graph, else eagerly."""
+        assert self.speculator is not None
+        if self.draft_events is not None:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+        num_acc = ver.num_acc
+        if num_acc is None:
+            num_acc = torch.zeros(inp.num_reqs, dtype=torch.int64, device=self.device)
+        if self.draft_graphs is not None and fwd.replayed and self.draft_graphs.can_run(ver.st):
+            self.draft_graphs.run(inp, num_acc, ver.st, *fwd.replayed, num_drafts=num_drafts)
+        else:
+            ctx = self._context(inp, fwd)  # eager drafting needs the metadata
+            kw = {"num_drafts": num_drafts} if num_drafts is not None else {}
+            t = TargetStep(inp, fwd.common, ctx, fwd.hidden, fwd.aux, num_acc, ver.st)
+            # Drafter forwards of a uniform batch (B x rows each) choose their kernels as
+            # the draft graphs of its padded batch do (DraftGraphRunner).
+            with self._eager_rows(inp):
+                self.speculator.propose(self, t, **kw)
+        if self.draft_events is not None:
+            ev[1].record()
+            self.draft_events.append(ev)
 
     def _prompt_logprobs(
         self,
@@ -363,7 +366,7 @@ class ModelRunner:
         inp: StepInputs,
         # [T, hidden] the target's hidden states of every scheduled token
         hidden: torch.Tensor,
-    ) -> tuple[list[tuple[int, int, int]], int, tuple[torch.Tensor, ...]] | None:
+    ) -> tuple[list[tuple[int, int, int]], int, dict[str, torch.Tensor]] | None:
         """Logprobs of the prompt tokens this step's prefill chunks cover, for requests that
         ask (`prompt_logprobs`): from the chunk's own hidden states, no second forward.
 
@@ -391,15 +394,24 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[h_idx])
         # The rank (vLLM's: 1 + tokens more likely) comes with the logprobs: one sum per row.
         lp, ranks, top_ids, top_lp = compute_logprobs(logits, tok_ids, max(n_top, 1))
-        return spans, n_top, (lp, tok_ids, ranks, top_ids.flatten(), top_lp.flatten())
+        fields = {
+            "prompt_lp": lp,
+            "prompt_ids": tok_ids,
+            "prompt_ranks": ranks,
+            "prompt_top_ids": top_ids,
+            "prompt_top_lp": top_lp,
+        }
+        return spans, n_top, fields
 
     def _eager_rows(self, inp: StepInputs) -> AbstractContextManager[None]:
         """`cudagraph.eager_rows` for this step's batch: a uniform batch's row bound."""
         return eager_rows(inp.num_reqs, inp.num_tokens, inp.max_query_len, self.config.max_num_seqs)
 
-    def _next_drafts(self, inp: StepInputs, num_acc: torch.Tensor) -> torch.Tensor:
+    def _next_drafts(self, inp: StepInputs, num_acc: torch.Tensor | None) -> torch.Tensor:
         """[B, K] the drafts just proposed (after each request's newest token): structured
         requests need them on the host to fill the next step's masks."""
+        if num_acc is None:  # nothing was drafted this step
+            num_acc = torch.zeros(inp.num_reqs, dtype=torch.int64, device=self.device)
         k = self.num_spec_tokens
         tok = self.states.token_ids
         pos = (inp.out_pos0 + num_acc + 1)[:, None] + torch.arange(k, device=self.device)
@@ -418,113 +430,66 @@ class ModelRunner:
             inp.out_pos0,
         )
 
+    # ---- phase 5: copy out ---------------------------------------------------------------
     def _start_copy(
         self,
         inp: StepInputs,
-        logits: torch.Tensor,
-        out_tokens: torch.Tensor,
-        # [B] int64, or None: nothing was drafted
-        num_acc: torch.Tensor | None,
+        ver: Verified,
         reqs_logprobs: list[int],
-        prompt_lp: tuple[list[tuple[int, int, int]], int, tuple[torch.Tensor, ...]] | None,
+        prompt_lp: tuple[list[tuple[int, int, int]], int, dict[str, torch.Tensor]] | None,
         # [B, K] int64 next-step drafts to read back, or None
         next_drafts: torch.Tensor | None = None,
     ) -> PendingStep:
+        """Start the step's one device-to-host copy of everything the host needs."""
+        out_tokens = ver.out_tokens
         B, k1 = out_tokens.shape
-        n_drafts = next_drafts.shape[1] if next_drafts is not None else 0
         n_top = max(reqs_logprobs) if reqs_logprobs else -1
-        has_acc = num_acc is not None
-        if n_top >= 0 or prompt_lp is not None:
-            num_acc = num_acc if has_acc else out_tokens.new_zeros(B)
-            # Tokens, accept counts, logprobs, prompt logprobs, then next-step drafts share one
-            # float64 buffer (exact for ids).
-            parts = [out_tokens.flatten(), num_acc]
-            if n_top >= 0:
-                lp, _, top_ids, top_lp = compute_logprobs(
-                    logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
-                )
-                parts += [lp, top_ids.flatten(), top_lp.flatten()]
-            if prompt_lp is not None:
-                parts += list(prompt_lp[2])
-            if n_drafts:
-                parts.append(next_drafts.flatten())
-            flat = torch.cat([p.double() for p in parts])
-            has_acc = True
-        elif has_acc or n_drafts:  # ids only: one int64 concatenation, no conversions
-            num_acc = num_acc if has_acc else out_tokens.new_zeros(B)
-            parts = [out_tokens.flatten(), num_acc.to(out_tokens.dtype)]
-            if n_drafts:
-                parts.append(next_drafts.flatten())
-            flat = torch.cat(parts)
-            has_acc = True
-        else:  # the tokens alone (the host knows nothing was accepted)
-            flat = out_tokens.flatten()
-        spans, p_top = (prompt_lp[0], prompt_lp[1]) if prompt_lp is not None else (None, 0)
-        if flat.device.type != "cuda":
-            return PendingStep(flat.cpu(), None, B, k1, n_top, has_acc, spans, p_top, n_drafts)
-        # NOTE: the single device-to-host copy of the step; everything above stayed on device.
-        # Pinned, so the copy is asynchronous and the host can prepare the next step meanwhile;
-        # on a side stream (worker/copy_streams.py), so the next step need not wait for it.
-        host, event = copy_streams.download(flat)
-        return PendingStep(host, event, B, k1, n_top, has_acc, spans, p_top, n_drafts)
-
-    def finish(self, pending: PendingStep) -> StepOutput:
-        """Wait for a launched step's results and unpack them."""
-        if pending.event is not None:
-            pending.event.synchronize()
-        host = pending.host.numpy()
-        B, k1, n_top = pending.num_reqs, pending.k1, pending.n_top
-        tokens = host[: B * k1].astype(np.int64).reshape(B, k1)
-        num_accepted = np.zeros(B, np.int64)
-        if pending.has_acc:
-            num_accepted = host[B * k1 : B * k1 + B].astype(np.int64)
-        next_drafts = None
-        if pending.n_drafts:
-            nd = B * pending.n_drafts
-            next_drafts = host[host.shape[0] - nd :].astype(np.int64).reshape(B, -1)
-            host = host[: host.shape[0] - nd]
-        logprobs = None
-        off = B * k1 + B
+        fields = {"tokens": out_tokens}
+        if ver.num_acc is not None:
+            fields["num_accepted"] = ver.num_acc
         if n_top >= 0:
-            n = max(n_top, 1)
-            lp = host[off : off + B * k1].reshape(B, k1)
-            off += B * k1
-            top_ids = host[off : off + B * k1 * n].astype(np.int64).reshape(B, k1, n)
-            off += B * k1 * n
-            top_lp = host[off : off + B * k1 * n].reshape(B, k1, n)
-            off += B * k1 * n
-            logprobs = []
-            for b in range(B):
-                rows = []
-                for j in range(int(num_accepted[b]) + 1):
-                    d = {int(top_ids[b, j, i]): float(top_lp[b, j, i]) for i in range(n_top)}
-                    d[int(tokens[b, j])] = float(lp[b, j])
-                    rows.append(d)
-                logprobs.append(rows)
-        prompt_lps = None
-        if pending.prompt_spans is not None:
-            prompt_lps = self._unpack_prompt_logprobs(host[off:], pending)
-        return StepOutput(tokens, num_accepted, logprobs, prompt_lps, next_drafts)
+            lp, _, top_ids, top_lp = compute_logprobs(
+                ver.logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
+            )
+            fields |= {
+                "lp": lp.view(B, k1),
+                "top_ids": top_ids.view(B, k1, -1),
+                "top_lp": top_lp.view(B, k1, -1),
+            }
+        spans, p_top = None, 0
+        if prompt_lp is not None:
+            spans, p_top, prompt_fields = prompt_lp
+            fields |= prompt_fields
+        if next_drafts is not None:
+            fields["next_drafts"] = next_drafts
+        return PendingStep(HostPacket.send(fields), B, k1, n_top, spans, p_top)
 
-    @staticmethod
-    def _unpack_prompt_logprobs(
-        host: np.ndarray, pending: PendingStep
-    ) -> dict[int, tuple[int, list[dict[int, float]], list[int]]]:
-        spans, n_top = pending.prompt_spans or [], pending.prompt_top
-        n = max(n_top, 1)
-        total = sum(c for _, _, c in spans)
-        lp, tok = host[:total], host[total : 2 * total].astype(np.int64)
-        ranks = host[2 * total : 3 * total].astype(np.int64).tolist()
-        off = 3 * total
-        top_ids = host[off : off + total * n].astype(np.int64).reshape(total, n)
-        top_lp = host[off + total * n : off + 2 * total * n].reshape(total, n)
-        out, i = {}, 0
-        for b, first, count in spans:
-            rows = []
-            for _ in range(count):
-                d = {int(top_ids[i, j]): float(top_lp[i, j]) for j in range(n_top)}
-                d[int(tok[i])] = float(lp[i])
-                rows.append(d)
-                i += 1
-            out[b] = (first, rows, ranks[i - count : i])
-        return out
+
+@dataclass
+class TargetForward:
+    """What the target forward leaves for verification and drafting."""
+
+    # [T] and [B, max_blocks]: the step's KV slots and block-table rows
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    # [T, hidden] final-norm hidden states; EAGLE-3's taps of the residual stream, each [T, hidden]
+    hidden: torch.Tensor | None = None
+    aux: list[torch.Tensor] = field(default_factory=list)
+    # attention metadata, built only when something runs eagerly
+    common: CommonAttentionMetadata | None = None
+    ctx: ForwardContext | None = None
+    # the graph the target replayed (the draft graphs run behind it), else None
+    replayed: tuple[int, int] | None = None
+
+
+@dataclass
+class Verified:
+    """The step's verification and sampling."""
+
+    # [B, K + 1, vocab] logits of the verified slots (masked; before logits processors)
+    logits: torch.Tensor
+    # [B, K + 1] accepted drafts then the recovered / bonus token; -1 past them
+    out_tokens: torch.Tensor
+    # [B] drafts accepted, or None when nothing was drafted
+    num_acc: torch.Tensor | None
+    st: SamplingTensors | None
