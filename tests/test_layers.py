@@ -68,9 +68,15 @@ def _imports(path: Path, root: Path) -> list[tuple[str, int]]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            out.append((target, node.lineno))
-            # `from specserve import x` / `from specserve.pkg import sub`: the names are modules.
-            out += [(f"{target}.{a.name}", node.lineno) for a in node.names]
+            # `from specserve import ops` imports the module `specserve.ops`, not the facade;
+            # `from specserve.pkg import name` imports `specserve.pkg` (and `name`, if a module).
+            pkg_dir = root.parent.joinpath(*target.split("."))
+            for a in node.names:
+                sub = pkg_dir / a.name
+                if sub.is_dir() or sub.with_suffix(".py").is_file():
+                    out.append((f"{target}.{a.name}", node.lineno))
+                else:
+                    out.append((target, node.lineno))
     return out
 
 

@@ -3,7 +3,7 @@
 On the compute stream a step's host-to-device upload would wait behind the previous step's
 device-to-host copy and its kernels, and each copy costs the compute stream the copy engine's
 start-up (H100, gpt-oss-20b batch 1: 14-27 us of idle device a step, ~12 us of it before the
-two copies; RESULTS.md session 16). On side streams the upload runs while the previous
+two copies; the copies on the compute stream are in git history at b3db210). On side streams the upload runs while the previous
 step computes, and the compute stream goes on to the next step while the download runs; the
 compute stream waits only for the upload (done by then) and never for the download.
 """
@@ -14,9 +14,6 @@ import functools
 
 import torch
 
-# False: both copies on the compute stream (an A/B switch: timeline_sweep.py, decode.py --sweep).
-SIDE_STREAMS = True
-
 
 @functools.cache
 def _streams(index: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
@@ -25,10 +22,9 @@ def _streams(index: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
 
 
 def _stream(device: torch.device, which: int) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """(the current stream, the copy's stream): side stream `which` (0 upload, 1 download),
-    or the current stream itself without SIDE_STREAMS."""
+    """(the current stream, the copy's stream): side stream `which` (0 upload, 1 download)."""
     main = torch.cuda.current_stream(device)
-    return main, _streams(main.device_index)[which] if SIDE_STREAMS else main
+    return main, _streams(main.device_index)[which]
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,7 @@ and Triton specializes on 16-byte alignment, which follows B's parity), async sc
 device-side placement, and every kernel of an eager (prefill or mixed) step, whose attention
 launch constants follow the longest query and the split count. Each new specialization is a
 Triton compile (0.2-1 s) on the serving path: the first time concurrency 16 was served, a
-P99 ITL of 1150 ms (issue 23).
+P99 ITL of 1150 ms.
 
 `warm_up` runs the real step (`ModelRunner.launch` + `finish`) over dummy requests that own no
 KV blocks (their KV writes land in the null block, as padded rows' do):
