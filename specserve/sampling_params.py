@@ -27,10 +27,19 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    # The grammar starts after the output's first occurrence of this text (the server sets a
+    # reasoning parser's end of thinking here): before it, and for the tokens forming it, any
+    # token is allowed. None: from the first output token.
+    start_after: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"StructuredOutputsParams.{name} {why}, got {getattr(self, name)!r}.")
+
+        if self.start_after is not None and (
+            not isinstance(self.start_after, str) or not self.start_after
+        ):
+            raise bad("start_after", "must be a non-empty string")
 
         set_ = [c for c in CONSTRAINTS if getattr(self, c) not in (None, False)]
         if len(set_) != 1:

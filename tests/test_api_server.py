@@ -114,11 +114,9 @@ def test_logit_bias_moves_the_greedy_token(server: LiveServer, hf: Any) -> None:
     assert pen != plain
 
 
+# (tools, tool_choice and parallel_tool_calls are implemented: tests/test_tools_server.py)
 UNIMPLEMENTED_CHAT = {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "auto",
     "functions": [{"name": "f"}],
-    "parallel_tool_calls": False,
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text"],
     "reasoning_effort": "low",

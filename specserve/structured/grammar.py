@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from specserve.sampling_params import StructuredOutputsParams
-from specserve.structured.matcher import RequestGrammar
+from specserve.structured.matcher import DelayedStart, RequestGrammar
 
 
 class StructuredOutputError(ValueError):
@@ -90,7 +90,19 @@ class StructuredOutputs:
         import xgrammar as xgr
 
         grammar = compiled if compiled is not None else self.compile(params)
-        return RequestGrammar(xgr.GrammarMatcher(grammar), self.vocab_size)
+        start = None
+        if params.start_after is not None:
+            tok = self.tokenizer
+            if tok is None:
+                raise StructuredOutputError(
+                    "a grammar that starts after a marker needs the model's tokenizer",
+                    "structured_outputs",
+                )
+            # NOTE: special tokens kept: a marker may be made of them (harmony's channels).
+            start = DelayedStart(
+                params.start_after, lambda ids: tok.decode(ids, skip_special_tokens=False)
+            )
+        return RequestGrammar(xgr.GrammarMatcher(grammar), self.vocab_size, start)
 
 
 def choice_as_ebnf(choices: list[str]) -> str:

@@ -10,10 +10,17 @@ Per step, for a request verifying drafts d1..dn:
   commit       after verification: roll back the drafts that were rejected, accept the
                recovered / bonus token.
 Every token the engine appends has been accepted by the matcher, so none breaks the grammar.
+
+Delayed start (`DelayedStart`, a chat request's `response_format` or tool grammar behind a
+reasoning parser): until the output holds the end-of-thinking marker every token is allowed and
+the matcher does not move; the token completing the marker is the last free one. The walk above
+runs through the same code, so when a draft completes the marker the next slots of that very
+step already get the grammar's masks, and a rejected draft rolls the start back with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,24 +31,61 @@ class GrammarViolationError(RuntimeError):
 
 
 class RequestGrammar:
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, start: DelayedStart | None = None) -> None:
         # xgrammar.GrammarMatcher: the parse state after the request's committed output tokens
-        # (plus `num_tentative` drafts while a step is in flight).
+        # (plus the tentative drafts while a step is in flight).
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self.num_tentative = 0
+        # None: the grammar applies from the first output token.
+        self.start = start
+        # Per tentatively accepted draft: True if the matcher took it, False if it went to the
+        # delayed start's text (before the grammar started).
+        self._tentative: list[bool] = []
         # Host copy of the drafts the next step verifies (device drafters read them back with
         # the step's one device-to-host copy; n-gram proposes them on the host).
         self.drafts: list[int] = []
 
     @property
+    def num_tentative(self) -> int:
+        return len(self._tentative)
+
+    @property
+    def started(self) -> bool:
+        return self.start is None or self.start.started
+
+    @property
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: the output is complete."""
-        return self.matcher.is_terminated()
+        return self.started and self.matcher.is_terminated()
 
-    def _take_tentative(self) -> int:
-        n, self.num_tentative = self.num_tentative, 0
-        return n
+    def _accept(self, tok: int) -> bool:
+        """Take one token (tentatively): into the matcher once started, else into the delayed
+        start's text (any token is allowed there)."""
+        if self.started:
+            if not self.matcher.accept_token(tok):
+                return False
+            self._tentative.append(True)
+        else:
+            self.start.push(tok)  # type: ignore[union-attr]
+            self._tentative.append(False)
+        return True
+
+    def _rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        undone = self._tentative[-n:]
+        del self._tentative[-n:]
+        in_matcher = sum(undone)
+        if in_matcher:
+            self.matcher.rollback(in_matcher)
+        if n - in_matcher:
+            self.start.pop(n - in_matcher)  # type: ignore[union-attr]
+
+    def _fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.started:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            bitmask[row] = -1  # before the grammar starts: every token
 
     def fill_masks(
         self,
@@ -51,51 +95,81 @@ class RequestGrammar:
         start: int,
     ) -> None:
         """Masks for slots 0..len(drafts); leaves the accepted drafts tentatively accepted."""
-        m = self.matcher
-        stale = self._take_tentative()  # a step whose results were dropped (preempted)
-        if stale:
-            m.rollback(stale)
-        m.fill_next_token_bitmask(bitmask, start)
+        self._rollback(self.num_tentative)  # a step whose results were dropped (preempted)
+        self._fill(bitmask, start)
         n = len(drafts)
         for j, d in enumerate(drafts, 1):
-            if not m.accept_token(int(d)):
+            if not self._accept(int(d)):
                 break
-            self.num_tentative += 1
-            if m.is_terminated():  # a drafted stop token: no mask exists after it
+            if self.is_terminated:  # a drafted stop token: no mask exists after it
                 break
-            m.fill_next_token_bitmask(bitmask, start + j)
+            # NOTE: the draft that completes a delayed start's marker makes this slot's mask
+            # the grammar's first: the grammar starts inside the step, as it would without it.
+            self._fill(bitmask, start + j)
         # The last slot with a mask of its own; the slots after it copy it.
-        last = start + self.num_tentative - (1 if m.is_terminated() else 0)
+        last = start + self.num_tentative - (1 if self.is_terminated else 0)
         bitmask[last + 1 : start + n + 1] = bitmask[last]
 
     def commit(self, tokens: list[int], num_accepted: int) -> int:
         """Record a verified step: `tokens` = the n accepted drafts then the recovered / bonus
         token. Returns how many of them the output keeps (all, unless an accepted draft was
         the stop token: the output ends there)."""
-        a = self._take_tentative()
-        m = self.matcher
-        if a > 0 and num_accepted >= a and m.is_terminated():
+        a = self.num_tentative
+        if a > 0 and num_accepted >= a and self.is_terminated:
+            self._tentative.clear()
             return a  # draft a, accepted, was the stop token: nothing after it counts
         if num_accepted > a:
             raise GrammarViolationError(
                 f"verification accepted {num_accepted} drafts but the grammar only {a}"
             )
-        if a > num_accepted:
-            m.rollback(a - num_accepted)
+        self._rollback(a - num_accepted)
         tok = int(tokens[num_accepted])
-        if not m.accept_token(tok):
+        if not self._accept(tok):
             raise GrammarViolationError(f"token {tok} does not match the request's grammar")
+        self._tentative.clear()
         return num_accepted + 1
 
     def valid_prefix(self, drafts: list[int]) -> int:
         """How many leading `drafts` the grammar accepts (up to and including a stop token);
         the state is left unchanged. Host drafters (n-gram) cut their drafts there."""
-        m = self.matcher
+        before = self.num_tentative
         n = 0
         for d in drafts:
-            if m.is_terminated() or not m.accept_token(int(d)):
+            if self.is_terminated or not self._accept(int(d)):
                 break
             n += 1
-        if n:
-            m.rollback(n)
+        self._rollback(self.num_tentative - before)
         return n
+
+
+class DelayedStart:
+    """The grammar starts after the output's first `marker` (a reasoning parser's end of
+    thinking): the tokens up to and including the one that completes it are outside the
+    grammar. Detected on the text of the last tokens, so a marker split over several tokens, or
+    ending inside one, counts."""
+
+    def __init__(self, marker: str, decode: Callable[[list[int]], str]) -> None:
+        if not marker:
+            raise ValueError("a delayed grammar start needs a non-empty marker")
+        self.marker = marker
+        self.decode = decode
+        # Output tokens before the grammar started (committed and tentative).
+        self.ids: list[int] = []
+        # len(ids) when the marker was completed; None while it has not been.
+        self.marker_end: int | None = None
+        # Each token decodes to at least one character, so the marker lies within this many.
+        self._window = len(marker) + 2
+
+    @property
+    def started(self) -> bool:
+        return self.marker_end is not None
+
+    def push(self, tok: int) -> None:
+        self.ids.append(tok)
+        if self.marker in self.decode(self.ids[-self._window :]):
+            self.marker_end = len(self.ids)
+
+    def pop(self, n: int) -> None:
+        del self.ids[-n:]
+        if self.marker_end is not None and len(self.ids) < self.marker_end:
+            self.marker_end = None

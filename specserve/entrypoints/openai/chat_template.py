@@ -4,7 +4,11 @@ accepted and then dropped by a template that ignores them:
   - `reasoning_effort`: gpt-oss's harmony template writes "Reasoning: <effort>" into its system
     turn;
   - vLLM's `chat_template_kwargs`: any other variable the template reads (`model_identity` in
-    the harmony template, `enable_thinking` in Qwen3's)."""
+    the harmony template, `enable_thinking` in Qwen3's).
+Tools reach the template as transformers passes them (`tools=[{"type": "function", "function":
+{...}}]`); a template that reads no `tools` gets them described in a system message instead,
+and one that reads no `tool_calls` gets an assistant's earlier calls written into its text
+(`tool_conversation`)."""
 
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ import re
 from typing import Any
 
 from specserve.entrypoints.openai.protocol import APIError
+from specserve.entrypoints.openai.tools import describe_tools, hermes_call_text
 
-# Set by the server or transformers, or requests' own fields (`tools` is not implemented):
-# never overridden through chat_template_kwargs.
+# Set by the server or transformers, or requests' own fields: never overridden through
+# chat_template_kwargs.
 _RESERVED = frozenset(
     {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
      "raise_exception", "strftime_now"}
@@ -83,3 +88,54 @@ def template_kwargs(
             param="reasoning_effort",
         )
     return {**out, "reasoning_effort": reasoning_effort}
+
+
+def template_reads(tokenizer: Any) -> tuple[bool, bool]:
+    """(reads `tools`, reads messages' `tool_calls`) for the tokenizer's chat template(s)."""
+    tpl = getattr(tokenizer, "chat_template", None)
+    if tpl is None:
+        return False, False
+    sources = list(tpl.values()) if isinstance(tpl, dict) else [tpl]
+    tools = any("tools" in _variables(src) for src in sources)
+    return tools, any("tool_calls" in src for src in sources)
+
+
+def tool_conversation(
+    conv: list[dict[str, Any]],
+    functions: list[dict[str, Any]],
+    choice: str,
+    reads: tuple[bool, bool],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, `tools` for the template) of a chat request with tools. A template that reads
+    no `tools` gets them in a system message (the first one's text, else one of its own),
+    unless tool_choice is "none"; one that reads no `tool_calls` gets earlier calls appended to
+    the assistant's text in the hermes form."""
+    reads_tools, reads_calls = reads
+    if not reads_calls:
+        conv = [_calls_as_text(m) for m in conv]
+    if not functions:
+        return conv, None
+    if reads_tools:
+        return conv, [{"type": "function", "function": f} for f in functions]
+    if choice == "none":
+        return conv, None
+    text = describe_tools(functions, choice)
+    if conv and conv[0]["role"] in ("system", "developer"):
+        first = {**conv[0], "content": f"{conv[0]['content']}\n\n{text}".lstrip()}
+        return [first, *conv[1:]], None
+    return [{"role": "system", "content": text}, *conv], None
+
+
+def _calls_as_text(m: dict[str, Any]) -> dict[str, Any]:
+    calls = m.get("tool_calls")
+    if not calls:
+        return m
+    import json
+
+    text = "\n".join(
+        hermes_call_text(c["function"]["name"], json.dumps(c["function"]["arguments"]))
+        for c in calls
+    )
+    out = {k: v for k, v in m.items() if k != "tool_calls"}
+    out["content"] = f"{m['content']}\n{text}".lstrip()
+    return out

@@ -10,6 +10,8 @@ import socket
 from typing import Any
 
 from specserve.entrypoints.cli import add_engine_args, engine_kwargs
+from specserve.entrypoints.openai.reasoning import REASONING_PARSERS
+from specserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("specserve")
 
@@ -47,6 +49,25 @@ def add_serve_parser(sub: Any) -> None:
         default=30.0,
         help="on SIGTERM/SIGINT, seconds to let in-flight requests finish before ending them "
         "with an error; a second signal exits at once (default 30)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse tool calls out of chat outputs for tool_choice "auto" (needs '
+        "--tool-call-parser); without it such requests are 400s",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_PARSERS,
+        help="the model's tool-call format, as vLLM names it",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="split chat outputs' thinking into message.reasoning (and reasoning_content); "
+        "response_format and tool grammars start after the thinking",
     )
     p.add_argument("--uvicorn-log-level", default="info")
     p.set_defaults(func=cmd_serve)
@@ -111,10 +132,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_request_bytes < 1 or args.shutdown_timeout < 0:
         raise ValueError("--max-request-bytes must be >= 1 and --shutdown-timeout >= 0.")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME.")
+    # As vLLM: the parser only parses "auto" choices when auto tool choice is on.
+    tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     config = EngineConfig(**serve_engine_kwargs(args))
     config.check_device_available()
     check_port_free(args.host, args.port)
-    app = build_app(config, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    app = build_app(
+        config,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        tool_parser=tool_parser,
+        reasoning_parser=args.reasoning_parser,
+    )
     freeze_startup_heap()
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     SpecServer(uv, app.state.engine, args.shutdown_timeout).run()

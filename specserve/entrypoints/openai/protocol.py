@@ -5,7 +5,7 @@ and rejects NaN/Infinity, so nothing the engine thread cannot handle gets past t
 value there would kill the engine loop for every client, not fail one request.
 
 No field is accepted and then ignored: a field this file does not declare is a 400 that names
-it (`tools`, `tool_choice`, `functions`, `function_call`, `parallel_tool_calls`, `audio`,
+it (`functions`, `function_call` (the deprecated forms of `tools`), `audio`,
 `modalities`, `prediction`, `web_search_options`, `logit_bias` keys that are
 not token ids, vLLM's `guided_*`, `priority`, `lora_request`, ...). The declared fields that
 do not change what is generated, and so are accepted without an effect:
@@ -22,10 +22,12 @@ is a 400 (chat_template.py).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from specserve.entrypoints.openai.tools import parameters_schema, required_calls_schema
 from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Bounds that keep values inside the engine's int64 per-row tensors. How many logprobs a
@@ -319,18 +321,96 @@ class TextPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionDefinition(OpenAIModel):
+    # OpenAI's rule for function names.
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    # A JSON Schema object; none: the function takes no arguments.
+    parameters: dict[str, Any] | None = None
+    # xgrammar always enforces a forced call's schema strictly, which satisfies both values.
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+
+
+class ToolCallIn(OpenAIModel):
+    """A call of an earlier assistant turn, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIModel):
+    # Any role: the model's chat template decides which it renders (and refuses the rest).
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # assistant turns: the calls it made; tool turns: the call they answer
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    # An assistant turn as this server returned it (clients send the message back as is):
+    # its reasoning reaches templates that read `reasoning_content` (Qwen3's).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None
 
-    def to_template(self) -> dict[str, str]:
+    def text(self) -> str:
         c = self.content
         if isinstance(c, list):
             if any(p.type != "text" or p.text is None for p in c):
                 raise APIError("only text content parts are supported.", param="messages")
             c = "".join(p.text or "" for p in c)
-        return {"role": self.role, "content": c or ""}
+        return c or ""
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as transformers passes it to a chat template; an assistant's call
+        arguments decoded into objects, as vLLM hands them to templates (`| tojson`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise APIError("only assistant messages carry tool_calls.", param="messages")
+            out["tool_calls"] = [
+                {"id": t.id, "type": "function",
+                 "function": {"name": t.function.name, "arguments": _json_or_text(t.function)}}
+                for t in self.tool_calls
+            ]  # fmt: skip
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise APIError("a tool message needs tool_call_id.", param="messages")
+            out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content or self.reasoning
+        if reasoning and self.role == "assistant":
+            out["reasoning_content"] = reasoning
+        return out
+
+
+def _json_or_text(f: ToolCallFunction) -> Any:
+    try:
+        return json.loads(f.arguments)
+    except ValueError:
+        raise APIError(
+            f"tool_calls: the arguments of {f.name!r} are not JSON.", param="messages"
+        ) from None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -345,6 +425,55 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's extension: more variables for the chat template (`enable_thinking`,
     # `model_identity`, ...); a 400 naming any the model's template does not read.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (tools.py). Defaults as OpenAI's: "auto" with tools, else "none".
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_choice_name(self) -> str:
+        """ "none", "auto", "required" or the forced function's name; checked against
+        `tools`."""
+        tc = self.tool_choice
+        if tc is None:
+            return "auto" if self.tools else "none"
+        if not self.tools and tc != "none":
+            raise APIError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        if isinstance(tc, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if tc.function.name not in names:
+                raise APIError(
+                    f"Tool '{tc.function.name}' has not been passed in `tools` ({names}).",
+                    param="tool_choice",
+                )
+            return tc.function.name
+        return tc
+
+    def functions(self) -> list[dict[str, Any]]:
+        return [t.function.model_dump(exclude_none=True) for t in self.tools or []]
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """A forced tool choice's grammar (tools.py), else the request's own constraint."""
+        choice = self.tool_choice_name()
+        if choice in ("none", "auto"):
+            return super().structured_outputs_params()
+        rf = self.response_format
+        if self.structured_outputs is not None or (rf is not None and rf.type != "text"):
+            raise APIError(
+                f"tool_choice {choice!r} forces the output's form: set no response_format or "
+                "structured_outputs with it.",
+                param="tool_choice",
+            )
+        fns = self.functions()
+        if choice == "required":
+            schema = required_calls_schema(fns, self.parallel_tool_calls is not False)
+        else:
+            schema = parameters_schema(next(f for f in fns if f["name"] == choice))
+        try:
+            # NOTE: compact JSON: free whitespace between tokens lets a small model wander
+            # into whitespace until max_tokens, and a call cut short is no call.
+            return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        except ValueError as e:
+            raise APIError(str(e), param="tools") from e
 
     def to_sampling_params(self) -> SamplingParams:
         self.check_stream_options()
@@ -360,7 +489,7 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens or self.max_tokens
         return self.sampling_params(max_tokens, n_top, self.prompt_logprobs)
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
         return [m.to_template() for m in self.messages]
 
 

@@ -44,7 +44,9 @@ from specserve.entrypoints.openai.protocol import (
     OpenAIModel,
     parse,
 )
+from specserve.entrypoints.openai.reasoning import get_reasoning_parser
 from specserve.entrypoints.openai.serving import OpenAIServing, Stream
+from specserve.entrypoints.openai.tool_parsers import get_tool_parser
 from specserve.metrics.prometheus import PrometheusMetrics
 
 logger = logging.getLogger("specserve")
@@ -75,13 +77,23 @@ def create_app(
     model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
-    """Build the app around `engine`; the engine thread starts and stops with the app."""
+    """Build the app around `engine`; the engine thread starts and stops with the app.
+    `tool_parser`: parses "auto" tool choices (`--enable-auto-tool-choice --tool-call-parser`);
+    `reasoning_parser`: splits chat outputs' thinking off (`--reasoning-parser`)."""
     core = engine.engine
     name = model_name or core.config.served_model_name or core.config.model
     metrics = PrometheusMetrics(name, lambda: engine.snapshot, core.num_spec_tokens > 0)
     engine.observers.append(metrics)
-    serving = OpenAIServing(engine, name, on_abort=metrics.count_aborted)
+    serving = OpenAIServing(
+        engine,
+        name,
+        on_abort=metrics.count_aborted,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+    )
     created = int(time.time())
 
     @asynccontextmanager
@@ -154,9 +166,18 @@ def build_app(
     config: EngineConfig,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
+    # Unknown parser names fail here, before the model loads.
+    if tool_parser is not None:
+        get_tool_parser(tool_parser)
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
     engine = AsyncLLMEngine.from_config(config)
-    return create_app(engine, config.served_model_name, api_key, max_request_bytes)
+    return create_app(
+        engine, config.served_model_name, api_key, max_request_bytes, tool_parser, reasoning_parser
+    )
 
 
 def _bearer_token(request: Request) -> str:

@@ -22,13 +22,21 @@ from specserve.engine.async_engine import (
     PromptSource,
     RequestGroup,
 )
-from specserve.entrypoints.openai.chat_template import template_kwargs, template_variables
+from specserve.entrypoints.openai.chat_output import ChatOutputParser
+from specserve.entrypoints.openai.chat_template import (
+    template_kwargs,
+    template_reads,
+    template_variables,
+    tool_conversation,
+)
 from specserve.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
 )
+from specserve.entrypoints.openai.reasoning import get_reasoning_parser
+from specserve.entrypoints.openai.tool_parsers import get_tool_parser
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -59,6 +67,8 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     started: bool = False
+    # Prompt tokens served from the prefix cache (usage.prompt_tokens_details.cached_tokens).
+    num_cached_tokens: int = 0
 
 
 class OpenAIServing:
@@ -67,9 +77,16 @@ class OpenAIServing:
         engine: AsyncLLMEngine,
         model_name: str,
         on_abort: Callable[[int], None] | None = None,
+        tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
+        """`tool_parser`: parses "auto" tool choices (`--tool-call-parser` with
+        `--enable-auto-tool-choice`; None: "auto" with tools is a 400). `reasoning_parser`:
+        splits the thinking off chat outputs (`--reasoning-parser`)."""
         self.engine = engine
         self.model_name = model_name
+        self.tool_parser = get_tool_parser(tool_parser) if tool_parser else None
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         # Told how many engine requests ended unfinished (client gone, error): /metrics counts
         # them as finished_reason="abort".
         self.on_abort = on_abort
@@ -80,6 +97,7 @@ class OpenAIServing:
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="specserve-tokenizer")
         # What the model's chat template reads (request fields it does not read are 400s).
         self.template_variables = template_variables(self.tokenizer)
+        self.template_reads = template_reads(self.tokenizer)
 
     async def _off_thread(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn)
@@ -127,11 +145,19 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest) -> dict[str, Any] | Stream:
         self.check_model(req.model)
+        choice = req.tool_choice_name()
+        if choice == "auto" and req.tools and self.tool_parser is None:
+            raise APIError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
+                param="tool_choice",
+            )
         sp = req.to_sampling_params()
         conv, add_gen = req.conversation(), req.add_generation_prompt
         tok = self.tokenizer
         if tok is None:
             raise APIError("this model has no tokenizer, so chat is not available.")
+        conv, tools = tool_conversation(conv, req.functions(), choice, self.template_reads)
 
         extra = template_kwargs(
             self.template_variables, req.reasoning_effort, req.chat_template_kwargs
@@ -147,19 +173,28 @@ class OpenAIServing:
                 param="messages",
             )
 
-        def make() -> dict[str, Any]:
-            ids = tok.apply_chat_template(
-                conv, add_generation_prompt=add_gen, tokenize=True, return_dict=False, **extra
+        def make() -> tuple[str, list[int]]:
+            # As transformers' tokenize=True: the rendered text without added special tokens.
+            text = tok.apply_chat_template(
+                conv, tools=tools, add_generation_prompt=add_gen, tokenize=False, **extra
             )
-            return {"prompt_token_ids": list(ids)}
+            return text, tok.encode(text, add_special_tokens=False)
 
         try:
-            prompt = await self._off_thread(make)
+            text, ids = await self._off_thread(make)
         except Exception as e:  # a template that rejects the conversation: the input's fault
             raise APIError(f"chat template: {e}", param="messages") from e
         asked = req.max_completion_tokens or req.max_tokens
-        self._check_max_tokens(asked, len(prompt["prompt_token_ids"]), sp)
-        return await self._run("chatcmpl", req, sp, [prompt], _ChatFormat(self, req))
+        self._check_max_tokens(asked, len(ids), sp)
+        so = sp.structured_outputs
+        if self.reasoning_parser is not None and so is not None:
+            marker = self.reasoning_parser.end_marker
+            if not text.rstrip().endswith(marker):
+                # NOTE: no grammar on the thinking: it starts after the end marker (unless the
+                # prompt closed the thinking already, as Qwen3's enable_thinking=False does).
+                sp = replace(sp, structured_outputs=replace(so, start_after=marker))
+        fmt = _ChatFormat(self, req, choice, text)
+        return await self._run("chatcmpl", req, sp, [{"prompt_token_ids": ids}], fmt)
 
     def _check_max_tokens(self, asked: int | None, num_prompt: int, sp: SamplingParams) -> None:
         """vLLM's 400 for a `max_tokens` the context cannot hold after the prompt. A prompt
@@ -276,6 +311,7 @@ class OpenAIServing:
             c.prompt_token_ids = list(out.prompt_token_ids)
             c.prompt_logprobs = out.prompt_logprobs
             c.prompt_logprob_ranks = out.prompt_logprob_ranks
+            c.num_cached_tokens = out.num_cached_tokens
         if fmt.echo_only:
             # The one token sampled for the prefill's sake is not part of the answer.
             if out.finished:
@@ -295,11 +331,17 @@ def _dead(e: Exception) -> APIError:
     return APIError(str(e), status=503, type="server_error")
 
 
-def _usage(prompt_lens: dict[int, int], choices: list[_Choice]) -> dict[str, int]:
+def _usage(prompt_lens: dict[int, int], choices: list[_Choice]) -> dict[str, Any]:
     # Each prompt counts once, however many choices (n) it has.
     p = sum(prompt_lens.values())
     n = sum(len(c.token_ids) for c in choices)
-    return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    cached = sum({c.prompt_idx: c.num_cached_tokens for c in choices}.values())
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": n,
+        "total_tokens": p + n,
+        "prompt_tokens_details": {"cached_tokens": cached},  # OpenAI's field
+    }
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -470,10 +512,51 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     obj, chunk_obj = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest) -> None:
+    def __init__(
+        self, serving: OpenAIServing, req: ChatCompletionRequest, choice: str, prompt: str
+    ) -> None:
         super().__init__(serving)
         self.n_top = (req.top_logprobs or 0) if req.logprobs else None
         self.prompt_n_top = req.prompt_logprobs
+        self.req, self.choice, self.prompt = req, choice, prompt
+        # Plain text (no parser has anything to do): content as generated.
+        self.plain = (
+            serving.reasoning_parser is None
+            and choice in ("none", "auto")
+            and (choice == "none" or not req.tools)
+        )
+        self._parsers: dict[int, ChatOutputParser] = {}
+
+    def parser(self, idx: int) -> ChatOutputParser:
+        """Choice `idx`'s parser (its own streaming state)."""
+        p = self._parsers.get(idx)
+        if p is None:
+            s, choice = self.serving, self.choice
+            reasoning = None
+            if s.reasoning_parser is not None:
+                opens = getattr(s.reasoning_parser, "prompt_opens_thinking", None)
+                in_prompt = opens(self.prompt) if opens is not None else None
+                reasoning = s.reasoning_parser(s.tokenizer, thinking_in_prompt=in_prompt or None)
+            if choice == "none" or not self.req.tools:
+                p = ChatOutputParser(reasoning, "text")
+            elif choice == "auto":
+                tool_parser = s.tool_parser(s.tokenizer) if s.tool_parser is not None else None
+                p = ChatOutputParser(
+                    reasoning,
+                    "auto",
+                    tool_parser,
+                    parallel=self.req.parallel_tool_calls is not False,
+                )
+            else:
+                named = None if choice == "required" else choice
+                p = ChatOutputParser(
+                    reasoning,
+                    "forced",
+                    named=named,
+                    parallel=self.req.parallel_tool_calls is not False,
+                )
+            self._parsers[idx] = p
+        return p
 
     def logprobs(self, c: _Choice, start: int) -> dict[str, Any] | None:
         if self.n_top is None:
@@ -495,27 +578,39 @@ class _ChatFormat(_Format):
         # NOTE: the role rides on the first token's chunk, so a client's TTFT is the first
         # token's arrival, not an empty chunk sent before any work was done.
         msg: dict[str, Any] = {"role": "assistant"} if first else {}
-        msg["content"] = delta
+        finish = c.finish_reason
+        if self.plain:
+            msg["content"] = delta
+        else:
+            p = self.parser(idx)
+            msg.update(p.delta_json(p.feed(delta, final=finish is not None)))
+            if p.called and finish == "stop":
+                finish = "tool_calls"
         choice = {
             "index": idx,
             "delta": msg,
             "logprobs": self.logprobs(c, n_before),
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish,
             "stop_reason": c.stop_reason,
         }
         return {**self.head(self.chunk_obj), "choices": [choice]}
 
     def response(self, choices: list[_Choice], usage: dict[str, int]) -> dict[str, Any]:
-        out = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self.logprobs(c, 0),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for i, c in enumerate(choices)
-        ]
+        out = []
+        for i, c in enumerate(choices):
+            msg: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish = c.finish_reason
+            if not self.plain:
+                msg, finish = self.parser(i).message(c.text, finish)
+            out.append(
+                {
+                    "index": i,
+                    "message": msg,
+                    "logprobs": self.logprobs(c, 0),
+                    "finish_reason": finish,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         resp = {**self.head(self.obj), "choices": out, "usage": usage}
         if self.prompt_n_top is not None and choices:
             # vLLM: one list at the top level (every choice shares the prompt).
