@@ -133,6 +133,9 @@ def test_openapi_states_the_enforced_rules(server: LiveServer) -> None:
     assert member(cmpl["best_of"], "integer")["maximum"] == 128
     assert cmpl["n"]["maximum"] == 128 and cmpl["n"]["minimum"] == 1
     assert member(chat["reasoning_effort"], "string")["enum"] == ["low", "medium", "high"]
+    tc = chat["tool_choice"]
+    assert {"none", "auto", "required"} <= {v for m in tc["anyOf"] for v in m.get("enum", [])}
+    assert "needs `tools`" in tc["description"]
     # Each stated rule is what the server answers: a body that breaks it is a 400.
     for body, param in (
         ({"prompt": ""}, "prompt"),
@@ -143,3 +146,6 @@ def test_openapi_states_the_enforced_rules(server: LiveServer) -> None:
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ):
         _assert_error(_post(server, "/completions", body), 400, param)
+    msgs = [{"role": "user", "content": "x"}]
+    r = _post(server, "/chat/completions", {"messages": msgs, "tool_choice": "required"})
+    _assert_error(r, 400, "tool_choice")

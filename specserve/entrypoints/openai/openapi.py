@@ -30,10 +30,16 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class PromptTokensDetails(BaseModel):
+    # Prompt tokens whose KV came from the prefix cache.
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -204,6 +210,10 @@ ENFORCED: dict[str, dict[str, dict[str, dict[str, Any]]]] = {
         "stop_token_ids": {"array": {"items": {"type": "integer", "minimum": 0}}},
         "bad_words": {"array": {"items": {"type": "string", "pattern": "\\S"}}},
         "prompt_logprobs": {"*": {"description": "not with `stream: true`"}},
+        "tool_choice": {"*": {"description": "default \"auto\" with `tools`, else \"none\"; "
+                              "needs `tools` (but \"none\"); \"auto\" needs the server's "
+                              "--enable-auto-tool-choice; \"required\" and a named function "
+                              "exclude response_format and structured_outputs"}},
     },
 }  # fmt: skip
 
