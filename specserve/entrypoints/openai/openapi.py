@@ -80,9 +80,24 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: str
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: str
     content: str | None = None
+    # With --reasoning-parser: the thinking (vLLM's current field and its earlier name).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -15,6 +15,8 @@ do not change what is generated, and so are accepted without an effect:
     dashboards and distillation; specserve keeps nothing.
 `response_format` (json_object, json_schema) and vLLM's `structured_outputs` map onto
 `StructuredOutputsParams`, enforced by the grammar step of verification and sampling.
+`tools`, `tool_choice` and `parallel_tool_calls` (chat) are tools.py's: "required" and a named
+function become the grammar of a JSON schema, "auto" needs the server's tool parser.
 `reasoning_effort` (chat) goes to the model's chat template (gpt-oss's harmony template writes it
 into its system turn), and so do vLLM's `chat_template_kwargs`; one the template does not read
 is a 400 (chat_template.py).
