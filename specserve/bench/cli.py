@@ -29,6 +29,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--input-len", type=int, default=1024, help="random dataset prompt tokens")
     p.add_argument("--output-len", type=int, default=128, help="max tokens per request")
+    # vLLM's prefix_repetition flags and defaults
+    p.add_argument("--prefix-repetition-prefix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-suffix-len", type=int, default=256)
+    p.add_argument("--prefix-repetition-num-prefixes", type=int, default=10)
+    p.add_argument("--prefix-repetition-output-len", type=int, default=128)
+    p.add_argument(
+        "--multi-turn-num-conversations", type=int, default=8, help="multi-turn: conversations"
+    )
+    p.add_argument("--multi-turn-num-turns", type=int, default=4, help="multi-turn: turns each")
+    p.add_argument(
+        "--multi-turn-input-len", type=int, default=128, help="multi-turn: new tokens per turn"
+    )
+    p.add_argument(
+        "--multi-turn-output-len", type=int, default=64, help="multi-turn: max tokens per turn"
+    )
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="Poisson req/s (inf: all at once)"

@@ -136,6 +136,13 @@ def format_result(
         for p in percentiles:
             lines.append(_row(f"P{_pword(p)} {name} (ms):", r[f"p{_pword(p)}_{key}_ms"], ".2f"))
         lines.append(_row(f"Max {name} (ms):", r[f"max_{key}_ms"], ".2f"))
+    if "mean_ttft_ms_by_turn" in r:
+        lines.append("{s:{c}^{n}}".format(s="Time to First Token by Turn", n=50, c="-"))
+        for t, (mean, median) in enumerate(
+            zip(r["mean_ttft_ms_by_turn"], r["median_ttft_ms_by_turn"]), start=1
+        ):
+            lines.append(_row(f"Mean TTFT turn {t} (ms):", mean, ".2f"))
+            lines.append(_row(f"Median TTFT turn {t} (ms):", median, ".2f"))
     if "spec_decode_num_drafts" in r:
         lines.append("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
         lines.append(_row("Acceptance rate (%):", r["spec_decode_acceptance_rate"], ".2f"))

@@ -63,11 +63,11 @@ async def benchmark(
         k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None
     }
 
-    def inp(r: SampleRequest) -> RequestFuncInput:
+    def inp(r: SampleRequest, prompt: str | None = None, prompt_len: int = 0) -> RequestFuncInput:
         return RequestFuncInput(
-            r.prompt,
+            r.prompt if prompt is None else prompt,
             base_url + endpoint,
-            r.prompt_len,
+            prompt_len or r.prompt_len,
             r.expected_output_len,
             model_id,
             args.ignore_eos,
@@ -91,29 +91,79 @@ async def benchmark(
         pbar = tqdm(total=len(requests))
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
 
-    async def limited(r: SampleRequest) -> RequestFuncOutput:
+    async def limited(r: SampleRequest, prompt: str | None = None, n: int = 0) -> RequestFuncOutput:
         async with sem:
-            out = await func(session, inp(r))
+            out = await func(session, inp(r, prompt, n))
         if pbar is not None:
             pbar.update(1)
         return out
 
+    async def conversation(turns: list[SampleRequest]) -> list[RequestFuncOutput]:
+        """One multi-turn conversation: each turn resends the history (messages and the
+        server's answers) plus its new message, after the previous turn's answer."""
+        history: list[str] = []
+        n_history, outs = 0, []
+        for r in turns:
+            prompt = "\n\n".join([*history, r.prompt])
+            out = await limited(r, prompt, n_history + r.prompt_len)
+            outs.append(out)
+            history += [r.prompt, out.generated_text]
+            n_history += r.prompt_len + out.output_tokens
+        return outs
+
     rng = np.random.default_rng(args.seed)
     start = time.perf_counter()
-    tasks = [
-        asyncio.create_task(limited(requests[i]))
-        async for i in _arrivals(len(requests), args.request_rate, rng)
-    ]
-    outputs = await asyncio.gather(*tasks)
+    convs = _conversations(requests)
+    if convs is None:
+        tasks = [
+            asyncio.create_task(limited(requests[i]))
+            async for i in _arrivals(len(requests), args.request_rate, rng)
+        ]
+        outputs = await asyncio.gather(*tasks)
+    else:  # the request rate paces conversations; their turns follow one another
+        conv_tasks = [
+            asyncio.create_task(conversation(convs[i]))
+            async for i in _arrivals(len(convs), args.request_rate, rng)
+        ]
+        outputs = [o for outs in await asyncio.gather(*conv_tasks) for o in outs]
     duration = time.perf_counter() - start
     if pbar is not None:
         pbar.close()
     after = await fetch_spec_decode_counters(session, base_url)
 
     result = calculate_metrics(outputs, duration, args.percentiles)
+    if convs is not None:
+        result.update(ttft_by_turn([r for c in convs for r in c], outputs))
     result.update(spec_decode_delta(before, after) or {})
     print_result(result, max_concurrency, args.request_rate, args.metrics, args.percentiles)
     return result
+
+
+def _conversations(requests: list[SampleRequest]) -> list[list[SampleRequest]] | None:
+    """The multi-turn dataset's requests grouped by conversation, turns in order (None: lone
+    requests)."""
+    if all(r.conversation < 0 for r in requests):
+        return None
+    convs: dict[int, list[SampleRequest]] = {}
+    for r in requests:
+        convs.setdefault(r.conversation, []).append(r)
+    return [sorted(c, key=lambda r: r.turn) for _, c in sorted(convs.items())]
+
+
+def ttft_by_turn(
+    requests: list[SampleRequest], outputs: list[RequestFuncOutput]
+) -> dict[str, list[float]]:
+    """Mean and median TTFT (ms) of each turn index over the conversations: with a prefix
+    cache, turns after the first compute only what the history does not already hold."""
+    by_turn: dict[int, list[float]] = {}
+    for r, o in zip(requests, outputs):
+        if o.success:
+            by_turn.setdefault(r.turn, []).append(o.ttft * 1000)
+    turns = range(max(by_turn) + 1) if by_turn else range(0)
+    return {
+        "mean_ttft_ms_by_turn": [float(np.mean(by_turn.get(t, [0.0]))) for t in turns],
+        "median_ttft_ms_by_turn": [float(np.median(by_turn.get(t, [0.0]))) for t in turns],
+    }
 
 
 def _tokenizer(args: argparse.Namespace, root: str) -> Any:
@@ -123,7 +173,7 @@ def _tokenizer(args: argparse.Namespace, root: str) -> Any:
 
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # a served name, not a directory, or no tokenizer files there
-        if args.dataset_name == "random":
+        if args.dataset_name in ("random", "prefix_repetition", "multi-turn"):
             raise ValueError(
                 f"cannot load a tokenizer from {path!r} ({e}); pass --tokenizer DIR."
             ) from e
@@ -132,7 +182,7 @@ def _tokenizer(args: argparse.Namespace, root: str) -> Any:
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     base_url = args.base_url.rstrip("/")
-    if args.dataset_name == "random":
+    if args.dataset_name in ("random", "prefix_repetition", "multi-turn"):
         args.ignore_eos = True  # as vLLM: random prompts run to the requested length
     sweep = _sweep(args)
     timeout = aiohttp.ClientTimeout(total=6 * 60 * 60)
@@ -153,10 +203,18 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
                 args.input_len,
                 args.dataset_path,
                 args.seed,
+                args.prefix_repetition_prefix_len,
+                args.prefix_repetition_suffix_len,
+                args.prefix_repetition_num_prefixes,
+                args.prefix_repetition_output_len,
+                args.multi_turn_num_conversations,
+                args.multi_turn_num_turns,
+                args.multi_turn_input_len,
+                args.multi_turn_output_len,
             )
             requests = sample_requests(data, tokenizer)
             r = await benchmark(args, session, base_url, model_id, requests, conc)
-            results.append(_with_config(args, r, model_id, num_prompts, conc))
+            results.append(_with_config(args, r, model_id, len(requests), conc))
     return results
 
 
