@@ -82,6 +82,10 @@ def test_readme_commands(env: dict[str, str]) -> None:
                 log = open(os.path.join(env["RESULTS"] + "-server.log"), "w")
                 server = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
                 _wait_healthy(env["PORT"], log.name)
+                # The start-up log names the drafter and how to turn speculation off.
+                started = open(log.name).read()
+                assert "speculative decoding on: ngram" in started, started[-2000:]
+                assert "turn it off with --speculative-config null" in started
                 _run_python_client(env)
                 continue
             out = run(c, env)
@@ -95,9 +99,24 @@ def test_readme_commands(env: dict[str, str]) -> None:
             server.wait(timeout=30)
 
 
-def test_readme_python_offline(env: dict[str, str]) -> None:
+def test_readme_python_offline(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offline block runs as written, with the shell examples' variables set."""
     code = next(b for b in blocks("python") if "LLM(" in b)
-    exec(code, {"target_dir": env["TARGET"], "eagle3_dir": env["EAGLE3"]})
+    for name in ("TARGET", "EAGLE3"):
+        monkeypatch.setenv(name, env[name])
+    exec(code, {})
+
+
+def test_llm_without_a_model_is_the_default_model() -> None:
+    from specserve import LLM
+    from specserve.data import default_model
+
+    gguf, spec = default_model()
+    llm = LLM(max_model_len=256)
+    assert llm.config.served_model_name == os.path.basename(gguf)
+    assert llm.config.spec is not None and llm.config.spec.model == spec["model"]
+    assert "turn it off with --speculative-config null" in llm.config.describe()
+    assert LLM(speculative_config=None, max_model_len=256).config.spec is None
 
 
 def _wait_healthy(port: str, log: str) -> None:
@@ -113,4 +132,12 @@ def _wait_healthy(port: str, log: str) -> None:
 
 def _run_python_client(env: dict[str, str]) -> None:
     code = next(b for b in blocks("python") if "OpenAI(" in b)
-    exec(code, {"port": int(env["PORT"]), "model_name": env["TARGET"]})
+    saved = os.environ.get("PORT")
+    os.environ["PORT"] = env["PORT"]
+    try:
+        exec(code, {})
+    finally:
+        if saved is None:
+            del os.environ["PORT"]
+        else:
+            os.environ["PORT"] = saved

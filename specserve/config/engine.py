@@ -187,6 +187,19 @@ class EngineConfig:
         assert not isinstance(self.speculative_config, (dict, str))
         return self.speculative_config
 
+    def describe(self, off_hint: str = "--speculative-config null") -> str:
+        """One start-up line: the model, the drafter, and how to turn speculation off."""
+        model = self.served_model_name or self.model
+        spec = self.spec
+        if spec is None:
+            return f"model {model}; speculative decoding off"
+        head = f", drafter {spec.model}" if spec.model else ""
+        return (
+            f"model {model}; speculative decoding on: {spec.method}, "
+            f"num_speculative_tokens {spec.num_speculative_tokens}{head} "
+            f"(turn it off with {off_hint})"
+        )
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls) if f.name != "extra"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import sys
 import typing
 from typing import Any
@@ -83,6 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kw["speculative_config"] = kw.get("speculative_config") or spec
     chat = args.chat if args.chat is not None else default
     llm = LLM(**kw)
+    logging.getLogger("specserve").info(llm.config.describe())
     sp = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -183,8 +185,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import logging
-
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:

@@ -13,10 +13,18 @@ PromptType = str | dict[str, Any] | list[int]
 
 
 class LLM:
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`model`: a local Hugging Face directory or .gguf file; None: the default model
+        (SmolLM2-135M-Instruct) with its EAGLE-3 head, as `specserve generate` runs it, unless
+        `speculative_config` is given (None turns speculation off)."""
         unknown = set(kwargs) - set(EngineConfig.field_names())
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s): {', '.join(sorted(unknown))}")
+        if model is None:
+            from specserve.data import default_model
+
+            model, spec = default_model()
+            kwargs.setdefault("speculative_config", spec)
         self.config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         self._counter = 0

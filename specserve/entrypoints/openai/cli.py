@@ -138,6 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     config = EngineConfig(**serve_engine_kwargs(args))
     config.check_device_available()
+    logger.info(config.describe())
     check_port_free(args.host, args.port)
     app = build_app(
         config,
