@@ -145,13 +145,18 @@ def expected_hit(prompt: list[int], earlier: list[list[int]], lookahead: int) ->
     return best
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_hit_is_exact(setup: dict, method: str, engines: list[LLM]) -> None:
+@pytest.mark.parametrize(
+    ("method", "async_scheduling"),
+    [(m, False) for m in METHODS] + [("eagle", True), ("mtp_multi", True)],
+)
+def test_hit_is_exact(setup: dict, method: str, async_scheduling: bool, engines: list[LLM]) -> None:
     """Requests one after another sharing prefixes of different lengths: with the cache on,
     outputs, the drafts proposed after every step and per-request drafts / accepted tokens equal
-    the cache-off run; each hit is exactly the rule's (and so is what the scheduler computed)."""
-    off = make_llm(setup, method, engines, enable_prefix_caching=False)
-    on = make_llm(setup, method, engines)
+    the cache-off run; each hit is exactly the rule's (and so is what the scheduler computed).
+    Async scheduling registers blocks from the results of a step launched behind another."""
+    kw = {"async_scheduling": async_scheduling}
+    off = make_llm(setup, method, engines, enable_prefix_caching=False, **kw)
+    on = make_llm(setup, method, engines, **kw)
     assert on.engine.kv.lookahead == METHODS[method]
     earlier: list[list[int]] = []
     for p in setup["prompts"]:
@@ -211,17 +216,20 @@ def test_seeded_sampling_hit_equals_miss(setup: dict, method: str, engines: list
 MIXED = {"max_num_batched_tokens": 12, "num_gpu_blocks_override": 24, "max_num_seqs": 6}
 
 
-@pytest.mark.parametrize("method", list(METHODS))
-def test_mixed_load(setup: dict, method: str, engines: list[LLM]) -> None:
+@pytest.mark.parametrize(
+    ("method", "async_scheduling"),
+    [(m, False) for m in METHODS] + [("eagle", True), ("mtp_multi", True), ("none", True)],
+)
+def test_mixed_load(setup: dict, method: str, async_scheduling: bool, engines: list[LLM]) -> None:
     """Shared prefixes in one batch with chunked prefill, a cache small enough to preempt and
-    aborts (one mid-prefill, one mid-decode): every completed output equals the cache-off
-    output; nothing leaks."""
+    aborts (one mid-prefill, one mid-decode), with and without async scheduling: every
+    completed output equals the cache-off output; nothing leaks."""
     prompts = setup["prompts"] * 2
     ref_llm = make_llm(setup, method, engines, enable_prefix_caching=False)
     ref = [o.outputs[0].token_ids for o in ref_llm.generate(
         [{"prompt_token_ids": p} for p in prompts], GREEDY
     )]  # fmt: skip
-    eng = make_llm(setup, method, engines, **MIXED).engine
+    eng = make_llm(setup, method, engines, async_scheduling=async_scheduling, **MIXED).engine
     for i, p in enumerate(prompts):
         eng.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
     done: dict[str, list[int]] = {}
