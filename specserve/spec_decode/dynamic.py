@@ -1,108 +1,351 @@
-"""Automatic K: pick the number of speculative tokens (0 included) that maximizes tokens/s.
+"""The adaptive draft budget: each step, how many drafts to verify (0 included).
 
-`"num_speculative_tokens_per_batch_size": "auto"`. For each batch-size bucket (powers of two) the
-controller keeps
-  - per-position conditional acceptance a_i = P(draft i accepted | drafts < i accepted), as
-    exponentially decayed counts (per position, decayed when that position is observed) shared
-    by all buckets (acceptance depends on the drafter and the
-    text, not on the batch size);
-  - the measured wall time of decode steps per K (exponential moving average).
-Expected tokens per step with K drafts is E(K) = 1 + sum_{i<=K} prod_{j<=i} a_j, so the choice is
-argmax_K E(K) / t(K). Times of K values never measured in a bucket are interpolated from the
-measured ones with a linear model t(K) = t0 + K * dt. Every `explore_every` steps of a bucket the
-controller tries the neighbour of its choice that it has measured least, so both estimates stay
-fresh (K = 0 teaches nothing about acceptance, so it is left periodically too).
-Decode steps only: a step that carries prefill tokens says nothing about the cost of K.
+On by default (`speculative_config["adaptive"]`, `num_speculative_tokens` is the maximum K).
+The choice maximizes expected tokens per second of the batch:
+
+    k* = argmax_k  sum_r E_r(k) / c(B, k),   E_r(k) = 1 + sum_{j<=k} prod_{i<=j} a_{r,i}
+
+  acceptance  a_{r,i} = P(draft i accepted | drafts < i accepted), per request r: the request's
+              own decayed counts shrunk toward its temperature class's (greedy / sampled)
+              global estimate, which is shrunk position by position toward the position before
+              it (so a probe at k = 1 also moves the deeper positions). Counts decay with the
+              engine's decode steps (`gamma` a step, elapsed steps included), not with the
+              number of observations: a batch of 64 and a batch of 1 forget at the same pace.
+  cost        c(B, k): EWMA of the measured wall time of steady decode steps (k verified and k
+              proposed) per batch bucket (powers of two) and k. Cells never measured come from
+              a linear fit t0 + k * dt over the bucket's measured cells, or, with fewer than
+              two, from the nearest measured bucket's shape.
+  k = 0       the drafter does not run at all (plain decoding's cost). Its KV then has holes
+              at the positions decoded meanwhile; outputs never depend on drafts (coupled
+              verification), only acceptance right after a switch back does.
+
+Exploration: the choice is held for at least two steps (a decision sets the drafts the next
+step verifies, so a switch costs one transitional step whose time is not recorded). Every
+`explore_every` decode steps of a bucket, the controller probes the neighbour of its choice
+whose cost measurement is oldest (from k = 0: k = 1, which also refreshes acceptance), but
+less often when the probe is estimated to lose much: at most `explore_budget` of the time is
+spent on expected losses. First visit: the maximum K (measures acceptance at every position),
+then k = 0 (measures plain decoding's cost).
+
+Convergence: with gamma = 0.9, observations older than 32 steps weigh 3%; a change visible at
+the current k (acceptance falling, a batch-size bucket already measured) moves the choice in a
+few steps, one hidden at k = 0 (acceptance rising) at the next probe (<= 16 steps when the
+probe is cheap).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
+
 import numpy as np
 
 
-class AutoSpecController:
-    def __init__(
-        self,
-        max_k: int,
-        decay: float = 0.99,
-        explore_every: int = 16,
-        prior_acceptance: float = 0.6,
-    ) -> None:
-        self.max_k = max_k
-        self.decay = decay
-        self.explore_every = explore_every
-        # Decayed counts: reached[i] drafts that got to position i, accepted[i] accepted there.
-        self.reached = np.full(max_k, 2.0)
-        self.accepted = np.full(max_k, 2.0 * prior_acceptance)
-        # bucket -> [K] EMA step seconds (nan = never measured) and sample counts
-        self.times: dict[int, np.ndarray] = {}
-        self.counts: dict[int, np.ndarray] = {}
-        self.steps: dict[int, int] = {}
+@dataclass
+class _Acceptance:
+    """Decayed counts per draft position: reached[i] drafts that got to position i, accepted[i]
+    those accepted there; `step` the engine step they were last decayed to."""
+
+    reached: np.ndarray
+    accepted: np.ndarray
+    step: int = 0
+
+    @classmethod
+    def empty(cls, k: int, step: int = 0) -> _Acceptance:
+        return cls(np.zeros(k), np.zeros(k), step)
+
+    def decay_to(self, step: int, gamma: float, floor: float = 0.0) -> None:
+        """Age the counts to `step`. A position's count never decays below `floor` drafts:
+        what was last seen is kept (with less weight) through long stretches without drafts,
+        rather than drifting back to the prior."""
+        if step > self.step:
+            f = gamma ** (step - self.step)
+            keep = np.where(
+                self.reached > 0,
+                np.minimum(self.reached, floor) / np.maximum(self.reached, 1e-12),
+                0,
+            )
+            scale = np.maximum(f, keep)
+            self.reached *= scale
+            self.accepted *= scale
+            self.step = step
+
+    def add(self, num_draft: int, num_accepted: int) -> None:
+        reached = min(num_accepted + 1, num_draft)
+        self.reached[:reached] += 1
+        self.accepted[:num_accepted] += 1
+
+    def estimate(self, prior: np.ndarray | float, strength: float) -> np.ndarray:
+        """[K] conditional acceptance: counts shrunk toward `prior` (an array per position), or,
+        given a float, each position toward the estimate of the one before it."""
+        if isinstance(prior, np.ndarray):
+            return (self.accepted + strength * prior) / (self.reached + strength)
+        out = np.empty_like(self.reached)
+        p = prior
+        for i in range(len(out)):
+            p = out[i] = (self.accepted[i] + strength * p) / (self.reached[i] + strength)
+        return out
+
+
+@dataclass
+class _Costs:
+    """Step seconds of one batch bucket per k: EWMA, sample count, step of the last sample."""
+
+    t: np.ndarray
+    n: np.ndarray
+    last: np.ndarray
+    steps: int = 0  # decisions made in this bucket
+    probe_at: int = 0  # the decision count at which the next probe may start
+
+    @classmethod
+    def empty(cls, k: int) -> _Costs:
+        return cls(np.full(k + 1, np.nan), np.zeros(k + 1), np.full(k + 1, -(10**9)))
+
+
+@dataclass
+class DraftBudget:
+    """The controller. Feed it `record_acceptance` per verified request, `record_step` per
+    steady decode step, `forget` when a request ends; ask `choose(batch, requests)`."""
+
+    max_k: int
+    gamma: float = 0.9  # decay of acceptance counts per engine step
+    request_gamma: float = 0.9
+    request_strength: float = 2.0  # prior weight (in drafts) of the class estimate for a request
+    position_strength: float = 2.0  # prior weight of position i-1 for position i
+    floor: float = 4.0  # drafts of evidence a class position keeps however old
+    prior_acceptance: float = 0.5
+    cost_alpha: float = 0.25  # EWMA weight of a new step time
+    explore_every: int = 16
+    explore_budget: float = 0.005  # fraction of time probes may lose, in expectation
+    hold: int = 2  # decisions a choice is kept (one transitional step + one measured step)
+    classes: dict[bool, _Acceptance] = field(default_factory=dict)
+    # Per-request decayed counts, one row a request (`_rows`: request id -> row).
+    _rows: dict[str, int] = field(default_factory=dict)
+    _free: list[int] = field(default_factory=list)
+    _reached: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    _accepted: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    _row_step: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    costs: dict[int, _Costs] = field(default_factory=dict)
+    step: int = 0
+    last_k: int = -1
+    _held: int = 0
+    _budget_sum: float = 0.0
+    _budget_n: int = 0
 
     @staticmethod
     def bucket(batch: int) -> int:
         return 1 << max(batch - 1, 0).bit_length()
 
     # ---- estimates -------------------------------------------------------------------------
-    def acceptance(self) -> np.ndarray:
-        """[max_k] conditional acceptance per position."""
-        return self.accepted / np.maximum(self.reached, 1e-9)
+    def class_acceptance(self, greedy: bool) -> np.ndarray:
+        """[max_k] conditional acceptance of a temperature class (greedy or sampled)."""
+        c = self.classes.get(greedy)
+        if c is None:
+            return np.full(self.max_k, self.prior_acceptance)
+        c.decay_to(self.step, self.gamma, self.floor)
+        return c.estimate(self.prior_acceptance, self.position_strength)
 
-    def expected_tokens(self) -> np.ndarray:
-        """[max_k + 1]: E(K) for K = 0..max_k."""
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance()))])
+    def request_acceptance(self, request_id: str, greedy: bool) -> np.ndarray:
+        """[max_k] one request's conditional acceptance."""
+        return self._request_estimates([request_id], np.array([greedy]))[0]
 
-    def step_times(self, bucket: int) -> np.ndarray | None:
-        """[max_k + 1] seconds per step for each K (measured or interpolated), None if unknown."""
-        t = self.times.get(bucket)
+    def _request_estimates(self, ids: list[str], greedy: np.ndarray) -> np.ndarray:
+        """[R, max_k], vectorized: each request's decayed counts shrunk toward its class's."""
+        prior = np.where(greedy[:, None], self.class_acceptance(True), self.class_acceptance(False))
+        rows = np.array([self._rows.get(r, -1) for r in ids], dtype=np.int64)
+        known = rows >= 0
+        if not known.any():
+            return prior
+        r = rows[known]
+        self._decay_rows(r)
+        reached, accepted = self._reached[r], self._accepted[r]
+        s = self.request_strength
+        prior[known] = (accepted + s * prior[known]) / (reached + s)
+        return prior
+
+    def _decay_rows(self, r: np.ndarray) -> None:
+        f = self.request_gamma ** (self.step - self._row_step[r])
+        self._reached[r] *= f[:, None]
+        self._accepted[r] *= f[:, None]
+        self._row_step[r] = self.step
+
+    @staticmethod
+    def expected_tokens(acceptance: np.ndarray) -> np.ndarray:
+        """[..., K + 1]: E(k) = 1 + sum_{j<=k} prod_{i<=j} a_i for k = 0..K."""
+        lead = np.ones((*acceptance.shape[:-1], 1))
+        return np.concatenate([lead, 1.0 + np.cumsum(np.cumprod(acceptance, -1), -1)], -1)
+
+    def batch_tokens(self, requests: list[tuple[str, bool]]) -> np.ndarray:
+        """[K + 1] expected tokens of one step of the batch for each k."""
+        if not requests:
+            return self.expected_tokens(self.class_acceptance(True))
+        ids = [r for r, _ in requests]
+        greedy = np.array([g for _, g in requests], dtype=bool)
+        return self.expected_tokens(self._request_estimates(ids, greedy)).sum(0)
+
+    def step_costs(self, batch: int) -> np.ndarray | None:
+        """[K + 1] seconds per step for each k (measured, else modelled); None: nothing
+        measured in any bucket."""
+        b = self.bucket(batch)
+        own = self.costs.get(b)
+        ks = np.arange(self.max_k + 1)
+        if own is not None and (~np.isnan(own.t)).sum() >= 2:
+            return np.where(np.isnan(own.t), self._fit(own), own.t)
+        measured = [x for x, c in self.costs.items() if (~np.isnan(c.t)).sum() >= 2]
+        if not measured:
+            if own is None or np.isnan(own.t).all():
+                return None
+            k0 = int(np.flatnonzero(~np.isnan(own.t))[0])  # one point: 10% a draft
+            t0 = own.t[k0] / (1 + 0.1 * k0)
+            return t0 * (1 + 0.1 * ks)
+        near = min(measured, key=lambda x: abs(math.log2(x) - math.log2(b)))
+        shape = self.step_costs(near)
+        assert shape is not None
+        if own is None or np.isnan(own.t).all():
+            return shape
+        k0 = int(np.flatnonzero(~np.isnan(own.t))[0])
+        return np.where(np.isnan(own.t), shape * own.t[k0] / shape[k0], own.t)
+
+    def _fit(self, c: _Costs) -> np.ndarray:
+        known = ~np.isnan(c.t)
+        ks = np.arange(self.max_k + 1)
+        slope, icpt = np.polyfit(ks[known], c.t[known], 1)
+        return icpt + max(slope, 0.0) * ks
+
+    def values(self, batch: int, requests: list[tuple[str, bool]]) -> np.ndarray | None:
+        """[K + 1] expected tokens per second for each k, None before any measurement."""
+        t = self.step_costs(batch)
         if t is None:
             return None
-        known = ~np.isnan(t)
-        ks = np.arange(self.max_k + 1)
-        if known.sum() >= 2:
-            slope, icpt = np.polyfit(ks[known], t[known], 1)
-        else:  # one point: assume each draft adds 8% of a step until measured otherwise
-            k0 = int(ks[known][0])
-            icpt = t[known][0] / (1 + 0.08 * k0)
-            slope = 0.08 * icpt
-        return np.where(known, t, icpt + slope * ks)
+        return self.batch_tokens(requests) / np.maximum(t, 1e-12)
 
     # ---- decisions -------------------------------------------------------------------------
-    def choose(self, batch: int) -> int:
-        b = self.bucket(batch)
-        t = self.step_times(b)
-        if t is None:
-            return self.max_k  # first visit: measure the configured K
-        best = int(np.argmax(self.expected_tokens() / np.maximum(t, 1e-9)))
-        n = self.steps.get(b, 0)
-        if n % self.explore_every == self.explore_every - 1:
-            counts = self.counts[b]
-            near = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
-            if best == 0:
-                near = [1] if self.max_k >= 1 else near
-            return min(near, key=lambda k: counts[k]) if near else best
-        return best
+    def choose(self, batch: int, requests: list[tuple[str, bool]]) -> int:
+        """The drafts the next step verifies, for a batch of `batch` decode requests given as
+        (request id, greedy)."""
+        if self._held > 0 and self.last_k >= 0:
+            self._held -= 1
+            return self._chosen(self.last_k)
+        c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k))
+        c.steps += 1
+        measured = ~np.isnan(c.t)
+        v = self.values(batch, requests)
+        if v is None or not measured[self.max_k] and not measured.any():
+            return self._decide(self.max_k)  # first visit: every position's acceptance
+        if not measured[0] and measured.sum() == 1:
+            return self._decide(0)  # then plain decoding's cost
+        best = int(np.argmax(v))
+        if c.steps >= c.probe_at:
+            probe = self._probe(best, c)
+            loss = max(0.0, 1.0 - v[probe] / v[best]) if probe != best else 0.0
+            # A probe is `hold` steps at k plus the transitional step back, each losing about
+            # `loss`: space probes so that their expected loss stays under `explore_budget`.
+            cost = (self.hold + 1) * loss / self.explore_budget
+            gap = max(self.explore_every, math.ceil(cost))
+            c.probe_at = c.steps + gap
+            if probe != best:
+                return self._decide(probe)
+        return self._decide(best)
+
+    def _probe(self, best: int, c: _Costs) -> int:
+        if best == 0:
+            return 1 if self.max_k >= 1 else 0
+        near = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
+        return min(near, key=lambda k: c.last[k])
+
+    def _decide(self, k: int) -> int:
+        if k != self.last_k:
+            self._held = self.hold - 1
+        self.last_k = k
+        return self._chosen(k)
+
+    def _chosen(self, k: int) -> int:
+        self._budget_sum += k
+        self._budget_n += 1
+        return k
+
+    @property
+    def mean_budget(self) -> float:
+        """Mean drafts chosen per decision since the start."""
+        return self._budget_sum / self._budget_n if self._budget_n else float(self.max_k)
 
     # ---- observations ----------------------------------------------------------------------
+    def tick(self) -> None:
+        """One engine decode step has passed (the clock of every decay)."""
+        self.step += 1
+
     def record_step(self, batch: int, k: int, seconds: float) -> None:
-        b = self.bucket(batch)
-        if b not in self.times:
-            self.times[b] = np.full(self.max_k + 1, np.nan)
-            self.counts[b] = np.zeros(self.max_k + 1)
-        t = self.times[b]
-        t[k] = seconds if np.isnan(t[k]) else 0.8 * t[k] + 0.2 * seconds
-        self.counts[b][k] += 1
-        self.steps[b] = self.steps.get(b, 0) + 1
+        """A steady decode step (k drafts verified and k proposed) of `batch` requests took
+        `seconds` of wall time."""
+        c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k))
+        if np.isnan(c.t[k]):
+            c.t[k] = seconds
+        else:
+            if c.n[k] >= 3:  # a stall (a compile, a page fault) is not the cost of k
+                seconds = min(seconds, 4 * c.t[k])
+            c.t[k] += self.cost_alpha * (seconds - c.t[k])
+        c.n[k] += 1
+        c.last[k] = c.steps
 
-    def record_acceptance(self, num_draft: int, num_accepted: int) -> None:
-        """One request's verification: positions < num_accepted accepted, the next rejected.
+    def record_acceptance(
+        self, request_id: str, greedy: bool, num_draft: int, num_accepted: int
+    ) -> None:
+        """One request's verification: positions < num_accepted accepted, the next rejected."""
+        self.record_acceptances([request_id], [greedy], [num_draft], [num_accepted])
 
-        NOTE: only the positions this verification reached decay. Decaying every position made
-        the estimate of a position that a small K never reaches fall to 0/0 -> 0, and the
-        controller then never tried a larger K again."""
-        if num_draft <= 0:
+    def record_acceptances(
+        self,
+        ids: list[str],
+        greedy: list[bool],
+        num_draft: list[int],
+        num_accepted: list[int],
+    ) -> None:
+        """A step's verifications, one entry a request (vectorized)."""
+        nd, na = np.asarray(num_draft), np.asarray(num_accepted)
+        g = np.asarray(greedy, dtype=bool)
+        drafted = nd > 0
+        if not drafted.any():
             return
-        reached = min(num_accepted + 1, num_draft)
-        self.reached[:reached] = self.decay * self.reached[:reached] + 1
-        self.accepted[:reached] *= self.decay
-        self.accepted[:num_accepted] += 1
+        pos = np.arange(self.max_k)
+        # [R, K] positions each verification reached and accepted
+        reach = pos[None, :] < np.minimum(na + 1, nd)[:, None]
+        acc = pos[None, :] < na[:, None]
+        reach &= drafted[:, None]
+        acc &= drafted[:, None]
+        for cls in (True, False):
+            m = g == cls
+            if m.any() and reach[m].any():
+                c = self.classes.setdefault(cls, _Acceptance.empty(self.max_k, self.step))
+                c.decay_to(self.step, self.gamma, self.floor)
+                c.reached += reach[m].sum(0)
+                c.accepted += acc[m].sum(0)
+        rows = np.array([self._row(r) for r, d in zip(ids, drafted) if d], dtype=np.int64)
+        self._decay_rows(rows)
+        np.add.at(self._reached, rows, reach[drafted])
+        np.add.at(self._accepted, rows, acc[drafted])
+
+    def _row(self, request_id: str) -> int:
+        row = self._rows.get(request_id)
+        if row is not None:
+            return row
+        if not self._free:
+            n = len(self._row_step)
+            grow = max(16, n)
+            self._reached = np.concatenate(
+                [self._reached.reshape(n, self.max_k), np.zeros((grow, self.max_k))]
+            )
+            self._accepted = np.concatenate(
+                [self._accepted.reshape(n, self.max_k), np.zeros((grow, self.max_k))]
+            )
+            self._row_step = np.concatenate([self._row_step, np.zeros(grow, dtype=np.int64)])
+            self._free = list(range(n + grow - 1, n - 1, -1))
+        row = self._rows[request_id] = self._free.pop()
+        self._reached[row] = 0
+        self._accepted[row] = 0
+        self._row_step[row] = self.step
+        return row
+
+    def forget(self, request_id: str) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._free.append(row)

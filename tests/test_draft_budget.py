@@ -1,0 +1,167 @@
+"""The adaptive draft budget's decisions under injected step times and acceptance: it picks 0
+when drafting loses, the best K when it wins, and follows a change of regime within 32 steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from specserve.spec_decode.dynamic import DraftBudget
+
+MAX_K = 5
+
+
+def best_k(acceptance: float, cost: Callable[[int], float]) -> int:
+    ks = np.arange(MAX_K + 1)
+    tokens = np.array([sum(acceptance**i for i in range(k + 1)) for k in ks])
+    return int(np.argmax(tokens / np.array([cost(k) for k in ks])))
+
+
+class Sim:
+    """The engine's loop: a decision made at step N sets the drafts proposed there, which step
+    N + 1 verifies; a step's time is recorded when it verified and proposed the same k."""
+
+    def __init__(self, batch: int = 8, greedy: bool = True, seed: int = 0) -> None:
+        self.c = DraftBudget(MAX_K)
+        self.rng = np.random.default_rng(seed)
+        self.batch, self.greedy = batch, greedy
+        self.verify = 0
+        self.chosen: list[int] = []
+        self.seconds = 0.0
+        self.tokens = 0
+
+    def run(self, steps: int, acceptance: float, cost: Callable[[int], float]) -> None:
+        reqs = [(f"r{i}", self.greedy) for i in range(self.batch)]
+        for _ in range(steps):
+            p = self.c.choose(self.batch, reqs)
+            self.chosen.append(p)
+            k = self.verify
+            # The step's time: its verification (1 + k tokens) and its proposal (p drafts).
+            t = cost(max(k, p)) if k != p else cost(k)
+            self.seconds += t
+            for r, g in reqs:
+                n = 0
+                while n < k and self.rng.random() < acceptance:
+                    n += 1
+                self.c.record_acceptance(r, g, k, n)
+                self.tokens += n + 1
+            if k == p:
+                self.c.record_step(self.batch, k, t)
+            self.c.tick()
+            self.verify = p
+
+    def settled(self, last: int = 100) -> int:
+        return int(np.bincount(self.chosen[-last:]).argmax())
+
+
+def linear(dt: float) -> Callable[[int], float]:
+    return lambda k: 1.0 + dt * k
+
+
+@pytest.mark.parametrize(
+    "acceptance, dt", [(0.9, 0.05), (0.85, 0.1), (0.6, 0.1), (0.3, 0.3), (0.05, 0.2), (0.7, 0.6)]
+)
+def test_picks_the_best_k(acceptance: float, dt: float) -> None:
+    s = Sim()
+    s.run(400, acceptance, linear(dt))
+    want, got = best_k(acceptance, linear(dt)), s.settled()
+    assert abs(got - want) <= 1, (got, want)
+    if want == 0:
+        assert got == 0
+
+
+def test_picks_zero_when_drafting_loses_and_pays_little_for_probing() -> None:
+    """gpt-oss-20b's shape at batch 1: a K = 3 step costs 2.56x a plain one. With poor drafts
+    the controller settles on 0 and probes rarely: tokens/s within 2% of plain decoding."""
+    cost = lambda k: 1.0 + 0.52 * k  # noqa: E731
+    s = Sim(batch=1)
+    s.run(600, 0.3, cost)
+    assert s.settled() == 0
+    warm = Sim(batch=1)
+    warm.run(200, 0.3, cost)
+    t0, n0 = warm.seconds, warm.tokens
+    warm.run(1000, 0.3, cost)
+    rate = (warm.tokens - n0) / (warm.seconds - t0)
+    assert rate >= 0.98 * 1.0, rate  # plain decoding: 1 token a second
+
+
+def test_the_loss_of_probes_is_bounded_when_drafts_win() -> None:
+    cost = linear(0.08)
+    s = Sim(batch=4)
+    s.run(200, 0.85, cost)
+    t0, n0 = s.seconds, s.tokens
+    s.run(1000, 0.85, cost)
+    rate = (s.tokens - n0) / (s.seconds - t0)
+    k = best_k(0.85, cost)
+    ideal = sum(0.85**i for i in range(k + 1)) / cost(k)
+    assert rate >= 0.95 * ideal, (rate, ideal)
+
+
+def test_follows_falling_acceptance_within_32_steps() -> None:
+    s = Sim()
+    s.run(300, 0.9, linear(0.1))
+    assert s.settled(50) >= 3
+    s.run(32, 0.05, linear(0.1))
+    assert s.chosen[-1] == 0 and s.chosen[-2] == 0, s.chosen[-32:]
+
+
+def test_follows_rising_acceptance_within_32_steps() -> None:
+    s = Sim()
+    s.run(300, 0.05, linear(0.1))
+    assert s.settled(50) == 0
+    s.run(40, 0.9, linear(0.1))
+    assert min(s.chosen[-8:]) >= 2, s.chosen[-40:]
+
+
+def test_follows_a_change_of_batch_size() -> None:
+    """Drafts win at batch 1 and lose at batch 64 (the step cost grows with verified tokens)."""
+    s = Sim(batch=1)
+    s.run(200, 0.6, linear(0.05))
+    assert s.settled(50) >= 2
+    big = Sim(batch=64)
+    big.c = s.c
+    big.run(200, 0.6, linear(1.0))
+    assert big.settled(50) == 0
+    back = Sim(batch=1)
+    back.c = s.c
+    back.run(32, 0.6, linear(0.05))
+    assert min(back.chosen[-16:]) >= 2, back.chosen
+
+
+def test_acceptance_is_kept_per_temperature_class_and_request() -> None:
+    c = DraftBudget(4)
+    for _ in range(20):
+        c.record_acceptance("g", True, 4, 4)
+        c.record_acceptance("s", False, 4, 0)
+        c.tick()
+    assert c.class_acceptance(True)[0] > 0.9
+    assert c.class_acceptance(False)[0] < 0.1
+    # A request's own record beats its class's.
+    for _ in range(20):
+        c.record_acceptance("g", True, 4, 4)
+        c.record_acceptance("bad", True, 4, 0)
+        c.tick()
+    assert c.request_acceptance("bad", True)[0] < 0.2
+    assert c.request_acceptance("g", True)[0] > 0.8
+    c.forget("bad")
+    assert "bad" not in c._rows
+
+
+def test_a_probe_at_k1_moves_deeper_positions() -> None:
+    """Deeper positions never observed follow the one before them."""
+    c = DraftBudget(4)
+    for _ in range(30):
+        c.record_acceptance("r", True, 1, 1)
+        c.tick()
+    assert (c.class_acceptance(True) > 0.85).all()
+
+
+def test_unmeasured_costs_come_from_a_linear_fit_and_the_nearest_bucket() -> None:
+    c = DraftBudget(4)
+    c.record_step(8, 0, 1.0)
+    c.record_step(8, 4, 2.0)
+    np.testing.assert_allclose(c.step_costs(8), [1.0, 1.25, 1.5, 1.75, 2.0])
+    c.record_step(32, 4, 4.0)  # one cell: scaled shape of bucket 8
+    np.testing.assert_allclose(c.step_costs(32), [2.0, 2.5, 3.0, 3.5, 4.0])
