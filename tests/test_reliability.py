@@ -18,8 +18,8 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import EngineConfig
 from specserve.engine.kv_cache import KVCacheManager
-from specserve.engine.request import Request, RequestStatus
 from specserve.engine.scheduler import Scheduler
+from specserve.request import Request, RequestStatus
 
 from .conftest import VOCAB
 from .test_server import NGRAM, LiveServer, _config, dirs  # noqa: F401
@@ -72,7 +72,8 @@ def test_prompt_larger_than_cache_is_400_and_queue_moves(small: LiveServer) -> N
 
 
 def test_request_outgrowing_cache_ends_with_length(small: LiveServer) -> None:
-    body = {"prompt": list(range(3, 103)), "max_tokens": 100, "ignore_eos": True}
+    # max_tokens None: up to the context (a larger number is a 400, as in vLLM).
+    body = {"prompt": list(range(3, 103)), "max_tokens": None, "ignore_eos": True}
     r = _completion(small.url, body)
     assert r.status_code == 200
     out = r.json()
