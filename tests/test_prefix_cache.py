@@ -7,6 +7,7 @@ gpt-oss windows + sinks) and a bf16 KV cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 
 from specserve import LLM, SamplingParams
+from specserve.config import SpeculativeConfig
 from specserve.engine.kv_cache import BlockPool, KVCacheManager
 
 from .conftest import random_prompts
@@ -84,10 +86,20 @@ def engines() -> Iterator[list[LLM]]:
         assert llm.get_metrics()["kv_cache_usage_perc"] == 0.0
 
 
-def make_llm(setup: dict, method: str, made: list[LLM], **kw: Any) -> LLM:
+def fixed_budget() -> dict[str, Any]:
+    """Speculative-config fields that make every step draft K: the drafts of two runs are then
+    comparable step by step (the adaptive budget picks K from measured step times)."""
+    names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    return {"adaptive": False} if "adaptive" in names else {}
+
+
+def make_llm(setup: dict, method: str, made: list[LLM], fixed_k: bool = True, **kw: Any) -> LLM:
+    """`fixed_k`: every step drafts K; else the engine's default budget (K chosen per step)."""
     target = setup["target"]
     k = 2 if method == "mtp_multi" else 3
     spec: dict[str, Any] | None = {"method": method, "num_speculative_tokens": k}
+    if fixed_k:
+        spec.update(fixed_budget())
     if method == "none":
         spec = None
     elif method in ("draft_model", "eagle", "eagle3"):
@@ -177,6 +189,7 @@ def test_second_request_computes_only_the_rule(setup: dict, engines: list[LLM]) 
     the second computes len - hit tokens before its first token, where hit leaves only the
     last token (L = 0) and drafts / accepts exactly as the first."""
     spec = {"method": "draft_model", "model": setup["target"], "num_speculative_tokens": 3}
+    spec.update(fixed_budget())
     llm = LLM(setup["target"], max_model_len=128, block_size=BLOCK, speculative_config=spec)
     engines.append(llm)
     prompt = setup["prompts"][0]
@@ -222,14 +235,16 @@ MIXED = {"max_num_batched_tokens": 12, "num_gpu_blocks_override": 24, "max_num_s
 )
 def test_mixed_load(setup: dict, method: str, async_scheduling: bool, engines: list[LLM]) -> None:
     """Shared prefixes in one batch with chunked prefill, a cache small enough to preempt and
-    aborts (one mid-prefill, one mid-decode), with and without async scheduling: every
-    completed output equals the cache-off output; nothing leaks."""
+    aborts (one mid-prefill, one mid-decode), with and without async scheduling, the draft
+    budget the engine's default (K may change per step): every completed output equals the
+    cache-off output; nothing leaks."""
     prompts = setup["prompts"] * 2
     ref_llm = make_llm(setup, method, engines, enable_prefix_caching=False)
     ref = [o.outputs[0].token_ids for o in ref_llm.generate(
         [{"prompt_token_ids": p} for p in prompts], GREEDY
     )]  # fmt: skip
-    eng = make_llm(setup, method, engines, async_scheduling=async_scheduling, **MIXED).engine
+    kw = {"async_scheduling": async_scheduling, **MIXED}
+    eng = make_llm(setup, method, engines, fixed_k=False, **kw).engine
     for i, p in enumerate(prompts):
         eng.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
     done: dict[str, list[int]] = {}
