@@ -184,15 +184,26 @@ def test_hit_is_exact(setup: dict, method: str, async_scheduling: bool, engines:
     assert off.get_metrics()["prefix_cache_hits_total"] == 0
 
 
-def test_second_request_computes_only_the_rule(setup: dict, engines: list[LLM]) -> None:
-    """The same prompt twice, with the target as its own draft model (every draft accepted):
-    the second computes len - hit tokens before its first token, where hit leaves only the
-    last token (L = 0) and drafts / accepts exactly as the first."""
-    spec = {"method": "draft_model", "model": setup["target"], "num_speculative_tokens": 3}
-    spec.update(fixed_budget())
-    llm = LLM(setup["target"], max_model_len=128, block_size=BLOCK, speculative_config=spec)
-    engines.append(llm)
-    prompt = setup["prompts"][0]
+@pytest.mark.parametrize("method", ["self", "eagle", "mtp_multi"])
+def test_second_request_computes_only_the_rule(
+    setup: dict, method: str, engines: list[LLM]
+) -> None:
+    """The same prompt (29 tokens, blocks of 4) twice: the second computes only what follows
+    the hit, which leaves max(L, 1) tokens: 28 cached for L <= 1, 24 for multi-layer MTP's
+    L = 2. Drafts and accepted tokens equal the first's; with the target as its own draft
+    model ("self") every draft is accepted."""
+    if method == "self":
+        spec = {"method": "draft_model", "model": setup["target"], "num_speculative_tokens": 3}
+        llm = LLM(
+            setup["target"],
+            max_model_len=128,
+            block_size=BLOCK,
+            speculative_config={**spec, **fixed_budget()},
+        )
+        engines.append(llm)
+    else:
+        llm = make_llm(setup, method, engines)
+    prompt = setup["prompts"][0][:29]
     first_step: dict[str, tuple[int, int]] = {}  # request id -> (start, tokens) of its first step
     schedule = llm.engine.scheduler.schedule
 
@@ -205,13 +216,14 @@ def test_second_request_computes_only_the_rule(setup: dict, engines: list[LLM]) 
     llm.engine.scheduler.schedule = recording  # type: ignore[method-assign]
     first = run_one(llm, prompt)
     second = run_one(llm, prompt)
-    hit = (len(prompt) - 1) // BLOCK * BLOCK
+    hit = {"self": 28, "eagle": 28, "mtp_multi": 24}[method]
     assert second["cached"] == hit
     # The whole prompt the first time; only what follows the hit the second.
     assert sorted(first_step.values()) == [(0, len(prompt)), (hit, len(prompt) - hit)]
-    assert second["tokens"] == first["tokens"]
+    assert (second["tokens"], second["drafts"]) == (first["tokens"], first["drafts"])
     assert (second["num_drafts"], second["accepted"]) == (first["num_drafts"], first["accepted"])
-    assert first["accepted"] > 0
+    if method == "self":
+        assert first["accepted"] > 0
 
 
 @pytest.mark.parametrize("method", ["eagle", "mtp_multi", "ptd"])
