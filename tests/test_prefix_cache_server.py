@@ -136,6 +136,8 @@ def test_bench_multi_turn_and_prefix_repetition(
     assert len(r["mean_ttft_ms_by_turn"]) == 3 and len(r["median_ttft_ms_by_turn"]) == 3
     # Each turn resends the history: later turns' prompts are longer than the first's.
     assert r["total_input_tokens"] > 9 * 12
+    assert 0 < r["prefix_cache_hit_rate"] < 100
+    assert "Prefix cache hit rate (%):" in out
 
     hits = server.metrics()["vllm:prefix_cache_hits_total"]
     argv = base + [

@@ -188,6 +188,37 @@ async def fetch_spec_decode_counters(
     return c if found else None
 
 
+async def fetch_prefix_cache_counters(
+    session: aiohttp.ClientSession, base_url: str
+) -> tuple[float, float] | None:
+    """The server's vllm:prefix_cache_queries and _hits counters (tokens), or None when it
+    exposes none or /metrics is unreachable."""
+    try:
+        async with session.get(f"{base_url}/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, OSError):
+        return None
+    found: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
+            found[fam.name] = sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    if len(found) < 2:
+        return None
+    return found["vllm:prefix_cache_queries"], found["vllm:prefix_cache_hits"]
+
+
+def prefix_cache_delta(
+    before: tuple[float, float] | None, after: tuple[float, float] | None
+) -> dict[str, Any]:
+    """The prefix-cache hit rate (%) over the benchmark window, as vLLM logs it."""
+    if before is None or after is None:
+        return {}
+    queries, hits = after[0] - before[0], after[1] - before[1]
+    return {"prefix_cache_hit_rate": 100.0 * hits / queries if queries > 0 else 0.0}
+
+
 def spec_decode_delta(
     before: SpecDecodeCounters | None, after: SpecDecodeCounters | None
 ) -> dict[str, Any] | None:

@@ -127,6 +127,8 @@ def format_result(
     lines.append(_row("Peak output token throughput (tok/s):", r["max_output_tokens_per_s"], ".2f"))
     lines.append(_row("Peak concurrent requests:", r["max_concurrent_requests"], ".2f"))
     lines.append(_row("Total token throughput (tok/s):", r["total_token_throughput"], ".2f"))
+    if "prefix_cache_hit_rate" in r:
+        lines.append(_row("Prefix cache hit rate (%):", r["prefix_cache_hit_rate"], ".2f"))
     for key, (name, header) in METRICS.items():
         if key not in metrics:
             continue

@@ -27,8 +27,10 @@ from specserve.bench.endpoint import (
     BACKENDS,
     RequestFuncInput,
     RequestFuncOutput,
+    fetch_prefix_cache_counters,
     fetch_spec_decode_counters,
     first_model,
+    prefix_cache_delta,
     spec_decode_delta,
 )
 from specserve.bench.report import calculate_metrics, print_result
@@ -84,6 +86,7 @@ async def benchmark(
     print(f"Maximum request concurrency: {max_concurrency}")
 
     before = await fetch_spec_decode_counters(session, base_url)
+    cache_before = await fetch_prefix_cache_counters(session, base_url)
     pbar = None
     if not args.disable_tqdm:
         from tqdm import tqdm
@@ -130,11 +133,13 @@ async def benchmark(
     if pbar is not None:
         pbar.close()
     after = await fetch_spec_decode_counters(session, base_url)
+    cache_after = await fetch_prefix_cache_counters(session, base_url)
 
     result = calculate_metrics(outputs, duration, args.percentiles)
     if convs is not None:
         result.update(ttft_by_turn([r for c in convs for r in c], outputs))
     result.update(spec_decode_delta(before, after) or {})
+    result.update(prefix_cache_delta(cache_before, cache_after))
     print_result(result, max_concurrency, args.request_rate, args.metrics, args.percentiles)
     return result
 
