@@ -278,6 +278,27 @@ def test_mixed_load(setup: dict, method: str, async_scheduling: bool, engines: l
     assert m["num_preemptions_total"] > 0 and m["prefix_cache_hits_total"] > 0
 
 
+@pytest.mark.parametrize("method", ["eagle", "mtp_multi", "ptd", "draft_model"])
+def test_shared_blocks_are_read_only(setup: dict, method: str, engines: list[LLM]) -> None:
+    """Every KV layer (target and drafter) of the blocks a request hits is bit for bit what it
+    was before that request ran: no step writes below a hit."""
+    import torch
+
+    llm = make_llm(setup, method, engines)
+    eng = llm.engine
+    run_one(llm, setup["prompts"][0])
+    pool = eng.kv.pool
+    cached = sorted(pool.cached.values())
+    assert cached
+    before = [c[:, cached].clone() for c in eng.runner.kv_caches]
+    for p in setup["prompts"][1:]:
+        assert run_one(llm, p)["cached"] > 0 or p is setup["prompts"][4]
+    # Blocks the later requests hit are still cached (nothing was evicted: a large pool).
+    assert set(cached) <= set(pool.cached.values())
+    for b, c in zip(before, eng.runner.kv_caches):
+        assert torch.equal(b, c[:, cached])
+
+
 # ---- attention variants and the KV dtype ------------------------------------------------
 
 
