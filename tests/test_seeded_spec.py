@@ -47,9 +47,13 @@ def setup(ckpt_dir, tmp_path_factory) -> dict:
     }
 
 
-def _llm(setup: dict, kind: str, draft_sample: str, **kw) -> LLM:
+def _llm(setup: dict, kind: str, draft_sample: str, adaptive: bool = True, **kw) -> LLM:
     target = setup["target"]
-    cfg: dict = {"num_speculative_tokens": 3, "draft_sample_method": draft_sample}
+    cfg: dict = {
+        "num_speculative_tokens": 3,
+        "draft_sample_method": draft_sample,
+        "adaptive": adaptive,
+    }
     if kind in ("self", "draft_model"):
         cfg |= {"method": "draft_model", "model": setup[kind]}
     elif kind in ("eagle", "eagle3"):
@@ -74,8 +78,9 @@ KINDS = ["self", "draft_model", "eagle", "eagle3", "mtp", "mtp2", "ptd", "ngram"
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("draft_sample", ["greedy", "probabilistic"])
+@pytest.mark.parametrize("adaptive", [True, False])
 def test_same_seed_same_text_with_and_without_speculation(
-    setup: dict, kind: str, draft_sample: str
+    setup: dict, kind: str, draft_sample: str, adaptive: bool
 ) -> None:
     prompts = setup["prompts"]
     # Seeded and unseeded-but-engine-seeded rows, top-k / top-p on one, a penalty on another.
@@ -87,11 +92,13 @@ def test_same_seed_same_text_with_and_without_speculation(
     # Prompts repeated, so n-gram finds drafts.
     prompts = [p * 2 for p in prompts]
     plain = _tokens(LLM(setup["target"], max_model_len=128), prompts, sps)
-    llm = _llm(setup, kind, draft_sample, max_num_batched_tokens=32)
+    llm = _llm(setup, kind, draft_sample, adaptive, max_num_batched_tokens=32)
     assert _tokens(llm, prompts, sps) == plain
     m = llm.get_metrics()
     assert m["spec_decode_num_drafts_total"] > 0
-    if kind == "self":
+    # (Under the adaptive budget a stretch without drafting leaves holes in the drafter's KV,
+    # so even the target drafting itself may miss right after.)
+    if kind == "self" and not adaptive:
         # The drafter draws the target's own noise: every draft is the target's sample.
         assert m["spec_decode_num_accepted_tokens_total"] > 0
         if draft_sample == "probabilistic":

@@ -25,9 +25,15 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     disable_by_batch_size: int | None = None
-    # Speculation off (K = 0) for a batch larger than a key; "auto" K from measured costs.
+    # K per batch size ({batch size: K}: K for batches up to that size, 0 past the largest);
+    # "auto" is the adaptive budget (below).
     num_speculative_tokens_per_batch_size: dict[int, int] | str | None = None
     parallel_draft: bool = False
+    # The adaptive draft budget (spec_decode/dynamic.py): each step verifies the number of
+    # drafts, 0..num_speculative_tokens, that maximizes expected tokens per second from live
+    # acceptance and measured step times. False: always num_speculative_tokens (or the
+    # batch-size map above, which also turns the budget off).
+    adaptive: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
@@ -95,6 +101,7 @@ class SpeculativeConfig:
             )
         check_type("disable_by_batch_size", (int,), allow_none=True)
         check_type("parallel_draft", (bool,))
+        check_type("adaptive", (bool,))
         sched = self.num_speculative_tokens_per_batch_size
         name = "speculative_config.num_speculative_tokens_per_batch_size"
         if isinstance(sched, str):
@@ -119,6 +126,15 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.model (the drafter directory) is required for {self.method}."
             )
+
+    @property
+    def adaptive_budget(self) -> bool:
+        """Whether the engine picks each step's K (spec_decode/dynamic.py): `adaptive` unless a
+        batch-size map or disable_by_batch_size fixes it; "auto" always."""
+        sched = self.num_speculative_tokens_per_batch_size
+        if sched == "auto":
+            return True
+        return self.adaptive and sched is None and self.disable_by_batch_size is None
 
     @property
     def uses_hidden_states(self) -> bool:

@@ -25,6 +25,7 @@ from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler_output import SchedulerOutput
+from specserve.spec_decode.dynamic import DraftBudget
 from specserve.spec_decode.speculator import build_speculator
 from specserve.structured.grammar import StructuredOutputs
 from specserve.worker.model_runner import ModelRunner
@@ -129,11 +130,16 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats(self.num_spec_tokens)
-        self.auto_k = None
-        if spec is not None and spec.num_speculative_tokens_per_batch_size == "auto":
-            from specserve.spec_decode.dynamic import AutoSpecController
-
-            self.auto_k = AutoSpecController(self.num_spec_tokens)
+        # The adaptive draft budget (spec_decode/dynamic.py), on unless the config fixes K.
+        self.budget: DraftBudget | None = None
+        if spec is not None and spec.adaptive_budget:
+            self.budget = DraftBudget(self.num_spec_tokens)
+        # Drafts the last launched step proposed: what the next step may verify.
+        self._draft_cap = self.num_spec_tokens
+        # What the budget needs of each launched step: (decode batch, k verified, k proposed),
+        # None for a step that says nothing about the cost of k; and when the last step ended.
+        self._launched: dict[int, tuple[int, int, int] | None] = {}
+        self._last_finish: float | None = None
         # Async scheduling: the launched step whose results the host has not read yet.
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None
         self._rng = np.random.default_rng(config.seed)
@@ -373,6 +379,8 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         self.scheduler.remove(req)
         self.runner.remove_request(req)
+        if self.budget is not None:
+            self.budget.forget(req.request_id)
 
     def run_to_completion(
         self, on_finished: Callable[[RequestOutput], None] | None = None
@@ -414,21 +422,46 @@ class LLMEngine:
         return outputs
 
     def _step_sync(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        k = self._spec_budget()
-        sched = self._schedule(k)
+        sched = self._schedule(self._spec_budget())
         if sched.is_empty:
             self.last_step_idle = True
+            self._last_finish = None
             return []
-        # Decode-only steps measure what K costs. NOTE: decided before `_update`, which appends
-        # the new tokens and so changes what `samples` computes.
-        decode_only = all(s.samples and s.num_tokens == 1 + s.num_draft for s in sched.scheduled)
-        out = self.runner.execute(sched, self._logprobs(sched), num_drafts=k)
+        out = self.runner.finish(self._launch(sched))
+        self._step_finished(sched)
         outputs = self._update(sched, out)
-        if self.auto_k is not None and decode_only:
-            self.auto_k.record_step(len(sched.scheduled), k or 0, time.perf_counter() - t0)
         self._maybe_log()
         return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Launch a scheduled step; under the adaptive budget it also proposes the number of
+        drafts the budget chooses for the next step (which that step may verify)."""
+        if self.budget is None:
+            return self.runner.launch(sched, self._logprobs(sched), self._spec_budget())
+        reqs = self.scheduler.running
+        batch = min(len(reqs) + len(self.scheduler.waiting), self.config.max_num_seqs)
+        classes = [(r.request_id, r.sampling_params.temperature == 0) for r in reqs]
+        p = self.budget.choose(batch, classes)
+        # NOTE: read before launch, after which `samples` still describes this step.
+        decode = [s for s in sched.scheduled if s.samples and s.num_tokens == 1 + s.num_draft]
+        v = {s.num_draft for s in decode}
+        steady = len(decode) == len(sched.scheduled) and v == {p}
+        self._launched[id(sched)] = (len(decode), p, p) if steady else None
+        self._draft_cap = p
+        self.stats.draft_budget = p
+        self.stats.mean_draft_budget = self.budget.mean_budget
+        return self.runner.launch(sched, self._logprobs(sched), p)
+
+    def _step_finished(self, sched: SchedulerOutput) -> None:
+        """A step's results are read: its wall time since the previous step's end is the cost
+        of its k (steady decode steps only: k verified and k proposed, no prefill)."""
+        now = time.perf_counter()
+        shape = self._launched.pop(id(sched), None)
+        if self.budget is not None:
+            if shape is not None and self._last_finish is not None:
+                self.budget.record_step(shape[0], shape[1], now - self._last_finish)
+            self.budget.tick()
+        self._last_finish = now
 
     def _schedule(self, k: int | None) -> SchedulerOutput:
         sched = self.scheduler.schedule(k)
@@ -468,7 +501,7 @@ class LLMEngine:
             if sched.is_empty:
                 self.last_step_idle = True
                 return []
-            self._inflight = (sched, self.runner.launch(sched, self._logprobs(sched)))
+            self._inflight = (sched, self._launch(sched))
         sched, pending = self._inflight
         nxt = None
         if self._can_overlap(sched):
@@ -484,11 +517,11 @@ class LLMEngine:
             # `_can_overlap` leaves room for every running request, so this should preempt
             # nothing; a request it does preempt anyway restarts from its host tokens, and
             # `_update` drops what N computed for it.
-            sched2 = self._schedule(None)
+            sched2 = self._schedule(self._draft_cap if self.budget is not None else None)
             # (A preempted request may even be scheduled again in sched2, as a new prefill.)
             preempted = {id(r) for r in sched2.preempted}
             if not sched2.is_empty:
-                nxt = (sched2, self.runner.launch(sched2, self._logprobs(sched2)))
+                nxt = (sched2, self._launch(sched2))
             for req, computed in saved:  # `_update` records what N really computed
                 if id(req) not in preempted:
                     req.num_computed_tokens = computed
@@ -497,9 +530,12 @@ class LLMEngine:
         else:
             preempted = set()
         out = self.runner.finish(pending)
+        self._step_finished(sched)
         outputs = self._update(sched, out, skip=preempted)
         if nxt is not None and all(s.req.is_finished() for s in nxt[0].scheduled):
             self.runner.finish(nxt[1])  # nothing left to read from it
+            self._launched.pop(id(nxt[0]), None)
+            self._last_finish = None
             nxt = None
         self._inflight = nxt
         self._maybe_log()
@@ -511,7 +547,9 @@ class LLMEngine:
         spec = self.speculator
         if spec is not None and (
             spec.proposes_on_host  # n-gram drafts are found in tokens the host has not seen
-            or self._spec_budget() is not None  # dynamic K: decided per step, after N
+            # A batch-size map decides K per step, after N. (The adaptive budget decides at
+            # each launch the drafts the next step verifies: nothing waits for N.)
+            or (self.budget is None and self._spec_budget() is not None)
         ):
             return False
         k1 = self.num_spec_tokens + 1
@@ -551,8 +589,8 @@ class LLMEngine:
         if spec is None:
             return None
         n = len(self.scheduler.running) + len(self.scheduler.waiting)
-        if self.auto_k is not None:
-            return self.auto_k.choose(min(n, self.config.max_num_seqs))
+        if self.budget is not None:
+            return self._draft_cap  # what the last launched step proposed
         if spec.disable_by_batch_size is not None and n >= spec.disable_by_batch_size:
             return 0
         sched = spec.num_speculative_tokens_per_batch_size
@@ -567,6 +605,7 @@ class LLMEngine:
         """Record a step's results. `skip`: ids of requests whose results are void (preempted
         after the step was launched)."""
         outputs = []
+        verified: tuple[list[str], list[bool], list[int], list[int]] = ([], [], [], [])
         for i, s in enumerate(sched.scheduled):
             req = s.req
             if req.is_finished() or id(req) in skip:
@@ -583,8 +622,11 @@ class LLMEngine:
             req.num_computed_tokens = start + s.num_tokens - s.num_draft + n_acc
             if s.num_draft > 0:
                 self.stats.record_draft(req, s.num_draft, n_acc)
-                if self.auto_k is not None:
-                    self.auto_k.record_acceptance(s.num_draft, n_acc)
+                for col, x in zip(
+                    verified,
+                    (req.request_id, req.sampling_params.temperature == 0, s.num_draft, n_acc),
+                ):
+                    col.append(x)  # type: ignore[attr-defined]
             new = out.tokens[i, : n_acc + 1].tolist()
             if req.grammar is not None:
                 # Rejected drafts leave the matcher, the emitted token enters it (the output
@@ -594,6 +636,11 @@ class LLMEngine:
                     req.grammar.drafts = out.next_drafts[i].tolist()
             lps = out.logprobs[i] if out.logprobs is not None else None
             outputs.append(self._append(req, new, lps))
+        if self.budget is not None and verified[0]:
+            self.budget.record_acceptances(*verified)
+            for rid in verified[0]:
+                if rid not in self.requests:  # finished in this step
+                    self.budget.forget(rid)
         return outputs
 
     @staticmethod

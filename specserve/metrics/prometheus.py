@@ -76,6 +76,13 @@ class _EngineCollector(Collector):
             c.add_metric([self.model_name], float(snap[key]))
             yield c
         if self.spec:
+            g = GaugeMetricFamily(
+                "vllm:spec_decode_draft_budget",
+                "Drafts the adaptive budget chose for the latest step (the maximum K when fixed).",
+                labels=["model_name"],
+            )
+            g.add_metric([self.model_name], float(snap["spec_decode_draft_budget"]))
+            yield g
             c = CounterMetricFamily(
                 "vllm:spec_decode_num_accepted_tokens_per_pos",
                 "Accepted tokens per draft position.",

@@ -50,6 +50,9 @@ class EngineStats:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_preemptions = 0
+        # The adaptive draft budget: the last step's choice and the mean since the start.
+        self.draft_budget: float = float(num_spec_tokens)
+        self.mean_draft_budget: float = float(num_spec_tokens)
         self._last_log = time.monotonic()
         self._logged = SpecDecodingStats(num_spec_tokens)
         # Prefix-cache (queries, hits) in tokens at the last log line.
@@ -93,6 +96,8 @@ class EngineStats:
             "spec_decode_num_accepted_tokens_per_pos_total": list(s.accepted_per_pos),
             "spec_decode_mean_acceptance_length": s.mean_acceptance_length,
             "spec_decode_acceptance_rate": s.acceptance_rate,
+            "spec_decode_draft_budget": self.draft_budget,
+            "spec_decode_mean_draft_budget": self.mean_draft_budget,
         }
 
     def maybe_log(

@@ -30,13 +30,13 @@ if TYPE_CHECKING:
 def graph_query_lens(spec: SpeculativeConfig | None) -> list[int]:
     """Tokens per request of the uniform decode batches to capture: 1 (plain decode, and the
     first step after a prefill) and 1 + K for every K the engine may verify. With dynamic
-    speculation (a batch-size schedule, or "auto") that is several K: a K without graphs would
-    run its whole target forward eagerly."""
+    speculation (the adaptive budget, or a batch-size schedule) that is several K: a K without
+    graphs would run its whole target forward eagerly."""
     if spec is None:
         return [1]
     k = spec.num_speculative_tokens
     schedule = spec.num_speculative_tokens_per_batch_size
-    if schedule == "auto":
+    if spec.adaptive_budget:
         ks = set(range(k + 1))
     elif isinstance(schedule, dict) and schedule:
         ks = {0, k, *(min(int(v), k) for v in schedule.values())}

@@ -171,7 +171,8 @@ class ModelRunner:
     def execute(
         self, sched: SchedulerOutput, reqs_logprobs: list[int], num_drafts: int | None = None
     ) -> StepOutput:
-        """`num_drafts`: drafts to propose for the next step (None: all K; dynamic K)."""
+        """`num_drafts`: drafts to propose for the next step (None: all K; dynamic K; 0 under
+        the adaptive budget: the drafter does not run)."""
         return self.finish(self.launch(sched, reqs_logprobs, num_drafts))
 
     @torch.inference_mode()
@@ -191,7 +192,11 @@ class ModelRunner:
         ver = self._verify_and_sample(sched, inp, fwd, gs)
         # NOTE: before drafting, which may reuse the target graph's output buffers.
         prompt_lp = self._prompt_logprobs(sched, inp, fwd.hidden)
-        if self.speculator is not None:
+        # NOTE: the adaptive budget's 0 runs no drafter at all (plain decoding's cost); its KV
+        # keeps holes at these positions, which only lowers acceptance after a switch back.
+        # A batch-size map's 0 keeps the drafter's KV complete (draft prefill only).
+        skip = num_drafts == 0 and self.config.spec is not None and self.config.spec.adaptive_budget
+        if self.speculator is not None and not skip:
             self._propose(inp, fwd, ver, num_drafts)
         next_drafts = None
         if gs is not None and self.speculator is not None and not self.speculator.proposes_on_host:
