@@ -215,3 +215,26 @@ def test_sweep_against_the_embedded_family(
     assert all(r["completed"] == r["num_prompts"] for r in runs)
     assert main(["bench", "compare", a, b]) == 0
     assert "| Metric | Before (c=1) | After (c=1) | Delta |" in capsys.readouterr().out
+
+
+def test_bench_serve_fails_when_every_request_fails(
+    server: LiveServer,
+    dirs: dict[str, str],  # noqa: F811
+) -> None:
+    """A model the server does not serve: every request fails, and so does the command."""
+    argv = [
+        "bench", "serve", "--base-url", server.url, "--tokenizer", dirs["tokenizer"],
+        "--model", "no-such-model", "--dataset-name", "random", "--input-len", "8",
+        "--output-len", "4", "--num-prompts", "2", "--disable-tqdm",
+    ]  # fmt: skip
+    assert main(argv) != 0
+
+
+def test_bench_serve_temperature_defaults_to_zero() -> None:
+    import argparse
+
+    from specserve.bench.cli import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args([]).temperature == 0.0  # vLLM's default: greedy

@@ -49,7 +49,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--request-rate", type=float, default=float("inf"), help="Poisson req/s (inf: all at once)"
     )
     p.add_argument("--ignore-eos", action="store_true", help="(always on for random)")
-    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (vLLM's default: 0)"
+    )
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-warmups", type=int, default=0)

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
 import time
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -316,4 +317,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     results = asyncio.run(main_async(args))
     if args.save_result:
         save_results(args, results)
+    # A run in which no request succeeded measured nothing: scripts and CI must see it fail.
+    failed = [r for r in results if r.get("completed", 0) == 0]
+    if failed:
+        print(
+            f"error: every request failed in {len(failed)} of {len(results)} run(s) "
+            "(see the errors above)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
