@@ -34,6 +34,15 @@ class CommonAttentionMetadata:
     # Host-side upper bounds (never read back from the device).
     max_query_len: int
     max_seq_len: int
+    # Tree attention (draft trees, spec_decode/tree.py); None: plain causal. [num_tokens] int64
+    # each: the key index where the token's tree starts (keys from there on are visible only
+    # through the token's bits, bit i = key tree_start + i; a huge value: no tree), the
+    # token's ancestor-or-self bitmask, and its rotary position (root position + depth, which
+    # is what sliding windows measure from). Keys inside the tree skip the window test (the
+    # runner checks every window is longer than a tree is deep).
+    tree_start: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    tree_positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -45,6 +54,9 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     # Backend metadata per sliding window (None = full attention).
     metadata: dict[int | None, Any] = field(default_factory=dict)
+    # calculate_kv_scales: kv_index of the layers whose fp8 KV scales this (eager, prefill)
+    # forward computes from its keys and values; each removes itself (the runner's set).
+    kv_scales_todo: set[int] | None = None
 
     def meta(self, sliding_window: int | None) -> Any:
         return self.metadata[sliding_window]
@@ -61,6 +73,8 @@ class AttentionBackend(ABC):
     # q and k not yet per-head RMS-normed (Qwen3's q_norm / k_norm); it norms them before the
     # rotation (inside the attention kernel where it fuses the RoPE, else with ops.qk_norm_).
     fuses_qk_norm: bool = False
+    # True when build/forward honour CommonAttentionMetadata's tree fields (draft trees).
+    supports_tree: bool = False
 
     @classmethod
     def create(cls, device: torch.device, max_model_len: int | None = None) -> AttentionBackend:

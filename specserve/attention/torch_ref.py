@@ -71,9 +71,17 @@ def paged_attention_ref(
     vals = kv[1].permute(0, 2, 1, 3)
     scores = torch.einsum("bhgqd,bhsd->bhgqs", qg, keys) * scale
     key_pos = torch.arange(S, device=q.device)
-    visible = (key_pos[None, None, :] <= pos[:, :, None]) & (
-        key_pos[None, None, :] >= wstart[:, :, None]
-    )
+    in_window = key_pos[None, None, :] >= wstart[:, :, None]
+    if c.tree_mask is not None:
+        # Keys at or past the token's tree start are visible through its ancestor bits only.
+        tstart = torch.full_like(pos, 1 << 40)
+        tstart[c.token_req, meta.token_offset] = c.tree_start
+        tmask = torch.zeros_like(pos)
+        tmask[c.token_req, meta.token_offset] = c.tree_mask
+        rel = key_pos[None, None, :] - tstart[:, :, None]
+        bit = (tmask[:, :, None] >> rel.clamp(0, 63)) & 1
+        in_window = torch.where(rel >= 0, bit == 1, in_window)
+    visible = (key_pos[None, None, :] <= pos[:, :, None]) & in_window
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     if sinks is None:
         # Padded query rows see nothing; keep them finite (their output is dropped).
@@ -90,6 +98,7 @@ def paged_attention_ref(
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_tree = True
 
     def build(
         self, common: CommonAttentionMetadata, sliding_window: int | None
@@ -99,7 +108,9 @@ class TorchAttentionBackend(AttentionBackend):
         if sliding_window is None:
             window_start = torch.zeros_like(common.positions)
         else:
-            window_start = (common.positions - sliding_window + 1).clamp_min(0)
+            # A tree node's window is measured from its rotary position (root + depth).
+            qpos = common.tree_positions if common.tree_positions is not None else common.positions
+            window_start = (qpos - sliding_window + 1).clamp_min(0)
         return TorchAttentionMetadata(common, token_offset, window_start)
 
     def forward(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from dataclasses import dataclass, fields
@@ -34,6 +35,13 @@ class SpeculativeConfig:
     # acceptance and measured step times. False: always num_speculative_tokens (or the
     # batch-size map above, which also turns the budget off).
     adaptive: bool = True
+    # Draft trees (spec_decode/tree.py). {"topk": k, "depth": d}: EAGLE-2 dynamic trees, the k
+    # best children of the k best frontier nodes at each of d levels, the best
+    # num_speculative_tokens nodes by cumulative draft log-probability verified. topk 1 is the
+    # chain. speculative_token_tree: vLLM's static tree, a string of child-index paths such as
+    # "[(0,), (1,), (0, 0)]" (its length is num_speculative_tokens).
+    draft_tree: dict[str, int] | None = None
+    speculative_token_tree: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
@@ -68,14 +76,17 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {', '.join(METHODS)}; got {self.method!r}."
             )
         check_type("model", (str,), allow_none=True)
+        self._k_given = self.num_speculative_tokens is not None
         if self.num_speculative_tokens is None:
             k = default_num_speculative_tokens(self.model) if self.method == "eagle3" else None
             self.num_speculative_tokens = k or 3
         check_type("num_speculative_tokens", (int,))
-        if not 1 <= self.num_speculative_tokens <= 16:
+        self._check_tree()
+        top = MAX_TREE_NODES if self.is_tree else 16
+        if not 1 <= self.num_speculative_tokens <= top:
             raise ValueError(
-                "speculative_config.num_speculative_tokens must be in 1..16, "
-                f"got {self.num_speculative_tokens}."
+                f"speculative_config.num_speculative_tokens must be in 1..{top}"
+                f"{' with a draft tree' if self.is_tree else ''}, got {self.num_speculative_tokens}."
             )
         check_type("draft_sample_method", (str,))
         if self.draft_sample_method not in ("greedy", "probabilistic"):
@@ -127,6 +138,69 @@ class SpeculativeConfig:
                 f"speculative_config.model (the drafter directory) is required for {self.method}."
             )
 
+    def _check_tree(self) -> None:
+        """Parse and validate draft_tree / speculative_token_tree (sets tree_paths)."""
+        self.tree_paths: list[tuple[int, ...]] | None = None
+        self.tree_topk = 1
+        self.tree_depth = 0
+        dt, st = self.draft_tree, self.speculative_token_tree
+        if dt is None and st is None:
+            return
+        if dt is not None and st is not None:
+            raise ValueError(
+                "speculative_config: give draft_tree (dynamic) or speculative_token_tree "
+                "(static), not both."
+            )
+        if dt is not None:
+            if not isinstance(dt, dict) or set(dt) != {"topk", "depth"}:
+                raise ValueError(
+                    f'speculative_config.draft_tree must be {{"topk": k, "depth": d}}, got {dt!r}.'
+                )
+            k, d = dt["topk"], dt["depth"]
+            if any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in (k, d)):
+                raise ValueError(
+                    f"speculative_config.draft_tree topk and depth must be integers >= 1, got {dt}."
+                )
+            if k == 1:  # a chain: today's drafting, unchanged
+                return
+            n = self.num_speculative_tokens
+            if k * (d - 1) >= n:
+                raise ValueError(
+                    f"speculative_config.draft_tree: topk * (depth - 1) = {k * (d - 1)} drafter "
+                    f"queries must fit below num_speculative_tokens ({n}), the KV slots a "
+                    "step reserves for drafts; raise num_speculative_tokens or lower topk/depth."
+                )
+            self.tree_topk, self.tree_depth = k, d
+        else:
+            self.tree_paths = parse_token_tree(st)
+            n = len(self.tree_paths)
+            if self._k_given and self.num_speculative_tokens != n:
+                raise ValueError(
+                    f"speculative_config.speculative_token_tree has {n} nodes but "
+                    f"num_speculative_tokens is {self.num_speculative_tokens}; drop one of them."
+                )
+            self.num_speculative_tokens = n
+            self.tree_depth = max(len(p) for p in self.tree_paths)
+            if all(p == (0,) * len(p) for p in self.tree_paths):  # a chain
+                self.tree_paths = None
+                return
+        if self.method not in TREE_METHODS or self.parallel_draft:
+            raise ValueError(
+                f"speculative_config: method {self.method!r}"
+                f"{' with parallel_draft' if self.parallel_draft else ''} cannot draft a tree; "
+                f"draft trees need one of {', '.join(TREE_METHODS)} (single-layer MTP), or drop "
+                "draft_tree / speculative_token_tree."
+            )
+        if self.rejection_sample_method == "synthetic":
+            raise ValueError(
+                "speculative_config.rejection_sample_method synthetic times chains only; use "
+                "coupled, strict or probabilistic with a draft tree."
+            )
+
+    @property
+    def is_tree(self) -> bool:
+        return self.tree_topk > 1 or self.tree_paths is not None
+
     @property
     def adaptive_budget(self) -> bool:
         """Whether the engine picks each step's K (spec_decode/dynamic.py): `adaptive` unless a
@@ -139,6 +213,46 @@ class SpeculativeConfig:
     @property
     def uses_hidden_states(self) -> bool:
         return self.method in ("eagle", "eagle3", "mtp")
+
+
+# Drafters that can expand a tree: one autoregressive drafter over the paged KV.
+TREE_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# A tree's ancestor masks are int64 bitmasks over the root and its nodes.
+MAX_TREE_NODES = 63
+
+
+def parse_token_tree(text: str) -> list[tuple[int, ...]]:
+    """vLLM's `speculative_token_tree`: a Python literal list of tuples, each the child indices
+    of a path from the root ((0,) the root's best child, (0, 1) that child's second best). Sorted
+    breadth-first (by length, then values) as vLLM does; every node's parent must be present."""
+    name = "speculative_config.speculative_token_tree"
+    try:
+        paths = ast.literal_eval(text) if isinstance(text, str) else None
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(
+            f'{name} must be a list of tuples such as "[(0,), (1,), (0, 0)]": {e}'
+        ) from e
+    if not isinstance(paths, (list, tuple)) or not paths:
+        raise ValueError(f'{name} must be a non-empty list of tuples such as "[(0,), (0, 0)]".')
+    out = []
+    for p in paths:
+        if (
+            not isinstance(p, tuple)
+            or not p
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in p)
+        ):
+            raise ValueError(f"{name}: {p!r} is not a tuple of child indices >= 0.")
+        out.append(p)
+    out.sort(key=lambda p: (len(p), p))
+    have = set(out)
+    if len(have) != len(out):
+        raise ValueError(f"{name} lists a node twice.")
+    for p in out:
+        if len(p) > 1 and p[:-1] not in have:
+            raise ValueError(f"{name}: node {p} has no parent {p[:-1]} in the tree.")
+    if len(out) > MAX_TREE_NODES:
+        raise ValueError(f"{name} has {len(out)} nodes; at most {MAX_TREE_NODES}.")
+    return out
 
 
 # A speculators-format EAGLE-3 head (models/speculators_format.py) names its own K.

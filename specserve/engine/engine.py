@@ -322,6 +322,18 @@ class LLMEngine:
         allowed = sampling_params.allowed_token_ids or []
         _check_token_ids("allowed_token_ids", allowed, vocab, param="allowed_token_ids")
         bad_words = self._bad_words_token_ids(sampling_params.bad_words or [], vocab)
+        if c.spec is not None and c.spec.is_tree and (
+            sampling_params.structured_outputs is not None
+            or sampling_params.uses_logits_processors
+        ):
+            raise RequestFieldError(
+                "structured outputs and logits processors (penalties, logit_bias, min_tokens, "
+                "allowed_token_ids, bad_words) are not supported with draft trees; run without "
+                "speculative_config draft_tree / speculative_token_tree for this request.",
+                "structured_outputs"
+                if sampling_params.structured_outputs is not None
+                else "logits_processors",
+            )
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._rng.integers(0, 2**62))

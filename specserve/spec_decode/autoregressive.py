@@ -26,6 +26,7 @@ from specserve.ops.spec_kernels import (
 )
 from specserve.sample.sampler import SamplingTensors
 from specserve.spec_decode.drafting import DeviceSpeculator, TargetStep
+from specserve.spec_decode.tree import TreeDrafter
 
 if TYPE_CHECKING:
     from specserve.spec_decode.interface import DraftRunner
@@ -42,6 +43,15 @@ class AutoregressiveSpeculator(DeviceSpeculator):
         # 0-dim device scalar: the draft step being sampled. Sampling reads it to pick the
         # column of the draft probs, so one captured step graph serves every step.
         self.current_draft_step = torch.zeros((), dtype=torch.int64, device=device)
+        # Draft trees (spec_decode/tree.py): None drafts a chain. Its rows are allocated with
+        # the runner's (`bind_rows`).
+        self.tree: TreeDrafter | None = None
+        self._tree_spec = spec if spec.is_tree else None
+
+    def bind_rows(self, num_rows: int) -> None:
+        """Allocate per-request state for `num_rows` persistent rows (the runner calls it)."""
+        if self._tree_spec is not None and self.tree is None:
+            self.tree = TreeDrafter(self._tree_spec, num_rows, self.device)
 
     @property
     def num_decode_steps(self) -> int:
@@ -139,6 +149,26 @@ class AutoregressiveSpeculator(DeviceSpeculator):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Drafter over the target's tokens (shifted), same metadata; samples d1 for shift-1
         drafters. Returns (position of the first decode step's input [B], its hidden [B, H])."""
+        out, carry, last, next_pos, d1_pos = self.prefill_forward(
+            runner, inp, ctx, hidden, aux, num_acc
+        )
+        self.current_draft_step.fill_(0)
+        if self.model.shift == 1:
+            self._sample(runner, out[last], st, inp.idx_mapping, d1_pos, inp.samples, 0)
+            self.current_draft_step.fill_(1)
+        return next_pos, (carry[last] if carry is not None else None)
+
+    def prefill_forward(
+        self,
+        runner: DraftRunner,
+        inp: StepInputs,
+        ctx: ForwardContext,
+        hidden: torch.Tensor,
+        aux: list[torch.Tensor],
+        num_acc: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft prefill's forward -> (outputs [T, H], carried states [T, H] or None,
+        index of each request's last verified token [B], its position + 1 and + 2 [B])."""
         d = self.model
         rows = inp.idx_mapping
         # One launch on CUDA: shifted input ids and, per request, the index `last` of its last
@@ -156,11 +186,7 @@ class AutoregressiveSpeculator(DeviceSpeculator):
         )
         h_in = d.combine_hidden(hidden, aux) if d.uses_hidden else None
         out, carry = self._forward(ids, inp.positions, h_in, ctx)
-        self.current_draft_step.fill_(0)
-        if d.shift == 1:
-            self._sample(runner, out[last], st, rows, d1_pos, inp.samples, 0)
-            self.current_draft_step.fill_(1)
-        return next_pos, (carry[last] if carry is not None else None)
+        return out, carry, last, next_pos, d1_pos
 
     def draft_step(
         self,
@@ -188,6 +214,9 @@ class AutoregressiveSpeculator(DeviceSpeculator):
 
         `num_drafts` < K (dynamic speculation) runs fewer decode steps; the prefill always runs,
         so the drafter's KV stays complete for when K grows again."""
+        if self.tree is not None:
+            self.tree.propose(self, runner, t, num_drafts)
+            return
         inp, rows = t.inp, t.inp.idx_mapping
         pos, h = self.draft_prefill(runner, inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)
         for j in range(self.decode_steps_for(num_drafts)):

@@ -64,6 +64,12 @@ class Speculator:
     graph_capturable: ClassVar[bool] = False
     # The drafter module (its KV layers share the target's block pool), or None.
     model: Any = None
+    # Draft trees: the drafter's TreeDrafter (spec_decode/tree.py), whose `state` holds each
+    # request's tree; None for chains.
+    tree: Any = None
+
+    def bind_rows(self, num_rows: int) -> None:
+        """Allocate per-request state for the runner's `num_rows` persistent rows."""
 
     @property
     def kv_lookahead(self) -> int:

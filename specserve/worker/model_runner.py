@@ -46,6 +46,16 @@ from specserve.worker.cudagraph import eager_rows
 from specserve.worker.input_batch import prepare_inputs
 from specserve.worker.request_states import RequestStates
 from specserve.worker.step_results import HostPacket, PendingStep, StepOutput, unpack_step
+from specserve.worker.tree_step import (
+    TreeFields,
+    chain_metadata,
+    chain_order,
+    check_tree_support,
+    move_accepted_kv,
+    tree_fields,
+    verify_tree,
+    with_tree,
+)
 
 
 class ModelRunner:
@@ -81,12 +91,20 @@ class ModelRunner:
             self.device,
         )
         self.kv_caches = self._allocate_kv(num_blocks)
+        # Draft trees (worker/tree_step.py): the speculator's tree drafter, or None.
+        self.tree = None
+        if speculator is not None:
+            speculator.bind_rows(self.states.num_rows)
+            self.tree = speculator.tree
+        self.num_target_kv = len(self._target_layers())  # first in kv_caches
         # A greedy step's tokens from the lm_head gemv's argmax epilogue (ops/greedy_head.py).
         self.greedy_keys = greedy_head.new_keys(config.max_num_seqs, self.device)
         self.windows = set(model.sliding_windows())
         if speculator is not None:
             self.windows |= speculator.sliding_windows()
         self.aux_layers = speculator.aux_layers() if speculator is not None else ()
+        if self.tree is not None:
+            check_tree_support(self.backend, self.windows, self.num_spec_tokens)
         self.cudagraphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             from specserve.worker.cudagraph import CudaGraphRunner
@@ -113,10 +131,15 @@ class ModelRunner:
         self.kv_caches = []
 
     # ---- KV cache -------------------------------------------------------------------------
+    def _target_layers(self) -> list[torch.nn.Module]:
+        from specserve.models.layers import KVCacheLayer
+
+        return [m for m in self.model.modules() if isinstance(m, KVCacheLayer)]
+
     def attention_layers(self) -> list[torch.nn.Module]:
         from specserve.models.layers import KVCacheLayer
 
-        mods = [m for m in self.model.modules() if isinstance(m, KVCacheLayer)]
+        mods = self._target_layers()
         if self.speculator is not None and self.speculator.model is not None:
             mods += [m for m in self.speculator.model.modules() if isinstance(m, KVCacheLayer)]
         return mods
@@ -228,7 +251,9 @@ class ModelRunner:
     def _forward(self, inp: StepInputs) -> TargetForward:
         """The target forward: a CUDA graph replay where the batch has one, else eager."""
         graphs = self.cudagraphs
-        bg = graphs.padded_batch(inp) if graphs is not None else None
+        tf = tree_fields(self.tree, inp)
+        # NOTE: graphs capture chains; a step that verifies a tree runs eagerly.
+        bg = graphs.padded_batch(inp) if graphs is not None and tf is None else None
         if graphs is not None:
             graphs.last_replayed = None
         # One launch on CUDA: input ids, slot mapping and block-table rows (into the graph's
@@ -239,21 +264,23 @@ class ModelRunner:
             graphs.input_buffers(inp) if bg is not None else None,
             (inp.seq_lens, *graphs.meta_buffers(inp)) if bg is not None else None,
         )  # fmt: skip
-        fwd = TargetForward(slot_mapping, block_table)
+        fwd = TargetForward(slot_mapping, block_table, tree=tf)
         if bg is not None:
             fwd.hidden, fwd.aux = graphs.replay(inp, bg)
             fwd.replayed = graphs.last_replayed
         else:
             ctx = self._context(inp, fwd)
             # A uniform batch chooses its kernels as its graph would (ops/graph_rows.py).
+            pos = inp.positions if tf is None else tf.rope_positions
             with self._eager_rows(inp):
-                fwd.hidden, fwd.aux = self.model(input_ids, inp.positions, ctx, self.aux_layers)
+                fwd.hidden, fwd.aux = self.model(input_ids, pos, ctx, self.aux_layers)
         return fwd
 
     def _context(self, inp: StepInputs, fwd: TargetForward) -> ForwardContext:
         """The step's attention metadata, built once, when something runs eagerly."""
         if fwd.ctx is None:
             fwd.common = self.common_metadata(inp, fwd.slot_mapping, fwd.block_table)
+            fwd.common = with_tree(fwd.common, fwd.tree)
             fwd.ctx = self.forward_context(fwd.common)
         return fwd.ctx
 
@@ -314,6 +341,13 @@ class ModelRunner:
                 out_tokens = out_tokens.view(B, 1)
             if k:
                 out_tokens = torch.cat([out_tokens, out_tokens.new_full((B, k), -1)], 1)
+        elif fwd.tree is not None:
+            method = self.config.spec.rejection_sample_method
+            out_tokens, num_acc, path = verify_tree(self, inp, target_logits.float(), st, method)
+            fwd.chain = chain_order(inp, path, k)
+            # Target layers come first in kv_caches (attention_layers); the drafter's KV is
+            # rewritten by its prefill over the accepted path.
+            move_accepted_kv(self.kv_caches[: self.num_target_kv], fwd.slot_mapping, fwd.chain)
         else:
             spec = self.config.spec
             draft_pos = inp.out_pos0[:, None] + torch.arange(k, device=self.device)
@@ -356,7 +390,13 @@ class ModelRunner:
         else:
             ctx = self._context(inp, fwd)  # eager drafting needs the metadata
             kw = {"num_drafts": num_drafts} if num_drafts is not None else {}
-            t = TargetStep(inp, fwd.common, ctx, fwd.hidden, fwd.aux, num_acc, ver.st)
+            common, hidden, aux = fwd.common, fwd.hidden, fwd.aux
+            if fwd.tree is not None:  # the drafter sees the accepted paths as chains
+                common = chain_metadata(common)
+                ctx = self.forward_context(common)
+                if fwd.chain is not None:
+                    hidden, aux = hidden[fwd.chain], [a[fwd.chain] for a in aux]
+            t = TargetStep(inp, common, ctx, hidden, aux, num_acc, ver.st)
             # Drafter forwards of a uniform batch (B x rows each) choose their kernels as
             # the draft graphs of its padded batch do (DraftGraphRunner).
             with self._eager_rows(inp):
@@ -485,6 +525,10 @@ class TargetForward:
     ctx: ForwardContext | None = None
     # the graph the target replayed (the draft graphs run behind it), else None
     replayed: tuple[int, int] | None = None
+    # draft trees: the step's tree metadata, and [T] the token each chain slot takes its
+    # state from after verification (worker/tree_step.py)
+    tree: TreeFields | None = None
+    chain: torch.Tensor | None = None
 
 
 @dataclass
