@@ -25,6 +25,7 @@ import torch
 
 from specserve import ops
 from specserve.attention.backend import CommonAttentionMetadata
+from specserve.attention.kv_quant import compute_kv_scales_, dequantize_kv_ref, is_fp8, store_kv
 
 
 @dataclass
@@ -44,6 +45,15 @@ class MLAWeights:
     # the checkpoint's rotary channels are interleaved pairs (models/mla.py)
     rope_interleave: bool
     scale: float
+    # [2] fp32: the layer's KV scales; an fp8 latent cache stores row / kv_scales[0]
+    kv_scales: torch.Tensor | None = None
+    # calculate_kv_scales: this forward sets kv_scales[0] from its latent rows (torch prologue)
+    calc_kv_scale: bool = False
+
+    @property
+    def latent_scale(self) -> torch.Tensor | None:
+        """[] fp32: the latent cache's scale (vLLM's k_scale), None without kv_scales."""
+        return None if self.kv_scales is None else self.kv_scales[0]
 
     @property
     def nope(self) -> int:
@@ -96,7 +106,10 @@ def prologue_unabsorbed(
     if w.rope_interleave:
         q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
     q_pe, k_pe = ops.rope_(positions, q_pe.contiguous(), k_pe.reshape(T, 1, -1), w.cos, w.sin)
-    write_latent(kv_cache, kv_c, k_pe.view(T, -1), slot_mapping)
+    if w.calc_kv_scale:
+        assert w.kv_scales is not None
+        compute_kv_scales_(w.kv_scales, torch.cat([kv_c, k_pe.view(T, -1)], dim=-1), None)
+    write_latent(kv_cache, kv_c, k_pe.view(T, -1), slot_mapping, w.latent_scale)
     return q_nope, q_pe
 
 
@@ -123,10 +136,12 @@ def write_latent(
     k_pe: torch.Tensor,
     # [num_tokens] int64, -1 = padding
     slot_mapping: torch.Tensor,
+    # [] fp32: an fp8 cache's scale (MLAWeights.latent_scale), else None
+    scale: torch.Tensor | None = None,
 ) -> None:
     # NOTE: slot -1 is the last slot of the reserved null block (as torch_ref's KV write).
     nb, bs, d = kv_cache.shape
-    row = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
+    row = store_kv(kv_cache, torch.cat([kv_c, k_pe], dim=-1), scale)
     kv_cache.view(nb * bs, d)[slot_mapping] = row
 
 
@@ -139,6 +154,8 @@ def mla_attention_ref(
     kv_cache: torch.Tensor,
     c: CommonAttentionMetadata,
     scale: float,
+    # [] fp32: an fp8 cache's scale, else None
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal latent attention of every token over its request's cached rows (this step's
     rows already written). Returns [num_tokens, num_heads, L] in q_latent's dtype."""
@@ -146,7 +163,7 @@ def mla_attention_ref(
     bs = kv_cache.shape[1]
     nblk = (c.max_seq_len + bs - 1) // bs
     # [B, nblk * bs, L + R]: each request's pages gathered into one run.
-    kv = kv_cache[c.block_table[:, :nblk].long()].flatten(1, 2).float()
+    kv = gather_latent(kv_cache, c.block_table[:, :nblk], kv_scale).float()
     S = kv.shape[1]
     qp, offset = gather_requests(torch.cat([q_latent, q_pe], dim=-1).float(), c)
     pos, _ = gather_requests(c.positions.long(), c, fill=-1)
@@ -157,6 +174,23 @@ def mla_attention_ref(
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhqs,bsl->bqhl", probs, kv[..., :L])
     return out[c.token_req, offset].to(q_latent.dtype)
+
+
+def gather_latent(
+    # [num_blocks, block_size, L + R]
+    kv_cache: torch.Tensor,
+    # [B, nblk] int32
+    block_table: torch.Tensor,
+    # [] fp32: an fp8 cache's scale, else None
+    kv_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """[B, nblk * block_size, L + R]: each request's latent rows in one run; an fp8 cache
+    dequantized (fp32)."""
+    kv = kv_cache[block_table.long()].flatten(1, 2)
+    if is_fp8(kv.dtype):
+        assert kv_scale is not None, "an fp8 latent cache needs its layer's kv_scales"
+        kv = dequantize_kv_ref(kv, kv_scale)
+    return kv
 
 
 def mla_forward(
@@ -181,7 +215,7 @@ def mla_forward(
     if use_triton:
         from specserve.attention import mla_fused
 
-        if mla_fused.fusable(q, w, c):
+        if not w.calc_kv_scale and mla_fused.fusable(q, w, c):
             return mla_fused.mla_forward_fused(positions, q, kv_a, w, kv_cache, c, split_len)
     if mla_expanded.expand_fits(c, w, q.shape[2] - w.nope):
         return mla_expanded.mla_prefill_expanded(positions, q, kv_a, w, kv_cache, c)
@@ -189,8 +223,10 @@ def mla_forward(
     if use_triton:
         from specserve.attention.mla_triton import mla_attention
 
-        out = mla_attention(q_latent, q_pe, kv_cache, c, w.scale, split_len=split_len)
+        out = mla_attention(
+            q_latent, q_pe, kv_cache, c, w.scale, split_len=split_len, kv_scale=w.latent_scale
+        )
     else:
-        out = mla_attention_ref(q_latent, q_pe, kv_cache, c, w.scale)
+        out = mla_attention_ref(q_latent, q_pe, kv_cache, c, w.scale, w.latent_scale)
     # [H, T, L] @ [H, L, v] -> [T, H, v]
     return torch.bmm(out.transpose(0, 1), w.w_uv.transpose(1, 2)).transpose(0, 1)

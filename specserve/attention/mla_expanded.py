@@ -14,7 +14,12 @@ from __future__ import annotations
 import torch
 
 from specserve.attention.backend import CommonAttentionMetadata
-from specserve.attention.mla import MLAWeights, gather_requests, prologue_unabsorbed
+from specserve.attention.mla import (
+    MLAWeights,
+    gather_latent,
+    gather_requests,
+    prologue_unabsorbed,
+)
 from specserve.tunables import tunables
 
 
@@ -51,7 +56,7 @@ def mla_prefill_expanded(
     bs = kv_cache.shape[1]
     nblk = (c.max_seq_len + bs - 1) // bs
     # [B, S, L + R]: each request's pages gathered into one run (rows past its length unused).
-    kv = kv_cache[c.block_table[:, :nblk].long()].flatten(1, 2).to(q.dtype)
+    kv = gather_latent(kv_cache, c.block_table[:, :nblk], w.latent_scale).to(q.dtype)
     B, S = kv.shape[0], kv.shape[1]
     lat, k_pe = kv[..., :L], kv[..., L:]
     # [B, S, L] x [H, nope, L] -> [B, H, S, nope]; the same for W_UV: [B, H, S, v]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.attention.backend import AttentionBackend, CommonAttentionMetadata
+from specserve.attention.kv_quant import dequantize_kv_ref, is_fp8, store_kv
 
 
 @dataclass
@@ -30,13 +31,17 @@ def reshape_and_cache_ref(
     kv_cache: torch.Tensor,
     # [num_tokens] int64, -1 = padding
     slot_mapping: torch.Tensor,
+    # [2] fp32 (key, value scales) for an fp8 cache, else None
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """k and v written at their slots (kv_write.reshape_and_cache in torch)."""
+    """k and v written at their slots (kv_write.reshape_and_cache in torch); an fp8 cache
+    stores them quantized by kv_scales (attention/kv_quant.py)."""
     # NOTE: slot -1 indexes the last slot of the flattened cache: that block is reserved as the
     # null block and never handed out, so padded tokens write there harmlessly.
     nb, bs, hk, d = kv_cache.shape[1:]
-    kv_cache[0].view(nb * bs, hk, d)[slot_mapping] = k.to(kv_cache.dtype)
-    kv_cache[1].view(nb * bs, hk, d)[slot_mapping] = v.to(kv_cache.dtype)
+    ks, vs = (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
+    kv_cache[0].view(nb * bs, hk, d)[slot_mapping] = store_kv(kv_cache, k, ks)
+    kv_cache[1].view(nb * bs, hk, d)[slot_mapping] = store_kv(kv_cache, v, vs)
 
 
 def paged_attention_ref(
@@ -48,16 +53,23 @@ def paged_attention_ref(
     scale: float,
     # [num_heads] float or None: per-head sink logits
     sinks: torch.Tensor | None = None,
+    # [2] fp32 (key, value scales) for an fp8 cache, else None
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal (and windowed, by meta.window_start) attention of every token over its request's
-    cached keys, in fp32: [num_tokens, num_heads, head_dim] in q's dtype."""
+    cached keys, in fp32: [num_tokens, num_heads, head_dim] in q's dtype. An fp8 cache is
+    dequantized as it is gathered (x * scale)."""
     c = meta.common
     num_tokens, num_heads, head_dim = q.shape
     bs, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     nblk = (c.max_seq_len + bs - 1) // bs
     # [2, B, nblk * bs, Hkv, D]: each request's pages gathered into one contiguous run.
-    kv = kv_cache[:, c.block_table[:, :nblk].long()].flatten(2, 3).float()
+    kv = kv_cache[:, c.block_table[:, :nblk].long()].flatten(2, 3)
+    if is_fp8(kv.dtype):
+        assert kv_scales is not None, "an fp8 KV cache needs its layer's kv_scales"
+        kv = dequantize_kv_ref(kv, kv_scales.view(2, 1, 1, 1, 1))
+    kv = kv.float()
     B, S, Q = kv.shape[1], kv.shape[2], c.max_query_len
     qp = q.new_zeros(B, c.max_query_len, num_heads, head_dim, dtype=torch.float32)
     qp[c.token_req, meta.token_offset] = q.float()
@@ -124,9 +136,11 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None,
         # [num_heads] float or None: per-head sink logits
         sinks: torch.Tensor | None = None,
+        # [2] fp32 (key, value scales): only with an fp8 cache
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        reshape_and_cache_ref(k, v, kv_cache, meta.common.slot_mapping)
-        return paged_attention_ref(q, kv_cache, meta, scale, sinks)
+        reshape_and_cache_ref(k, v, kv_cache, meta.common.slot_mapping, kv_scales)
+        return paged_attention_ref(q, kv_cache, meta, scale, sinks, kv_scales)
 
     def advance_decode_(self, meta: TorchAttentionMetadata, block_size: int) -> None:
         raise NotImplementedError("torch reference backend rebuilds metadata each step")

@@ -22,6 +22,25 @@ _DTYPES = {
 }
 
 
+# vLLM's --kv-cache-dtype names; "fp8" is e4m3 (the format with the finer mantissa).
+KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's dtype for auto, else an fp8 format."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}; got {kv_cache_dtype!r}."
+        )
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -50,6 +69,14 @@ class EngineConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None  # bytes
+    # KV cache element type (vLLM's names): auto (the model's dtype) | fp8 (= fp8_e4m3) |
+    # fp8_e4m3 | fp8_e5m2. fp8 holds twice the tokens of bf16 in the same memory; K and V are
+    # divided by per-layer scales when written and multiplied back inside the attention kernels.
+    kv_cache_dtype: str = "auto"
+    # fp8 KV scales from the first prefill (amax / K_SCALE_CONSTANT 200 for keys, amax / 100
+    # for values, as vLLM computes them) instead of the checkpoint's k_scale / v_scale (or 1.0).
+    # Ignored with kv_cache_dtype auto, as in vLLM.
+    calculate_kv_scales: bool = False
     num_gpu_blocks_override: int | None = None
     # The most logprobs (sample or prompt) one request may ask for; -1: the vocabulary size
     # (vLLM's field and default). Checked when a request is added.
@@ -128,6 +155,11 @@ class EngineConfig:
             raise ValueError(
                 f"fp8_weights must be auto, keep or dequantize, got {self.fp8_weights!r}."
             )
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}; "
+                f"got {self.kv_cache_dtype!r}."
+            )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be auto, torch or triton.")
         if self.decode_matmul not in ("cublas", "triton", "auto"):
@@ -181,6 +213,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.torch_device)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
     def spec(self) -> SpeculativeConfig | None:

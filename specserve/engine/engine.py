@@ -118,7 +118,7 @@ class LLMEngine:
             config.enable_prefix_caching,
             lookahead=self.speculator.kv_lookahead if self.speculator is not None else 0,
             # Whatever else the KV depends on: the target, the drafter, the KV dtype.
-            salt=(config.model, repr(spec), str(dtype)),
+            salt=(config.model, repr(spec), str(dtype), str(config.kv_cache_torch_dtype)),
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -161,7 +161,8 @@ class LLMEngine:
         layers = [m for m in self.model.modules() if isinstance(m, KVCacheLayer)]
         if self.speculator is not None and self.speculator.model is not None:
             layers += [m for m in self.speculator.model.modules() if isinstance(m, KVCacheLayer)]
-        per_block = ModelRunner.kv_bytes_per_block(layers, c.block_size, c.torch_dtype)
+        # The KV dtype's element size: an fp8 cache holds twice bf16's blocks.
+        per_block = ModelRunner.kv_bytes_per_block(layers, c.block_size, c.kv_cache_torch_dtype)
         if c.num_gpu_blocks_override is not None:
             return c.num_gpu_blocks_override
         if c.kv_cache_memory is not None:
@@ -226,6 +227,17 @@ class LLMEngine:
             from specserve.worker.warmup import warm_up
 
             self.warmup_report = warm_up(self.runner, config.max_num_batched_tokens)
+        if config.calculate_kv_scales and config.kv_cache_dtype != "auto":
+            # After the warm-up: the first real prefill sets every layer's fp8 scales.
+            self.runner.kv_scales_todo.update(range(len(self.runner.kv_caches)))
+        # vLLM's "GPU KV cache size: N tokens".
+        logger.info(
+            "KV cache size: %d tokens (%d blocks of %d, %s)",
+            num_blocks * config.block_size,
+            num_blocks,
+            config.block_size,
+            str(config.kv_cache_torch_dtype).removeprefix("torch."),
+        )
         return num_blocks
 
     # ---- requests ------------------------------------------------------------------------
@@ -408,14 +420,18 @@ class LLMEngine:
         return finished
 
     def metrics_snapshot(self) -> dict[str, Any]:
-        """The counters of `stats` with the scheduler's and the KV cache's gauges."""
-        return self.stats.snapshot(
+        """The counters of `stats` with the scheduler's and the KV cache's gauges, and the KV
+        cache's size (kv_cache_num_blocks, kv_cache_num_tokens)."""
+        snap = self.stats.snapshot(
             len(self.scheduler.running),
             len(self.scheduler.waiting),
             self.kv.usage(),
             self.kv.num_queries,
             self.kv.num_hits,
         )
+        snap["kv_cache_num_blocks"] = self.kv.pool.num_blocks
+        snap["kv_cache_num_tokens"] = self.kv.pool.num_blocks * self.kv.block_size
+        return snap
 
     def _maybe_log(self) -> None:
         kv = self.kv

@@ -11,6 +11,7 @@ from torch import nn
 
 from specserve import ops
 from specserve.attention.backend import ForwardContext
+from specserve.attention.kv_quant import compute_kv_scales_, is_fp8
 from specserve.ops import pdl
 from specserve.ops.gemv import DecodeLinear
 
@@ -145,6 +146,29 @@ class KVCacheLayer(nn.Module):
     kv_index: int = -1
     sliding_window: int | None = None
 
+    def __init__(self) -> None:
+        super().__init__()
+        # [2] fp32: the fp8 KV cache's key and value scales (attention/kv_quant.py; MLA uses
+        # the key scale). 1.0 unless the checkpoint has k_scale / v_scale (models/loader.py
+        # fills them by those names) or calculate_kv_scales computes them; unused by a cache
+        # in the model's dtype.
+        self.register_buffer("kv_scales", torch.ones(2, dtype=torch.float32), persistent=False)
+
+    def kv_scale_args(self, ctx: ForwardContext) -> dict[str, torch.Tensor]:
+        """The backend's `kv_scales=` keyword for an fp8 cache (none otherwise, so a backend
+        without fp8 support fails loudly)."""
+        if not is_fp8(ctx.kv_caches[self.kv_index].dtype):
+            return {}
+        return {"kv_scales": self.kv_scales}
+
+    def wants_kv_scales(self, ctx: ForwardContext) -> bool:
+        """Whether this forward computes this layer's scales (calculate_kv_scales, once)."""
+        todo = ctx.kv_scales_todo
+        if not todo or self.kv_index not in todo:
+            return False
+        todo.discard(self.kv_index)
+        return True
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         raise NotImplementedError
 
@@ -220,11 +244,15 @@ class Attention(KVCacheLayer):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         rd = self.rope.rotary_dim
-        fused_rope = rd == self.head_dim and ctx.backend.fuses_rope
+        calc_scales = self.wants_kv_scales(ctx)
+        # NOTE: the scales are computed from rotated keys, so that step rotates before the
+        # backend (unfused): the one eager prefill calculate_kv_scales runs.
+        fused_rope = rd == self.head_dim and ctx.backend.fuses_rope and not calc_scales
         fused_rope = fused_rope and q.stride(-1) == 1 and k.stride(-1) == 1
         # Only sink / qk-norm layers pass `sinks` / `qk_norm`, so other backends keep their
         # signature.
         kw = {} if self.sinks is None else {"sinks": self.sinks}
+        kw.update(self.kv_scale_args(ctx))
         if self.q_norm is not None:
             qn, kn = self.q_norm, self.k_norm
             if fused_rope and ctx.backend.fuses_qk_norm:  # normed where RoPE is: one launch less
@@ -235,6 +263,8 @@ class Attention(KVCacheLayer):
         args = (*args, self.sliding_window)
         if rd < self.head_dim:
             q, k = self._partial_rope(positions, q, k, rd)
+            if calc_scales:
+                compute_kv_scales_(self.kv_scales, k, v)
             out = ctx.backend.forward(q, k, v, *args, **kw)
         elif fused_rope:
             # RoPE inside the KV write: q rotated in place, rotated k goes to the cache only.
@@ -242,6 +272,8 @@ class Attention(KVCacheLayer):
             out = ctx.backend.forward(q, k, v, *args, rope=rope, **kw)
         else:
             q, k = ops.rope_(positions, q, k, self.rope.cos, self.rope.sin)
+            if calc_scales:
+                compute_kv_scales_(self.kv_scales, k, v)
             out = ctx.backend.forward(q, k, v, *args, **kw)
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -49,6 +49,17 @@ _FUSED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _SHARED_EXPERTS = re.compile(r"^(.*)\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
+# fp8 KV cache scales by the names vLLM reads (its maybe_remap_kv_scale_name): per attention
+# layer `<layer>.self_attn.k_scale` / `.v_scale`, the older single `.kv_scale` (both), and the
+# k / v projections' `output_scale`; they fill the layer's kv_scales ([2]: key, value).
+_KV_SCALE_SUFFIXES = (
+    (".k_scale", (0,)),
+    (".v_scale", (1,)),
+    (".kv_scale", (0, 1)),
+    (".k_proj.output_scale", (0,)),
+    (".v_proj.output_scale", (1,)),
+)
+
 # A block-scaled fp8 weight's scale is stored beside it as `<weight name>_scale_inv`.
 SCALE_SUFFIX = "_scale_inv"
 _FUSED_SUFFIXES = ("weight", "bias", "weight" + SCALE_SUFFIX)
@@ -103,6 +114,19 @@ def _shared_as_experts(
     prefix, kind = m.group(1), m.group(2)  # type: ignore[union-attr]
     parts = tensor.chunk(len(slots), dim=1 if kind == "down_proj" else 0)
     return [(f"{prefix}.experts.{e}.{kind}.weight", t) for e, t in zip(slots, parts)]
+
+
+def _kv_scale_target(
+    name: str, modules: dict[str, nn.Module]
+) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """(the attention layer's kv_scales, the entries this tensor fills) for a KV scale tensor
+    of a layer of this model; None for any other tensor (a scale of a layer the model lacks
+    stays unused, which fails the load)."""
+    for suffix, idx in _KV_SCALE_SUFFIXES:
+        if name.endswith(suffix):
+            scales = getattr(modules.get(name[: -len(suffix)]), "kv_scales", None)
+            return None if scales is None else (scales, idx)
+    return None
 
 
 def read_config(model_dir: str) -> dict[str, Any]:
@@ -218,6 +242,17 @@ def load_weights(
     loaded: set[str] = set()
     unused: list[str] = []
     for hf_name, name, tensor, path in _renamed(weights, rename, modules):
+        kv_scale = _kv_scale_target(name, modules)
+        if kv_scale is not None:
+            if tensor.numel() != 1:
+                raise ModelLoadError(
+                    f"{path}: KV scale {hf_name} has shape {tuple(tensor.shape)}; specserve "
+                    "reads one scale per layer (per-tensor), as vLLM does"
+                )
+            # NOTE: read whatever the cache dtype; only an fp8 cache uses them (as in vLLM).
+            for i in kv_scale[1]:
+                kv_scale[0][i] = tensor.float().reshape(())
+            continue
         expert = _expert_target(name, params, tensor)
         if expert is not None:
             target, view, keys = expert

@@ -143,7 +143,7 @@ class MLAAttention(KVCacheLayer):
         norm = self.kv_a_layernorm
         return MLAWeights(
             w_uk, w_uv, norm.weight, norm.eps, self.rope.cos, self.rope.sin,
-            self.m.rope_interleave, self.scale,
+            self.m.rope_interleave, self.scale, self.kv_scales,
         )  # fmt: skip
 
     def forward(
@@ -189,11 +189,13 @@ class MLAAttention(KVCacheLayer):
         if m.q_lora_rank is not None:
             # q_a_layernorm runs inside q_b_proj's decode gemv where the plan takes Triton.
             q, _ = norm_linear(self.q_a_layernorm, self.q_b_proj, q_in, None)
+        w = self.weights()
+        w.calc_kv_scale = self.wants_kv_scales(ctx)
         out = ctx.backend.forward_mla(
             positions,
             q.view(T, H, -1),
             kv_a,
-            self.weights(),
+            w,
             ctx.kv_caches[self.kv_index],
             ctx.meta(None),
         )

@@ -70,6 +70,12 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        # The KV cache's element type: the model's dtype, or fp8 (attention/kv_quant.py).
+        self.kv_dtype = config.kv_cache_torch_dtype
+        # calculate_kv_scales: kv_index of the layers whose fp8 scales the next eager forwards
+        # compute (ForwardContext.kv_scales_todo); the engine fills it after the warm-up, so
+        # the scales come from the first real prefill, not from warm-up's dummy tokens.
+        self.kv_scales_todo: set[int] = set()
         self.model = model
         self.max_model_len = max_model_len
         self.block_size = config.block_size
@@ -150,7 +156,7 @@ class ModelRunner:
             layer.kv_index = i
             # +1: the null block (see BlockPool). The layer says its layout (MLA: a latent).
             shape = layer.kv_cache_shape(num_blocks + 1, self.block_size)
-            caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
         return caches
 
     @staticmethod
@@ -189,7 +195,10 @@ class ModelRunner:
         )
 
     def forward_context(self, common: CommonAttentionMetadata) -> ForwardContext:
-        return build_forward_context(self.backend, common, self.kv_caches, self.windows)
+        ctx = build_forward_context(self.backend, common, self.kv_caches, self.windows)
+        if self.kv_scales_todo:
+            ctx.kv_scales_todo = self.kv_scales_todo
+        return ctx
 
     def execute(
         self, sched: SchedulerOutput, reqs_logprobs: list[int], num_drafts: int | None = None
