@@ -14,11 +14,18 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams
+from specserve.attention.backend import CommonAttentionMetadata
+from specserve.attention.torch_ref import TorchAttentionBackend, paged_attention_ref
+from specserve.config.speculative import SpeculativeConfig
+from specserve.sample.sampler import SamplingTensors
+from specserve.sample.tree_verify import tree_verify
 
 from .conftest import random_prompts
 from .spec_utils import write_eagle, write_eagle3, write_mtp_target
+from .test_sampling import chi2_pvalue
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -85,3 +92,210 @@ def test_greedy_tree_equals_plain(setup: dict, kind: str, tree: dict) -> None:
     if kind == "self":  # the best path is the target's own argmax chain
         assert m["spec_decode_num_accepted_tokens_total"] > 0
         assert m["spec_decode_num_accepted_tokens_total"] >= 0.9 * 19 * 3 * 0 + 1
+
+
+def _sampled(setup: dict, kind: str, tree: dict, prompts, sps, **kw):
+    return _tokens(_llm(setup, kind, tree, **kw), prompts, sps)
+
+
+@pytest.mark.parametrize("kind", ["self", "eagle3", "mtp"])
+@pytest.mark.parametrize("tree", [DYNAMIC, STATIC], ids=["dynamic", "static"])
+def test_seeded_coupled_tree_equals_plain(setup: dict, kind: str, tree: dict) -> None:
+    prompts = random_prompts(3, 4, 30, seed=3)
+    sps = [
+        SamplingParams(temperature=0.8, seed=11, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=12, top_k=20, top_p=0.9, max_tokens=16),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    ]
+    target = setup["mtp"] if kind == "mtp" else setup["target"]
+    want = _tokens(LLM(target, max_model_len=128), prompts, sps)
+    llm = _llm(setup, kind, tree, max_num_batched_tokens=32)
+    assert _tokens(llm, prompts, sps) == want
+    if kind == "self":  # the tree's first child is the target's own coupled draw
+        assert llm.get_metrics()["spec_decode_num_accepted_tokens_total"] > 0
+
+
+def test_tree_survives_preemption_and_adaptive_budget(setup: dict) -> None:
+    prompts = random_prompts(4, 20, 40, seed=9)
+    sp = SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)
+    want = _tokens(LLM(setup["target"], max_model_len=128), prompts, sp)
+    # 12 blocks of 16 tokens cannot hold four requests: the scheduler preempts.
+    small = _llm(setup, "eagle", DYNAMIC, num_gpu_blocks_override=12, block_size=16)
+    assert _tokens(small, prompts, sp) == want
+    assert small.get_metrics()["num_preemptions_total"] > 0
+    adaptive = _llm(setup, "eagle", DYNAMIC, spec={"adaptive": True})
+    assert _tokens(adaptive, prompts, sp) == want
+
+
+def test_refused_combinations(setup: dict) -> None:
+    with pytest.raises(ValueError, match="cannot draft a tree"):
+        SpeculativeConfig(
+            method="ngram", num_speculative_tokens=8, draft_tree={"topk": 2, "depth": 2}
+        )
+    with pytest.raises(ValueError, match="cannot draft a tree"):
+        SpeculativeConfig(
+            method="eagle",
+            model="m",
+            parallel_draft=True,
+            speculative_token_tree=STATIC["speculative_token_tree"],
+        )
+    with pytest.raises(ValueError, match="must fit below num_speculative_tokens"):
+        SpeculativeConfig(
+            method="eagle", model="m", num_speculative_tokens=8, draft_tree={"topk": 4, "depth": 3}
+        )
+    with pytest.raises(ValueError, match="has no parent"):
+        SpeculativeConfig(method="eagle", model="m", speculative_token_tree="[(0,), (1, 0)]")
+    # topk 1 and an all-zero static tree are today's chain
+    assert not SpeculativeConfig(
+        method="eagle", model="m", draft_tree={"topk": 1, "depth": 3}
+    ).is_tree
+    llm = _llm(setup, "eagle", DYNAMIC)
+    with pytest.raises(ValueError, match="not supported with draft trees"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(presence_penalty=0.5))
+
+
+# ---- verification ------------------------------------------------------------------------
+# Root with children a, b, c (nodes 1..3), node 1 with children d, e (nodes 4, 5).
+PARENT = [0, 0, 0, 0, 1, 1]
+DEPTH = [0, 1, 1, 1, 2, 2]
+
+
+def test_probabilistic_tree_is_lossless() -> None:
+    """Recursive rejection over siblings: the first token follows p at the root and, after a
+    first token of a (node 1, which has children), the second follows p at node 1."""
+    g = torch.Generator().manual_seed(0)
+    V, n = 6, 40000
+    logits = torch.randn(6, V, generator=g) * 1.5
+    drafts = torch.tensor([2, 0, 5, 1, 3])  # a, b, c, d, e
+    B = n
+    st = SamplingTensors.from_lists([1.0] * B, [0] * B, [1.0] * B, [0.0] * B, list(range(B)), "cpu")
+    out, acc, path = tree_verify(
+        logits.expand(B, -1, -1),
+        drafts.expand(B, -1),
+        torch.tensor(PARENT).expand(B, -1),
+        torch.tensor(DEPTH).expand(B, -1),
+        torch.full((B,), 5),
+        st,
+        torch.full((B,), 100),
+        2,
+        "probabilistic",
+    )
+    p0 = logits[0].softmax(-1)
+    first = torch.bincount(out[:, 0], minlength=V)
+    assert chi2_pvalue(first, p0) > 1e-3
+    after_a = out[out[:, 0] == 2, 1]
+    assert chi2_pvalue(torch.bincount(after_a, minlength=V), logits[1].softmax(-1)) > 1e-3
+    # acceptance lengths add up: every accepted node lies on its row's path
+    assert (acc >= 1).float().mean() > 0.3
+
+
+def test_greedy_and_coupled_walk_the_tree() -> None:
+    logits = torch.full((1, 6, 8), -5.0)
+    # target argmax: root -> 0 (node 2 = b), node 2 has no children -> bonus argmax at node 2
+    logits[0, 0, 0] = 5.0
+    logits[0, 2, 7] = 5.0
+    drafts = torch.tensor([[2, 0, 5, 1, 3]])
+    st = SamplingTensors.from_lists([0.0], [0], [1.0], [0.0], [0], "cpu")
+    args = (
+        torch.tensor([PARENT]),
+        torch.tensor([DEPTH]),
+        torch.tensor([5]),
+        st,
+        torch.tensor([10]),
+        2,
+    )
+    out, acc, path = tree_verify(logits, drafts, *args, "coupled")
+    assert acc.tolist() == [1] and out[0, :2].tolist() == [0, 7] and path[0, 1].item() == 2
+    # through node 1 (token 2) to node 5 (token 3), then the bonus at node 5
+    logits[0, 0] = -5.0
+    logits[0, 0, 2] = 5.0
+    logits[0, 1, 3] = 5.0
+    logits[0, 5, 4] = 5.0
+    out, acc, path = tree_verify(logits, drafts, *args, "strict")
+    assert acc.tolist() == [2] and out[0, :3].tolist() == [2, 3, 4]
+    assert path[0, :3].tolist() == [0, 1, 5]
+
+
+# ---- attention ---------------------------------------------------------------------------
+def tree_case(num_ctx: list[int], trees: list[list[int]], block_size: int = 4, seed: int = 0):
+    """A batch of requests, each with `num_ctx` cached tokens then a tree (parent list, node 0
+    the root) as its query; returns (q, kv_cache, common, per-token dense masks)."""
+    g = torch.Generator().manual_seed(seed)
+    H, Hk, D = 4, 2, 8
+    B = len(num_ctx)
+    lens = [c + len(t) for c, t in zip(num_ctx, trees)]
+    nblk = [(n + block_size - 1) // block_size for n in lens]
+    total = sum(nblk) + 1
+    perm = torch.randperm(total - 1, generator=g)
+    bt = torch.full((B, max(nblk)), total - 1, dtype=torch.int32)
+    o = 0
+    for b, m in enumerate(nblk):
+        bt[b, :m] = perm[o : o + m].to(torch.int32)
+        o += m
+    kv = torch.randn(2, total, block_size, Hk, D, generator=g)
+    T = sum(len(t) for t in trees)
+    q = torch.randn(T, H, D, generator=g)
+    pos, start, mask, rope, req, slots, qsl = [], [], [], [], [], [], [0]
+    dense = []
+    for b, (c, par) in enumerate(zip(num_ctx, trees)):
+        depth, anc = [0], [1]
+        for m in range(1, len(par)):
+            depth.append(depth[par[m]] + 1)
+            anc.append(anc[par[m]] | (1 << m))
+        for m in range(len(par)):
+            s = c + m
+            pos.append(s)
+            start.append(c)
+            mask.append(anc[m])
+            rope.append(c + depth[m])
+            req.append(b)
+            slots.append(int(bt[b, s // block_size]) * block_size + s % block_size)
+            vis = [k < c or (k - c <= m and bool((anc[m] >> (k - c)) & 1)) for k in range(lens[b])]
+            dense.append((b, rope[-1], torch.tensor(vis, dtype=torch.bool)))
+        qsl.append(qsl[-1] + len(par))
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        positions=torch.tensor(pos),
+        block_table=bt,
+        slot_mapping=torch.tensor(slots),
+        token_req=torch.tensor(req),
+        num_reqs=B,
+        num_tokens=T,
+        max_query_len=max(len(t) for t in trees),
+        max_seq_len=max(lens),
+        tree_start=torch.tensor(start),
+        tree_mask=torch.tensor(mask),
+        tree_positions=torch.tensor(rope),
+    )
+    return q, kv, common, dense
+
+
+TREES = [
+    ([5, 9], [[0, 0, 0, 1, 1, 2], [0, 0, 1, 2, 3]]),
+    ([13], [[0, 0, 0, 0, 1, 2, 3, 4, 5, 5]]),
+    ([3, 0, 7], [[0], [0, 0, 1], [0, 0, 0, 2, 2, 4]]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(TREES)))
+@pytest.mark.parametrize("window", [None, 6])
+def test_torch_tree_mask_equals_dense(case: int, window: int | None) -> None:
+    """Each node's output equals dense attention over the context and its ancestors only (a
+    window measured from the node's rotary position for context keys)."""
+    num_ctx, trees = TREES[case]
+    q, kv, common, dense = tree_case(num_ctx, trees)
+    meta = TorchAttentionBackend().build(common, window)
+    out = paged_attention_ref(q, kv, meta, 0.3)
+    for t, (b, rope, vis) in enumerate(dense):
+        n = vis.numel()
+        keys = kv[:, common.block_table[b].long()].flatten(1, 2)[:, :n]  # [2, n, Hk, D]
+        if window is not None:
+            ctx_start = num_ctx[b]
+            k_idx = torch.arange(n)
+            vis = vis & ((k_idx >= ctx_start) | (k_idx > rope - window))
+        qh = q[t].view(2, 2, -1)  # [Hk, group, D]
+        s = torch.einsum("hgd,nhd->hgn", qh, keys[0]) * 0.3
+        s = s.masked_fill(~vis, float("-inf"))
+        ref = torch.einsum("hgn,nhd->hgd", s.softmax(-1), keys[1]).reshape(4, -1)
+        torch.testing.assert_close(out[t], ref, rtol=1e-5, atol=1e-5)

@@ -392,6 +392,12 @@ def _device_speculator(
 
         return ParallelDraftSpeculator(spec, drafter, device)
     if isinstance(drafter, MultiLayerMTPDrafter):
+        if spec.is_tree:
+            raise ValueError(
+                "speculative_config: multi-layer MTP (a module per draft position) cannot "
+                "draft a tree; drop draft_tree / speculative_token_tree, or use a single MTP "
+                "layer."
+            )
         from specserve.spec_decode.multi_layer_mtp import MultiLayerMTPSpeculator
 
         return MultiLayerMTPSpeculator(spec, drafter, device)
