@@ -1,0 +1,117 @@
+"""The default model on the CPU (SmolLM2-135M-Instruct with its EAGLE-3 head, K = 3, as
+`specserve generate` runs it): output tokens/s with its shipped speculative configuration
+(the adaptive budget on by default, and the fixed K = 3 for reference) against no
+speculation, on chat prompts and on copy tasks (prompts asking to repeat a given text), at
+T = 0 and T = 1 (seeded), batch 1 and 6. All ratios come from one run, each cell's engines
+back to back; outputs are checked to equal the plain run's token for token.
+
+    python benchmarks/never_slower_cpu.py             # ~6 min on 2 shared cores
+    python benchmarks/never_slower_cpu.py --max-tokens 32 --rounds 1   # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_json  # noqa: E402
+
+COPY_TEXT = [
+    "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital "
+    "of Italy.",
+    "Roses are red, violets are blue, sugar is sweet, and so are you.",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer.",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20",
+]
+
+
+def prompts(kind: str, tok: Any, n: int) -> list[list[int]]:
+    from specserve.data import load_prompts
+
+    if kind == "chat":
+        texts = [r["prompt"] for r in load_prompts("chat")][:n]
+    else:
+        texts = [f"Repeat the following text exactly, and nothing else:\n\n{t}" for t in COPY_TEXT]
+        texts = (texts * n)[:n]
+    out = []
+    for t in texts:
+        chat = [{"role": "user", "content": t}]
+        text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        out.append(tok.encode(text, add_special_tokens=False))
+    return out
+
+
+def timed(llm: Any, ps: list[list[int]], sp: Any, batch: int) -> tuple[float, list[list[int]]]:
+    """Tokens/s over the prompts sent `batch` at a time; the outputs."""
+    outs: list[list[int]] = []
+    n_tok, t0 = 0, time.perf_counter()
+    for i in range(0, len(ps), batch):
+        chunk = [{"prompt_token_ids": p} for p in ps[i : i + batch]]
+        for o in llm.generate(chunk, sp, use_tqdm=False):
+            outs.append(list(o.outputs[0].token_ids))
+            n_tok += len(o.outputs[0].token_ids)
+    return n_tok / (time.perf_counter() - t0), outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1, help="prompt sets per cell")
+    args = ap.parse_args()
+    import torch
+
+    from specserve import LLM, SamplingParams
+    from specserve.data import default_model
+    from specserve.spec_decode.dynamic import DraftBudget
+
+    gguf, spec = default_model()
+    common = dict(max_model_len=1024, max_num_seqs=6, disable_log_stats=True)
+    engines = {
+        "plain": LLM(gguf, speculative_config=None, **common),
+        "adaptive": LLM(gguf, speculative_config=spec, **common),
+        "fixed K=3": LLM(gguf, speculative_config={**spec, "adaptive": False}, **common),
+    }
+    tok = engines["plain"].engine.tokenizer
+    rows, result = [], {"torch_threads": torch.get_num_threads(), "cells": []}
+    for kind in ("chat", "copy"):
+        for temp in (0.0, 1.0):
+            for batch in (1, 6):
+                ps = prompts(kind, tok, 6 * args.rounds)
+                sp = SamplingParams(temperature=temp, seed=7, max_tokens=args.max_tokens)
+                cell: dict[str, Any] = {"kind": kind, "T": temp, "batch": batch}
+                ref = None
+                for name, llm in engines.items():
+                    if llm.engine.budget is not None:  # a fresh budget every cell
+                        llm.engine.budget = DraftBudget(spec["num_speculative_tokens"])
+                    tps, outs = timed(llm, ps, sp, batch)
+                    if ref is None:
+                        ref = outs
+                    cell[name] = tps
+                    cell[f"{name} same"] = outs == ref
+                    m = llm.get_metrics()
+                    if name == "adaptive":
+                        cell["mean K"] = m["spec_decode_mean_draft_budget"]
+                result["cells"].append(cell)
+                rows.append(cell)
+                print(cell, flush=True)
+                write_json("never_slower_cpu.json", result)
+    print("\nCPU, other processes shared the cores; tok/s; ratios to plain from the same run")
+    print(f"{'prompts':<6} {'T':>3} {'B':>2} {'plain':>8} {'adaptive':>9} {'x':>5} "
+          f"{'K=3':>8} {'x':>5} {'mean K':>6} same")  # fmt: skip
+    for c in rows:
+        print(
+            f"{c['kind']:<6} {c['T']:>3.0f} {c['batch']:>2} {c['plain']:8.1f} "
+            f"{c['adaptive']:9.1f} {c['adaptive'] / c['plain']:5.2f} {c['fixed K=3']:8.1f} "
+            f"{c['fixed K=3'] / c['plain']:5.2f} {c['mean K']:6.2f} "
+            f"{c['adaptive same'] and c['fixed K=3 same']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
