@@ -125,6 +125,9 @@ def test_tree_survives_preemption_and_adaptive_budget(setup: dict) -> None:
     assert small.get_metrics()["num_preemptions_total"] > 0
     adaptive = _llm(setup, "eagle", DYNAMIC, spec={"adaptive": True})
     assert _tokens(adaptive, prompts, sp) == want
+    # Async scheduling: the next step is launched before this one's accept counts are read.
+    overlapped = _llm(setup, "eagle3", STATIC, async_scheduling=True)
+    assert _tokens(overlapped, prompts, sp) == want
 
 
 def test_refused_combinations(setup: dict) -> None:
