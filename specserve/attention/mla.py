@@ -212,6 +212,10 @@ def mla_forward(
     where asked (fused kernels for small batches, mla_fused.py), else torch."""
     from specserve.attention import mla_expanded
 
+    # NOTE: the MLA Triton kernels (mla_fused.py, mla_triton.py) read the latent cache in the
+    # model's dtype only: an fp8 latent cache runs the torch path here (quantize on write,
+    # dequantize on gather), on any backend.
+    use_triton = use_triton and not is_fp8(kv_cache.dtype)
     if use_triton:
         from specserve.attention import mla_fused
 

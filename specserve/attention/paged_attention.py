@@ -38,6 +38,8 @@ import triton
 import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
+from specserve.attention.kv_quant import compute_dtype, is_fp8, kv_quant_args
+from specserve.attention.kv_write import fp8_dequantize, fp8_quantize
 from specserve.attention.launch_policy import launch_config, split_count
 from specserve.attention.rope_kv_write import _norm_weights, _rope_tile, _rope_trig
 from specserve.attention.split_merge import combine_splits
@@ -143,8 +145,16 @@ def _paged_attention_kernel(
     q_eps,
     k_eps,
     QK_NORM: tl.constexpr,
+    kv_scales_ptr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
     EARLY_KV: tl.constexpr = False,
 ):
+    # KV_FP8: the cache holds value / scale in fp8 (kv_quant.py): this step's keys and values
+    # are quantized where the kernel writes them, every key tile dequantized (cast, times the
+    # layer's scale) into q's dtype as it is loaded.
     # FUSE_KV: q and this step's k arrive unrotated and k is not in the cache yet; QK_NORM (with
     # FUSE_KV): q and k arrive un-normed too; the per-head RMSNorm runs in the RoPE tiles (no
     # qk-norm launch), q_norm_w / k_norm_w [HEAD_DIM].
@@ -228,7 +238,13 @@ def _paged_attention_kernel(
         q = q.to(q_ptr.dtype.element_ty)
     else:
         q = tl.load(q_row + d[None, :], mask=row_valid[:, None], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if KV_FP8:  # scales after the wait: calculate_kv_scales writes them in the stream
+        k_scale = tl.load(kv_scales_ptr)
+        v_scale = tl.load(kv_scales_ptr + 1)
+        q = q.to(q_ptr.dtype.element_ty)
+    else:
+        k_scale, v_scale = 1.0, 1.0
+        q = q.to(k_cache_ptr.dtype.element_ty)
     # exp2 on log2-scaled scores: one multiply per score instead of a multiply inside exp.
     qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -248,8 +264,11 @@ def _paged_attention_kernel(
         )
         dst = (t_slot // BLOCK_SIZE) * stride_cb + (t_slot % BLOCK_SIZE) * stride_cs
         dst = dst[:, None] + kv_head * stride_ch + d[None, :]
-        k_rot = k_rot.to(k_new_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
-        tl.store(k_cache_ptr + dst, k_rot, mask=mine[:, None])
+        k_rot = k_rot.to(k_new_ptr.dtype.element_ty)
+        if KV_FP8:
+            k_rot = fp8_quantize(k_rot, k_scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+            v_new = fp8_quantize(v_new, v_scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+        tl.store(k_cache_ptr + dst, k_rot.to(k_cache_ptr.dtype.element_ty), mask=mine[:, None])
         tl.store(v_cache_ptr + dst, v_new.to(v_cache_ptr.dtype.element_ty), mask=mine[:, None])
         tl.debug_barrier()
     for start in range(kv_begin, kv_end, BLOCK_N):
@@ -270,6 +289,9 @@ def _paged_attention_kernel(
         else:
             k = tl.load(k_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
             v = tl.load(v_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
+        if KV_FP8:
+            k = fp8_dequantize(k, k_scale, q_ptr.dtype.element_ty)
+            v = fp8_dequantize(v, v_scale, q_ptr.dtype.element_ty)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (kpos[None, :] <= pos[:, None]) & kmask[None, :]
@@ -329,6 +351,8 @@ def paged_attention(
     # (q_norm weight [head_dim], k_norm weight [head_dim], q_eps, k_eps): q and k not yet
     # per-head RMS-normed (Qwen3); only with `new_kv`
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
+    # [2] fp32 (key, value scales): an fp8 cache's (attention/kv_quant.py), else None
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`num_splits`: key splits per program (None: `split_count`'s choice; tests force it).
     `split_len`: the key count that choice assumes (the engine passes max_model_len; None: the
@@ -349,7 +373,11 @@ def paged_attention(
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
-    cfg = launch_config(group, common.max_query_len, head_dim, kv_cache.dtype)
+    if is_fp8(kv_cache.dtype) and kv_scales is None:
+        raise ValueError("an fp8 KV cache needs its layer's kv_scales")
+    # The dtype the dots run in: the cache's, or q's for an fp8 cache (dequantized tiles).
+    cdt = compute_dtype(kv_cache.dtype, q.dtype)
+    cfg = launch_config(group, common.max_query_len, head_dim, cdt)
     block_q = cfg.block_m // group
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     bt = common.block_table
@@ -361,7 +389,7 @@ def paged_attention(
             num_tokens, common.num_reqs, block_q, num_kv_heads, split_len, q.device
         )
     grid = (q_blocks, num_kv_heads, num_splits)
-    block_n = cfg.split_block_n(num_splits, split_len, kv_cache.dtype)
+    block_n = cfg.split_block_n(num_splits, split_len, cdt)
     if num_splits > 1:
         ws_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=q.device)
         ws_m = torch.empty(num_tokens, num_heads, num_splits, device=q.device)
@@ -408,7 +436,7 @@ def paged_attention(
         BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None,
         # fp32 caches get exact fp32 dots (no tf32), so results track the reference closely.
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if cdt == torch.float32 else "tf32",
         SPLITS=num_splits,
         ws_acc_ptr=ws_acc,
         ws_m_ptr=ws_m,
@@ -433,6 +461,8 @@ def paged_attention(
         # tile's registers held q back (Qwen3-30B-A3B: device-busy 2875 -> 2984 us a step).
         EARLY_KV=num_splits > 1 and pdl.early_kv(head_dim),
         **_qk_norm_args(qk_norm, q),
+        kv_scales_ptr=kv_scales if kv_scales is not None else q,
+        **kv_quant_args(kv_cache.dtype),
         **kw,
     )
     if num_splits > 1:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specserve.attention.kv_quant import is_fp8, kv_quant_args
+from specserve.attention.kv_write import fp8_quantize
 from specserve.attention.torch_ref import reshape_and_cache_ref
 from specserve.ops import pdl
 from specserve.ops.fused import rope_ref
@@ -49,6 +51,11 @@ def _rope_and_cache_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     PDL: tl.constexpr,
+    kv_scales_ptr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
 ):
     """One token: rotate q in place, write rotated k and v to the cache. The arithmetic and
     roundings of the RoPE kernel followed by _reshape_and_cache_kernel (fp32, rounded to k's
@@ -74,12 +81,18 @@ def _rope_and_cache_kernel(
         src = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
         k1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
         k2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        r1 = (k1 * c - k2 * s).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
-        r2 = (k2 * c + k1 * s).to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
-        tl.store(k_cache_ptr + dst + d[None, :], r1, mask=m)
-        tl.store(k_cache_ptr + dst + HALF + d[None, :], r2, mask=m)
+        r1 = (k1 * c - k2 * s).to(k_ptr.dtype.element_ty)
+        r2 = (k2 * c + k1 * s).to(k_ptr.dtype.element_ty)
         dv = tl.arange(0, HEAD_DIM)
         v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + dv[None, :], mask=hm)
+        if KV_FP8:  # the rounded k, divided by the scale, as kv_quant.quantize_kv_ref
+            k_scale = tl.load(kv_scales_ptr)
+            v_scale = tl.load(kv_scales_ptr + 1)
+            r1 = fp8_quantize(r1, k_scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+            r2 = fp8_quantize(r2, k_scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+            v = fp8_quantize(v, v_scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+        tl.store(k_cache_ptr + dst + d[None, :], r1.to(k_cache_ptr.dtype.element_ty), mask=m)
+        tl.store(k_cache_ptr + dst + HALF + d[None, :], r2.to(k_cache_ptr.dtype.element_ty), mask=m)
         tl.store(v_cache_ptr + dst + dv[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=hm)
 
 
@@ -99,9 +112,13 @@ def rope_and_cache_(
     kv_cache: torch.Tensor,
     # [num_tokens] int64, -1 = padding (no write)
     slot_mapping: torch.Tensor,
+    # [2] fp32 (key, value scales): an fp8 cache's, else None
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """ops.rope_ then reshape_and_cache in one launch (reference: `rope_and_cache_ref`)."""
     num_tokens, num_heads, head_dim = q.shape
+    if is_fp8(kv_cache.dtype) and kv_scales is None:
+        raise ValueError("an fp8 KV cache needs its layer's kv_scales")
     if num_tokens == 0:
         return
     v = v if v.stride(-1) == 1 else v.contiguous()
@@ -137,6 +154,8 @@ def rope_and_cache_(
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         num_warps=4,
         **pdl.launch_kwargs(q.device),
+        kv_scales_ptr=kv_scales if kv_scales is not None else q,
+        **kv_quant_args(kv_cache.dtype),
     )
 
 
@@ -155,12 +174,14 @@ def rope_and_cache_ref(
     kv_cache: torch.Tensor,
     # [num_tokens] int64, -1 = padding (no write)
     slot_mapping: torch.Tensor,
+    # [2] fp32 (key, value scales): an fp8 cache's, else None
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """`rope_and_cache_` in torch: q rotated in place, rotated k and v written (padding not)."""
     keep = slot_mapping >= 0
     q.copy_(rope_ref(positions, q, cos, sin))
     k_rot = rope_ref(positions, k, cos, sin)
-    reshape_and_cache_ref(k_rot[keep], v[keep], kv_cache, slot_mapping[keep])
+    reshape_and_cache_ref(k_rot[keep], v[keep], kv_cache, slot_mapping[keep], kv_scales)
 
 
 # ---- the same work on tiles inside the attention kernel -----------------------------------------

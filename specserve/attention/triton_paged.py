@@ -16,6 +16,7 @@ from specserve.attention.backend import (
     CommonAttentionMetadata,
     ForwardContext,
 )
+from specserve.attention.kv_quant import compute_dtype
 from specserve.attention.kv_write import reshape_and_cache
 from specserve.attention.launch_policy import fuses_kv_write
 from specserve.attention.paged_attention import paged_attention
@@ -79,6 +80,8 @@ class TritonAttentionBackend(AttentionBackend):
         sinks: torch.Tensor | None = None,
         # (q_norm weight, k_norm weight, q_eps, k_eps): with `rope`, q and k not normed yet
         qk_norm: tuple[torch.Tensor, torch.Tensor, float, float] | None = None,
+        # [2] fp32 (key, value scales): only with an fp8 cache (attention/kv_quant.py)
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if qk_norm is not None and rope is None:
             raise ValueError("qk_norm comes with rope (see AttentionBackend.fuses_qk_norm)")
@@ -92,15 +95,16 @@ class TritonAttentionBackend(AttentionBackend):
         # The fused kernel rotates by the metadata's positions: only when RoPE's are those.
         same_pos = rope is not None and rope[0].data_ptr() == c.positions.data_ptr()
         if same_pos and rope[0].shape == c.positions.shape and k.stride(-1) == 1:
-            if fuses_kv_write(q.shape[1], k.shape[1], c.max_query_len, q.shape[2], kv_cache.dtype):
+            cdt = compute_dtype(kv_cache.dtype, q.dtype)
+            if fuses_kv_write(q.shape[1], k.shape[1], c.max_query_len, q.shape[2], cdt):
                 new_kv = (k, v, rope[1], rope[2])
         if new_kv is None and qk_norm is not None:  # not fusable here: the qk-norm kernel
             q, k = qk_norm_(q, k, *qk_norm)
             qk_norm = None
         if new_kv is None and rope is not None:
-            rope_and_cache_(rope[0], q, k, v, rope[1], rope[2], kv_cache, c.slot_mapping)
+            rope_and_cache_(rope[0], q, k, v, rope[1], rope[2], kv_cache, c.slot_mapping, kv_scales)
         elif new_kv is None:
-            reshape_and_cache(k, v, kv_cache, c.slot_mapping)
+            reshape_and_cache(k, v, kv_cache, c.slot_mapping, kv_scales)
         return paged_attention(
             q,
             kv_cache,
@@ -111,6 +115,7 @@ class TritonAttentionBackend(AttentionBackend):
             new_kv=new_kv,
             sinks=sinks,
             qk_norm=qk_norm,
+            kv_scales=kv_scales,
         )
 
     def forward_mla(
