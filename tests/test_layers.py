@@ -25,6 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("spec_decode",),
     ("models",),
     ("attention",),
+    # Tensor-parallel groups and collectives (models' row-parallel layers call them).
+    ("distributed",),
     ("sample", "structured"),
     ("ops",),
     # Plain data types and the one home of tunables; `data` holds package data and its readers.

@@ -108,6 +108,14 @@ class EngineConfig:
     # start-up, once per process). CPU and float32 weights always use F.linear.
     decode_matmul: str = "auto"
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Tensor parallelism (engine/tp_executor.py): the target (and the drafter, unless
+    # speculative_config.draft_tensor_parallel_size is 1) sharded over this many ranks, one
+    # process each (NCCL on CUDA, gloo on CPU); across machines, NNODES / NODE_RANK /
+    # MASTER_ADDR / MASTER_PORT in the environment of every node (README).
+    tensor_parallel_size: int = 1
+    # Seconds a tensor-parallel collective or rendezvous may wait for a rank before the engine
+    # fails with an error naming it (a dead rank fails the next step sooner).
+    distributed_timeout_seconds: float = 300.0
     served_model_name: str | None = None
     disable_log_stats: bool = True
     log_stats_interval: float = 10.0
@@ -181,6 +189,7 @@ class EngineConfig:
                 '\'{"method": "ngram", "num_speculative_tokens": 3}\', got '
                 f"{type(self.speculative_config).__name__} {self.speculative_config!r}."
             )
+        self._check_tensor_parallel()
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
@@ -193,6 +202,20 @@ class EngineConfig:
             self.async_scheduling = self.torch_device.type == "cuda"
         if self.warmup is None:
             self.warmup = self.torch_device.type == "cuda"
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
+        if not self.distributed_timeout_seconds > 0:
+            raise ValueError("distributed_timeout_seconds must be > 0.")
+        spec = self.speculative_config
+        draft_tp = getattr(spec, "draft_tensor_parallel_size", None)
+        if draft_tp not in (None, 1, tp):
+            raise ValueError(
+                f"speculative_config.draft_tensor_parallel_size must be 1 (the drafter whole on "
+                f"every rank) or tensor_parallel_size ({tp}), got {draft_tp!r}."
+            )
 
     def check_device_available(self) -> None:
         """Before anything touches the device (engine start): a one-line error, not CUDA's

@@ -42,6 +42,10 @@ class SpeculativeConfig:
     # "[(0,), (1,), (0, 0)]" (its length is num_speculative_tokens).
     draft_tree: dict[str, int] | None = None
     speculative_token_tree: str | None = None
+    # Tensor parallelism: the drafter sharded like the target (None: the target's
+    # tensor_parallel_size) or 1: whole on every rank (it still shares the target's sharded
+    # embedding and lm_head where it uses them), as vLLM's draft_tensor_parallel_size.
+    draft_tensor_parallel_size: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
@@ -113,6 +117,7 @@ class SpeculativeConfig:
         check_type("disable_by_batch_size", (int,), allow_none=True)
         check_type("parallel_draft", (bool,))
         check_type("adaptive", (bool,))
+        check_type("draft_tensor_parallel_size", (int,), allow_none=True)
         sched = self.num_speculative_tokens_per_batch_size
         name = "speculative_config.num_speculative_tokens_per_batch_size"
         if isinstance(sched, str):

@@ -15,9 +15,11 @@ import numpy as np
 import torch
 
 from specserve.config import EngineConfig
+from specserve.distributed import TensorParallel
 from specserve.engine.kv_cache import KVCacheManager
 from specserve.engine.output_processor import RequestState
 from specserve.engine.scheduler import Scheduler
+from specserve.engine.tp_executor import TPExecutor, start_tensor_parallel, stop_workers
 from specserve.metrics.stats import EngineStats
 from specserve.models.gguf import resolve_gguf
 from specserve.models.registry import load_model
@@ -68,11 +70,27 @@ def _eos_ids(model_dir: str, cfg: dict[str, Any], tokenizer: Any) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        """`tp`: this process is a tensor-parallel worker rank of that group (it builds the
+        same engine over its shards and runs the steps rank 0 sends: engine/tp_executor.py).
+        With tensor_parallel_size > 1 and no `tp`, this engine is rank 0 and starts the
+        workers."""
         self.config = config
         config.check_device_available()
         if config.model.endswith(".gguf"):
             config.model = resolve_gguf(config.model)
+        self._tp_procs: list[Any] | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            tp, self._tp_procs = start_tensor_parallel(config)
+        self.tp = tp
+        try:
+            self._init(config, tp)
+        except BaseException:
+            if self._tp_procs:
+                stop_workers(self._tp_procs, timeout=0.1)
+            raise
+
+    def _init(self, config: EngineConfig, tp: TensorParallel | None) -> None:
         device, dtype = config.torch_device, config.torch_dtype
         from specserve.models.loader import read_config
 
@@ -92,6 +110,7 @@ class LLMEngine:
             config.load_format,
             config.mxfp4_experts,
             config.fp8_weights,
+            tp,
         )
         self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
         # Structured outputs: xgrammar objects are built at the first request that has one.
@@ -100,7 +119,7 @@ class LLMEngine:
         )
         self.speculator = (
             build_speculator(
-                spec, self.model, config.model, rope_len, dtype, device, config.load_format
+                spec, self.model, config.model, rope_len, dtype, device, config.load_format, tp
             )
             if spec is not None
             else None
@@ -111,6 +130,8 @@ class LLMEngine:
         # serving stalls warmup.watch_late_compiles reports (an engine built after another).
         with engine_startup():
             num_blocks = self._prepare_device(config, device)
+        if self._tp_procs is not None:  # rank 0: each step goes to the workers first
+            self.runner = TPExecutor(self.runner, tp, self._tp_procs)
         self.kv = KVCacheManager(
             num_blocks,
             config.block_size,
@@ -211,11 +232,15 @@ class LLMEngine:
 
             for m in models:
                 use_decode_gemv_(m)
-        elif config.decode_matmul == "auto" and device.type == "cuda":
+        elif config.decode_matmul == "auto" and device.type == "cuda" and self.tp is None:
+            # NOTE: not under tensor parallelism: replicated matmuls (routers, EAGLE's fc)
+            # must compute the same bits on every rank, and each rank would time its own plan.
             from specserve.ops.gemv_plan import tune_decode_gemv_
 
             self.decode_matmul_plan = tune_decode_gemv_(models)
         num_blocks = self._num_kv_blocks()
+        if self.tp is not None:  # every rank's pool holds the same blocks
+            num_blocks = self.tp.min_int(num_blocks)
         self._fit_max_model_len(num_blocks)
         self.runner = ModelRunner(
             config, self.model, self.max_model_len, num_blocks, self.speculator
@@ -334,9 +359,13 @@ class LLMEngine:
         allowed = sampling_params.allowed_token_ids or []
         _check_token_ids("allowed_token_ids", allowed, vocab, param="allowed_token_ids")
         bad_words = self._bad_words_token_ids(sampling_params.bad_words or [], vocab)
-        if c.spec is not None and c.spec.is_tree and (
-            sampling_params.structured_outputs is not None
-            or sampling_params.uses_logits_processors
+        if (
+            c.spec is not None
+            and c.spec.is_tree
+            and (
+                sampling_params.structured_outputs is not None
+                or sampling_params.uses_logits_processors
+            )
         ):
             raise RequestFieldError(
                 "structured outputs and logits processors (penalties, logit_bias, min_tokens, "
@@ -345,6 +374,12 @@ class LLMEngine:
                 "structured_outputs"
                 if sampling_params.structured_outputs is not None
                 else "logits_processors",
+            )
+        if self.tp is not None and sampling_params.structured_outputs is not None:
+            # NOTE: the workers' runners would need the grammar matchers' masks each step.
+            raise RequestFieldError(
+                "structured outputs are not supported with tensor_parallel_size > 1 yet",
+                "structured_outputs",
             )
         seed = sampling_params.seed
         if seed is None:

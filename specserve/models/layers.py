@@ -12,6 +12,7 @@ from torch import nn
 from specserve import ops
 from specserve.attention.backend import ForwardContext
 from specserve.attention.kv_quant import compute_kv_scales_, is_fp8
+from specserve.distributed import tp_reduce
 from specserve.ops import pdl
 from specserve.ops.gemv import DecodeLinear
 
@@ -178,6 +179,10 @@ class KVCacheLayer(nn.Module):
 
 
 class Attention(KVCacheLayer):
+    # Tensor parallelism (models/tensor_parallel.py): this rank's heads; o_proj's partial sums
+    # are all-reduced over `tp`. None: unsharded, no collective.
+    tp = None
+
     def __init__(
         self,
         hidden_size: int,
@@ -275,7 +280,7 @@ class Attention(KVCacheLayer):
             if calc_scales:
                 compute_kv_scales_(self.kv_scales, k, v)
             out = ctx.backend.forward(q, k, v, *args, **kw)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return tp_reduce(self.tp, self.o_proj(out.reshape(-1, self.q_size)))
 
     def _partial_rope(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rd: int
@@ -301,6 +306,10 @@ ACTIVATIONS: dict[str, Any] = {
 
 
 class MLP(nn.Module):
+    # Tensor parallelism: down_proj's partial sums are all-reduced over `tp` (None: no
+    # collective; also for an MoE's shared experts, summed with the routed ones).
+    tp = None
+
     def __init__(
         self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu"
     ) -> None:
@@ -316,7 +325,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gate_up_act(self.gate_up_proj, x, self.act))
+        return self.down(gate_up_act(self.gate_up_proj, x, self.act))
+
+    def down(
+        self,
+        # [num_tokens, intermediate_size]: act(gate) * up
+        act: torch.Tensor,
+    ) -> torch.Tensor:
+        return tp_reduce(self.tp, self.down_proj(act))
 
 
 def gate_up_act(gate_up: nn.Linear, x: torch.Tensor, act: str = "silu") -> torch.Tensor:

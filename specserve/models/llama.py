@@ -201,7 +201,7 @@ class DecoderLayer(nn.Module):
         act, residual = norm_linear(
             self.post_attention_layernorm, mlp.gate_up_proj, x, residual, True, mlp.act
         )
-        return mlp.down_proj(act), residual
+        return mlp.down(act), residual
 
 
 def norm_ffn(

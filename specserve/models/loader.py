@@ -71,8 +71,9 @@ class ModelLoadError(ValueError):
 
 def _expert_target(
     name: str, params: dict[str, torch.Tensor], tensor: torch.Tensor
-) -> tuple[str, Callable[[torch.Tensor], torch.Tensor], list[str]] | None:
-    """(stacked parameter, its slice for this tensor, completeness keys) for an expert tensor."""
+) -> tuple[str, Callable[[torch.Tensor], torch.Tensor], list[str], str] | None:
+    """(stacked parameter, its slice for this tensor, completeness keys, the tensor's kind:
+    gate_proj, up_proj, down_proj or gate_up_proj) for an expert tensor."""
     m = _PER_EXPERT.match(name)
     if m is not None:
         prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
@@ -80,17 +81,18 @@ def _expert_target(
         if target not in params:
             return None
         if kind == "down_proj":
-            return target, lambda p: p[e], [f"{target}#{e}"]
+            return target, lambda p: p[e], [f"{target}#{e}"], kind
         inter = params[target].shape[1] // 2
         shard = 0 if kind == "gate_proj" else 1
-        return target, lambda p: p[e].narrow(0, shard * inter, inter), [f"{target}#{e}.{shard}"]
+        keys = [f"{target}#{e}.{shard}"]
+        return target, lambda p: p[e].narrow(0, shard * inter, inter), keys, kind
     m = _FUSED_EXPERTS.match(name)
     if m is not None:
         target = f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}"
         if target in params:
             # The routed experts (slots past them hold fused shared experts).
             n = tensor.shape[0]
-            return target, lambda p: p[:n], _expert_keys(target, n)
+            return target, lambda p: p[:n], _expert_keys(target, n), m.group(2)
     return None
 
 
@@ -255,8 +257,11 @@ def load_weights(
             continue
         expert = _expert_target(name, params, tensor)
         if expert is not None:
-            target, view, keys = expert
+            target, view, keys, kind = expert
             dst = view(params[target].data)
+            tp_load = getattr(params[target], "tp_load", None)
+            if tp_load is not None:  # tensor parallelism: this rank's slice
+                tensor = tp_load(tensor, kind)
             if tensor.dim() == 3 and tensor.shape != dst.shape and tensor.mT.shape == dst.shape:
                 tensor = tensor.mT  # fused experts saved as [E, H, 2I] / [E, I, H]
             if tuple(dst.shape) != tuple(tensor.shape):
@@ -278,6 +283,9 @@ def load_weights(
             owner = modules.get(target.rsplit(".", 1)[0])
             rows = owner.block[0] if target.endswith(SCALE_SUFFIX) else 1  # type: ignore[union-attr]
             dst = _fused_slice(param, target, shard, modules[target.rsplit(".", 2)[0]], rows)
+        tp_load = getattr(param, "tp_load", None)
+        if tp_load is not None:  # tensor parallelism (models/tensor_parallel.py): its slice
+            tensor = tp_load(tensor, shard)
         if tuple(dst.shape) != tuple(tensor.shape):
             raise ModelLoadError(
                 f"{path}: tensor {name} has shape {tuple(tensor.shape)} but the config implies "

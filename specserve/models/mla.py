@@ -26,6 +26,7 @@ from torch import nn
 
 from specserve.attention.backend import ForwardContext
 from specserve.attention.mla import MLAWeights
+from specserve.distributed import tp_reduce
 from specserve.models.layers import (
     KVCacheLayer,
     RMSNorm,
@@ -83,6 +84,9 @@ class MLAConfig:
 
 
 class MLAAttention(KVCacheLayer):
+    # Tensor parallelism: this rank's heads; o_proj's partial sums all-reduced over `tp`.
+    tp = None
+
     def __init__(self, m: MLAConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         if rope.rotary_dim != m.qk_rope_head_dim:
@@ -199,4 +203,4 @@ class MLAAttention(KVCacheLayer):
             ctx.kv_caches[self.kv_index],
             ctx.meta(None),
         )
-        return self.o_proj(out.reshape(T, H * m.v_head_dim))
+        return tp_reduce(self.tp, self.o_proj(out.reshape(T, H * m.v_head_dim)))

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.distributed import tp_reduce
 from specserve.models.layers import MLP, RMSNorm
 from specserve.ops.moe import fused_moe, fused_moe_mxfp4
 from specserve.ops.moe_router import fusable, norm_route, select_experts_ref
@@ -240,6 +241,10 @@ class SparseMoE(nn.Module):
     """The MoE feed-forward block: router -> fused experts (+ shared experts on every token:
     fused, experts E.. of `experts`; unfused, the `shared_experts` MLP)."""
 
+    # Tensor parallelism: experts split by intermediate size; the partial sums of routed and
+    # shared experts are all-reduced once over `tp` (None: no collective).
+    tp = None
+
     def __init__(self, m: MoeConfig, hidden_size: int) -> None:
         super().__init__()
         self.gate = Router(m, hidden_size)
@@ -296,7 +301,7 @@ class SparseMoE(nn.Module):
         out = self.experts(x, weights, ids, **self.expert_kw)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return tp_reduce(self.tp, out)
 
 
 def sigmoid_moe_config(cfg: dict[str, Any]) -> MoeConfig:

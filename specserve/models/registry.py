@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from specserve.models.loader import ModelLoadError
+
+if TYPE_CHECKING:
+    from specserve.distributed import TensorParallel
 
 _REGISTRY: dict[str, str] = {
     "LlamaForCausalLM": "specserve.models.llama:LlamaForCausalLM",
@@ -59,6 +62,7 @@ def load_model(
     load_format: str = "auto",
     mxfp4_experts: str = "auto",
     fp8_weights: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Build the target from config.json and load its safetensors, checking every shape.
 
@@ -66,16 +70,28 @@ def load_model(
     vLLM's `--load-format dummy`): speed benchmarks of real shapes without real checkpoints.
     mxfp4_experts: whether an MXFP4 checkpoint's experts stay 4-bit (models/mxfp4.py
     keep_mxfp4; "auto": on CUDA). fp8_weights: whether a block-scaled fp8 checkpoint's linear
-    layers stay 8-bit (models/fp8_linear.py keep_fp8; "keep" only, for now)."""
+    layers stay 8-bit (models/fp8_linear.py keep_fp8; "keep" only, for now). `tp`: this
+    rank's shard only (models/tensor_parallel.py), each tensor sliced as it is read."""
     from specserve.models.loader import dummy_weights_, iter_weights, load_weights, read_config
     from specserve.models.mxfp4 import keep_mxfp4
 
     cfg = read_config(model_dir)
     cls = resolve_architecture(cfg, model_dir)
+    if tp is not None and mxfp4_experts == "auto":
+        mxfp4_experts = "dequantize"  # NOTE: no sharded 4-bit experts yet
     keep = keep_mxfp4(mxfp4_experts, torch.device(device))
     kw = {"keep_mxfp4": keep} if getattr(cls, "supports_mxfp4", False) else {}
     with torch.device(device), default_dtype(dtype):
         model = cls.from_config_dict(cfg, max_position, **kw)
+    if tp is not None:
+        from specserve.models.tensor_parallel import shard_model_
+
+        if fp8_weights == "keep":
+            raise ModelLoadError(
+                "tensor parallelism keeps no fp8 weights yet: pass fp8_weights='dequantize'"
+            )
+        fp8_weights = "dequantize"
+        shard_model_(model, tp)
     if load_format == "dummy":
         dummy_weights_(model)
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from specserve.models.loader import (
 from specserve.models.registry import default_dtype, resolve_architecture
 from specserve.models.speculators_format import eagle3_config as speculators_eagle3_config
 from specserve.spec_decode.interface import Speculator
+
+if TYPE_CHECKING:
+    from specserve.distributed import TensorParallel
 
 # Methods whose drafter can propose all K tokens in one forward (spec_decode/parallel.py).
 PARALLEL_DRAFT_METHODS = ("draft_model", "eagle", "eagle3")
@@ -316,8 +319,10 @@ def build_speculator(
     dtype: torch.dtype,
     device: torch.device,
     load_format: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> Speculator:
-    """The speculator for `spec`: its method's builder from `SPECULATOR_BUILDERS`."""
+    """The speculator for `spec`: its method's builder from `SPECULATOR_BUILDERS`. `tp`: the
+    drafter is sharded like the target unless draft_tensor_parallel_size is 1."""
     if spec.parallel_draft and spec.method not in PARALLEL_DRAFT_METHODS:
         raise _fit_error(
             "parallel_draft",
@@ -325,7 +330,9 @@ def build_speculator(
             f"not {spec.method!r}",
         )
     build = SPECULATOR_BUILDERS[spec.method]
-    return build(spec, target, target_dir, max_position, dtype, device, load_format)
+    if tp is not None and spec.draft_tensor_parallel_size == 1:
+        tp = None
+    return build(spec, target, target_dir, max_position, dtype, device, load_format, tp)
 
 
 def _build_ngram(spec: SpeculativeConfig, *_: Any) -> Speculator:
@@ -342,6 +349,7 @@ def _build_device(
     dtype: torch.dtype,
     device: torch.device,
     load_format: str,
+    tp: TensorParallel | None = None,
 ) -> Speculator:
     """A device speculator with its drafter loaded (in `dtype`, on `device`; random weights
     with load_format "dummy") and checked to fit the target."""
@@ -362,6 +370,10 @@ def _build_device(
             from specserve.spec_decode.parallel import configure_parallel_drafter
 
             configure_parallel_drafter(drafter, cfg, None if dummy else names, draft_dir)
+    if tp is not None:
+        from specserve.models.tensor_parallel import shard_model_
+
+        shard_model_(drafter, tp)
     if load_format == "dummy":  # random weights of the right shapes (speed benchmarks)
         dummy_weights_(drafter)
     else:
@@ -372,7 +384,7 @@ def _build_device(
     return _device_speculator(spec, drafter.eval(), device)
 
 
-# method -> builder(spec, target, target_dir, max_position, dtype, device, load_format)
+# method -> builder(spec, target, target_dir, max_position, dtype, device, load_format, tp)
 SPECULATOR_BUILDERS: dict[str, Callable[..., Speculator]] = {
     "ngram": _build_ngram,
     "draft_model": _build_device,

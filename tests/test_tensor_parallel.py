@@ -1,0 +1,168 @@
+"""Tensor parallelism on the CPU: TP = 2 over gloo, in two processes, gives TP = 1's greedy tokens
+for dense, MoE and MLA targets and every drafter, with chunked prefill, preemption and prefix
+caching; every step the engine compares the tokens each rank sampled (SPECSERVE_TP_CHECK); a
+killed rank fails the engine with a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.distributed import TensorParallelError
+from specserve.engine.tp_executor import CHECK_ENV
+
+from .conftest import random_prompts
+from .mla_utils import mla_ckpt  # noqa: F401 - fixture
+from .spec_utils import (
+    write_eagle,
+    write_eagle3,
+    write_mtp_target,
+    write_multi_mtp_target,
+    write_ptd_eagle3,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "tp_check")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+PROMPTS = random_prompts(3, 4, 24, seed=11)
+# Dense: qkv biases, one KV head (replicated on both ranks), tied embeddings and a vocabulary
+# that does not split evenly (the last rank's shard is padded).
+DENSE = dict(num_key_value_heads=1, tie_word_embeddings=True, vocab_size=385)
+QWEN3_MOE = dict(
+    num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, num_experts=8,
+    num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+)  # fmt: skip
+GLM4_MOE = dict(
+    num_hidden_layers=3, head_dim=16, moe_intermediate_size=32, n_routed_experts=8,
+    num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+    first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tp_check() -> Iterator[None]:
+    """Every TP engine of this module compares the ranks' sampled tokens after each step."""
+    old = os.environ.get(CHECK_ENV)
+    os.environ[CHECK_ENV] = "1"
+    yield
+    if old is None:
+        del os.environ[CHECK_ENV]
+    else:
+        os.environ[CHECK_ENV] = old
+
+
+def generate(path: str, tp: int, prompts: list[list[int]] = PROMPTS, **kw) -> list[list[int]]:
+    llm = LLM(path, tensor_parallel_size=tp, max_model_len=128, **kw)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        return [o.outputs[0].token_ids for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def assert_tp_equal(path: str, **kw) -> None:
+    assert generate(path, 2, **kw) == generate(path, 1, **kw)
+
+
+@pytest.mark.parametrize(
+    "name,arch,over",
+    [("tp_qwen2", "qwen2", DENSE), ("tp_qwen3_moe", "qwen3_moe", QWEN3_MOE),
+     ("tp_glm4_moe", "glm4_moe", GLM4_MOE)],
+)  # fmt: skip
+def test_target_equals_tp1(ckpt_dir, name: str, arch: str, over: dict) -> None:
+    assert_tp_equal(ckpt_dir(name, arch, **over))
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_no_q_lora"])
+def test_mla_equals_tp1(mla_ckpt, name: str) -> None:  # noqa: F811 - fixture
+    assert_tp_equal(mla_ckpt(name))
+
+
+@pytest.fixture(scope="module")
+def spec_setup(ckpt_dir, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tp_drafters")
+    target = ckpt_dir("llama_gqa", "llama")
+    return {
+        "target": target,
+        "ref": generate(target, 1),
+        "draft_model": ckpt_dir("small_draft", "llama", num_hidden_layers=2, seed=5),
+        "eagle": write_eagle(os.path.join(root, "eagle")),
+        "eagle3": write_eagle3(os.path.join(root, "eagle3")),
+        "ptd": write_ptd_eagle3(os.path.join(root, "ptd_eagle3")),
+        "mtp": write_mtp_target(target, os.path.join(root, "mtp_target")),
+        "mtp2": write_multi_mtp_target(target, os.path.join(root, "mtp2"), 2, seed=3),
+    }
+
+
+# name -> (speculative_config without K, target key)
+DRAFTERS = {
+    "draft_model": ({"method": "draft_model", "model": "draft_model"}, "target"),
+    "eagle": ({"method": "eagle", "model": "eagle"}, "target"),
+    "eagle3": ({"method": "eagle3", "model": "eagle3"}, "target"),
+    "eagle3_unsharded": (
+        {"method": "eagle3", "model": "eagle3", "draft_tensor_parallel_size": 1},
+        "target",
+    ),
+    "parallel_draft": ({"method": "eagle3", "model": "ptd", "parallel_draft": True}, "target"),
+    "mtp": ({"method": "mtp"}, "mtp"),
+    "multi_layer_mtp": ({"method": "mtp"}, "mtp2"),
+    "ngram": ({"method": "ngram"}, "target"),
+}
+
+
+def spec_config(setup: dict, name: str) -> tuple[dict, str]:
+    cfg, target = DRAFTERS[name]
+    cfg = {**cfg, "num_speculative_tokens": 3, "adaptive": False}
+    if "model" in cfg:
+        cfg["model"] = setup[cfg["model"]]
+    return cfg, setup[target]
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_drafters_equal_plain(spec_setup: dict, name: str) -> None:
+    cfg, target = spec_config(spec_setup, name)
+    assert generate(target, 2, speculative_config=cfg) == spec_setup["ref"]
+
+
+def test_chunked_prefill_preemption_prefix_cache(spec_setup: dict) -> None:
+    """Shared prefixes (cache hits), prompts longer than the token budget (chunks) and a pool
+    too small for every request at once (preemption), with an EAGLE-3 drafter."""
+    base = random_prompts(1, 40, 40, seed=3)[0]
+    prompts = [base + p for p in random_prompts(4, 3, 12, seed=5)]
+    cfg, target = spec_config(spec_setup, "eagle3")
+    kw = dict(
+        prompts=prompts,
+        speculative_config=cfg,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=12,
+        block_size=8,
+    )
+    plain = generate(target, 1, prompts=prompts, max_num_batched_tokens=32, block_size=8)
+    assert generate(target, 2, **kw) == plain
+
+
+def test_killed_rank_fails_the_engine(ckpt_dir) -> None:
+    llm = LLM(ckpt_dir("llama_gqa", "llama"), tensor_parallel_size=2, max_model_len=128)
+    try:
+        (worker,) = llm.engine.runner.procs
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank 1 .* exited with code -9"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+        assert time.monotonic() - t0 < 60
+    finally:
+        llm.shutdown()
+
+
+def test_config_errors(ckpt_dir) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(ckpt_dir("llama_gqa", "llama"), tensor_parallel_size=0)
+    spec = {"method": "ngram", "draft_tensor_parallel_size": 3}
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1"):
+        LLM(ckpt_dir("llama_gqa", "llama"), tensor_parallel_size=2, speculative_config=spec)
