@@ -166,3 +166,54 @@ def test_config_errors(ckpt_dir) -> None:
     spec = {"method": "ngram", "draft_tensor_parallel_size": 3}
     with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1"):
         LLM(ckpt_dir("llama_gqa", "llama"), tensor_parallel_size=2, speculative_config=spec)
+
+
+def test_server_answers_503_and_exits_when_a_rank_dies(ckpt_dir) -> None:
+    """`specserve serve --tensor-parallel-size 2`: a killed worker rank fails the request in
+    flight with a 503, and the server process exits with status 1."""
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+    import psutil
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "specserve.entrypoints.cli", "serve", ckpt_dir("llama_gqa")]
+    args += ["--port", str(port), "--tensor-parallel-size", "2", "--device", "cpu"]
+    args += ["--uvicorn-log-level", "warning"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        workers = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "_worker_main" in " ".join(p.cmdline()) or "spawn_main" in " ".join(p.cmdline())
+        ]
+        assert workers
+        for w in workers:
+            if "resource_tracker" not in " ".join(w.cmdline()):
+                w.kill()
+        t0 = time.monotonic()
+        body = {"prompt": PROMPTS[0], "max_tokens": 4}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503
+        assert proc.wait(60) == 1
+        assert time.monotonic() - t0 < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -149,5 +149,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     freeze_startup_heap()
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    SpecServer(uv, app.state.engine, args.shutdown_timeout).run()
-    return 0
+    server = SpecServer(uv, app.state.engine, args.shutdown_timeout)
+    server.run()
+    return 1 if server.engine_failed else 0

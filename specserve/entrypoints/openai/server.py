@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from specserve.config import EngineConfig
+from specserve.distributed import TensorParallelError
 from specserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from specserve.entrypoints.openai.openapi import (
     ChatCompletionResponse,
@@ -230,6 +231,17 @@ class SpecServer(uvicorn.Server):
         super().__init__(config)
         self.engine = engine
         self.shutdown_timeout = shutdown_timeout
+        # Set when the server exits because the engine can never run again.
+        self.engine_failed = False
+
+    async def on_tick(self, counter: int) -> bool:
+        # A failed tensor-parallel rank ends the engine for good: its requests got their 503s
+        # (the engine loop failed them); the server exits (status 1) instead of answering 503
+        # until someone restarts it.
+        if isinstance(self.engine.error, TensorParallelError) and not self.should_exit:
+            logger.error("exiting: %s", self.engine.error)
+            self.engine_failed = self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:
