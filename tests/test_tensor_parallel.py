@@ -217,3 +217,31 @@ def test_server_answers_503_and_exits_when_a_rank_dies(ckpt_dir) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_two_nodes_rendezvous(ckpt_dir, monkeypatch) -> None:
+    """The documented multi-machine launch, both "nodes" on this machine: node 0 (this process)
+    holds the engine, node 1 runs the same LLM(...) with NODE_RANK=1 and only serves steps,
+    exiting when the engine shuts down."""
+    import socket
+    import subprocess
+    import sys
+
+    path = ckpt_dir("llama_gqa")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    rdv = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    code = f"from specserve import LLM; LLM({path!r}, tensor_parallel_size=2, max_model_len=128)"
+    env = {**os.environ, **rdv, "NODE_RANK": "1", "OMP_NUM_THREADS": "1"}
+    node1 = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        for k, v in {**rdv, "NODE_RANK": "0"}.items():
+            monkeypatch.setenv(k, v)
+        assert generate(path, 2) == generate(path, 1)
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()

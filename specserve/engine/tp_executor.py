@@ -189,7 +189,7 @@ class TPExecutor:
 
     def close(self) -> None:
         """End the workers (a shutdown message; those that do not exit are killed)."""
-        if self.error is None and any(p.is_alive() for p in self.procs):
+        if self.error is None:  # (other nodes' workers too: none of them is in `procs`)
             try:
                 msg = StepMessage(self.sender.step, [], [], [], None, shutdown=True)
                 self.channel.send(msg)
