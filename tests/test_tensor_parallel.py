@@ -112,12 +112,18 @@ DRAFTERS = {
     "mtp": ({"method": "mtp"}, "mtp"),
     "multi_layer_mtp": ({"method": "mtp"}, "mtp2"),
     "ngram": ({"method": "ngram"}, "target"),
+    # Rank 0's adaptive budget picks each step's draft count; the message carries it.
+    "eagle3_adaptive": ({"method": "eagle3", "model": "eagle3", "adaptive": True}, "target"),
+    "eagle3_tree": (
+        {"method": "eagle3", "model": "eagle3", "draft_tree": {"topk": 2, "depth": 2}},
+        "target",
+    ),
 }
 
 
 def spec_config(setup: dict, name: str) -> tuple[dict, str]:
     cfg, target = DRAFTERS[name]
-    cfg = {**cfg, "num_speculative_tokens": 3, "adaptive": False}
+    cfg = {"num_speculative_tokens": 3, "adaptive": False, **cfg}
     if "model" in cfg:
         cfg["model"] = setup[cfg["model"]]
     return cfg, setup[target]
