@@ -158,7 +158,8 @@ class KVCacheLayer(nn.Module):
     def kv_scale_args(self, ctx: ForwardContext) -> dict[str, torch.Tensor]:
         """The backend's `kv_scales=` keyword for an fp8 cache (none otherwise, so a backend
         without fp8 support fails loudly)."""
-        if not is_fp8(ctx.kv_caches[self.kv_index].dtype):
+        cache = ctx.kv_caches[self.kv_index]
+        if cache is None or not is_fp8(cache.dtype):  # None: a forward without a cache
             return {}
         return {"kv_scales": self.kv_scales}
 
