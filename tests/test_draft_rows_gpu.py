@@ -36,13 +36,19 @@ def paths(ckpt_dir, tmp_path_factory) -> dict[str, str]:  # noqa: ANN001
 @pytest.mark.parametrize("method", ["eagle3", "ptd", "mtp2"])
 def test_draft_graphs_equal_eager_drafting_padded_bf16(paths: dict, method: str) -> None:
     k = 2
-    target, cfg = paths["target"], {"method": "eagle3", "num_speculative_tokens": k}
+    target, cfg = (
+        paths["target"],
+        {"method": "eagle3", "num_speculative_tokens": k, "adaptive": False},
+    )
     if method == "eagle3":
         cfg["model"] = paths["eagle3"]
     elif method == "ptd":
         cfg.update(model=paths["ptd"], parallel_draft=True)
     else:
-        target, cfg = paths["mtp2"], {"method": "mtp", "num_speculative_tokens": k}
+        target, cfg = (
+            paths["mtp2"],
+            {"method": "mtp", "num_speculative_tokens": k, "adaptive": False},
+        )
     prompts = random_prompts(5, 5, 60, seed=7)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     runs = {}

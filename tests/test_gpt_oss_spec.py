@@ -75,7 +75,7 @@ def test_gpt_oss_draft_model_crosses_window(setup: dict, ckpt_dir) -> None:
     drafts equal its own greedy continuation computed from scratch, and the target's output is
     unchanged."""
     draft = gpt_oss_ckpt(ckpt_dir, "gpt_oss_draft", num_hidden_layers=2, sliding_window=2)
-    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 5}
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 5, "adaptive": False}
     alone = LLM(draft, max_model_len=128)
 
     def from_scratch(tokens: list[int]) -> list[int]:

@@ -207,7 +207,12 @@ def test_spec_greedy_equivalence_cuda(drafters, prompts, method: str, k: int, mo
 
 
 def test_self_drafting_accepts_everything_cuda(drafters, prompts) -> None:
-    cfg = {"method": "draft_model", "model": drafters["target"], "num_speculative_tokens": 4}
+    cfg = {
+        "method": "draft_model",
+        "model": drafters["target"],
+        "num_speculative_tokens": 4,
+        "adaptive": False,  # every step drafts: all of them accepted
+    }
     llm = cuda_llm(drafters["target"], speculative_config=cfg)
     llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     m = llm.get_metrics()
@@ -220,11 +225,13 @@ def test_draft_graphs_give_eager_drafts(drafters, ckpt_dir, prompts, method, sam
     """Fused loop graph, per-step graph and eager drafting propose identical drafts, also with a
     drafter whose sliding window (4) is crossed while drafting K = 5."""
     target = drafters["mtp"] if method == "mtp" else drafters["target"]
-    cfg: dict = {"method": method, "num_speculative_tokens": 5}
+    # A fixed K: the adaptive budget's choices follow each mode's own step timings.
+    cfg: dict = {"method": method, "num_speculative_tokens": 5, "adaptive": False}
     if method == "draft_model_swa":
         cfg = {
             "method": "draft_model",
             "num_speculative_tokens": 5,
+            "adaptive": False,
             "model": ckpt_dir("swa_draft", "mistral", num_hidden_layers=2, sliding_window=4),
         }
     elif method == "eagle3":
@@ -273,6 +280,7 @@ def test_ptd_graph_gives_eager_drafts(drafters, prompts, method: str, sampled: b
         "model": drafters[f"ptd_{method}"],
         "num_speculative_tokens": 6,
         "parallel_draft": True,
+        "adaptive": False,  # the adaptive budget's choices follow each mode's step timings
     }
     if sampled:
         cfg["draft_sample_method"] = "probabilistic"

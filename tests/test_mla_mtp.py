@@ -116,6 +116,7 @@ def test_deepseek_mtp_drafts_equal_transformers_use_mtp(mtp: dict, monkeypatch) 
     outs, theirs = transformers_mtp_drafts(path, prompts, GREEDY.max_tokens, monkeypatch)
     assert outs == ref[:2]
     monkeypatch.setattr(DeepseekV3ForCausalLM, "mtp_mask_position0", False)
-    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    # A fixed K: steps without drafts (adaptive k = 0) would leave no drafts to compare.
+    spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}
     llm = LLM(path, max_model_len=128, speculative_config=spec)
     assert_same_drafts(drafts_per_step(llm, prompts, GREEDY), theirs)
