@@ -158,8 +158,9 @@ class KVCacheLayer(nn.Module):
     def kv_scale_args(self, ctx: ForwardContext) -> dict[str, torch.Tensor]:
         """The backend's `kv_scales=` keyword for an fp8 cache (none otherwise, so a backend
         without fp8 support fails loudly)."""
-        cache = ctx.kv_caches[self.kv_index]
-        if cache is None or not is_fp8(cache.dtype):  # None: a forward without a cache
+        # The training path's caches are None or per-layer lists (attention/dense.py).
+        dtype = getattr(ctx.kv_caches[self.kv_index], "dtype", None)
+        if dtype is None or not is_fp8(dtype):
             return {}
         return {"kv_scales": self.kv_scales}
 
