@@ -11,11 +11,14 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+from specserve.attention.kv_quant import kv_quant_args  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 # Pointer arguments are bf16 unless named here; other runtime arguments are i32 unless named.
@@ -32,6 +35,7 @@ TYPES = {
     "ws_m_ptr": "*fp32",
     "ws_l_ptr": "*fp32",
     "counter_ptr": "*i32",
+    "kv_scales_ptr": "*fp32",
     "scale": "fp32",
     "eps": "fp32",
     "res_ptr": "*bf16",
@@ -60,6 +64,8 @@ def compile_sm90(
         for p in kernel.params
         if p.is_constexpr and p.default is not inspect.Parameter.empty
     }
+    if "KV_FP8" in kernel.arg_names:  # the KV kernels: a 16-bit cache unless given
+        defaults.update(kv_quant_args(torch.bfloat16))
     constexprs = {**defaults, **constexprs}
     for i, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -165,18 +171,39 @@ def test_norm_rope_activation_compile_with_pdl() -> None:
     _pdl_ptx(compile_sm90(k._argmax_merge_kernel, merge, types={"out_ptr": "*i64"}))
 
 
+# An fp8 cache's element type in a Triton signature, and its name in PTX's cvt instructions.
+FP8_KV = {torch.float8_e4m3fn: ("*fp8e4nv", "e4m3"), torch.float8_e5m2: ("*fp8e5", "e5m2")}
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, *FP8_KV], ids=["bf16", "e4m3", "e5m2"])
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("fuse_kv", [False, True])
-def test_attention_kernels_compile_with_pdl(splits: int, fuse_kv: bool) -> None:
+def test_attention_kernels_compile_with_pdl(
+    splits: int, fuse_kv: bool, kv_dtype: torch.dtype
+) -> None:
     """Metadata loads before the wait, q and KV after it (ops/pdl.py); fuse_kv (tunables
-    attn_fuse_rope_kv): RoPE + KV write inside the attention kernel."""
+    attn_fuse_rope_kv): RoPE + KV write inside the attention kernel. An fp8 cache
+    (attention/kv_quant.py): every KV write quantizes with the hardware's saturating
+    fp32 -> fp8 cvt and the key loop dequantizes with fp8 -> f16 cvts; the interpreter tests
+    (tests/test_fp8_kv_kernels.py) cannot show that the bit tricks of kv_write.fp8_quantize
+    compile."""
     from specserve.attention.kv_write import _reshape_and_cache_kernel
     from specserve.attention.paged_attention import _paged_attention_kernel
     from specserve.attention.rope_kv_write import _rope_and_cache_kernel
     from specserve.attention.split_merge import _combine_splits_kernel
 
-    cache = dict(BLOCK_SIZE=16, HEAD_DIM=128, PDL=True)
-    _pdl_ptx(compile_sm90(_reshape_and_cache_kernel, dict(cache, BLOCK_H=8)))
+    fp8 = FP8_KV.get(kv_dtype)
+    types = {"q_eps": "fp32", "k_eps": "fp32"}
+    if fp8 is not None:
+        types.update(k_cache_ptr=fp8[0], v_cache_ptr=fp8[0])
+
+    def quantizes(ptx: str) -> bool:
+        return fp8 is not None and f"cvt.rn.satfinite.{fp8[1]}x2.f32" in ptx
+
+    cache = dict(BLOCK_SIZE=16, HEAD_DIM=128, PDL=True, **kv_quant_args(kv_dtype))
+    ptx = compile_sm90(_reshape_and_cache_kernel, dict(cache, BLOCK_H=8), types=types)
+    _pdl_ptx(ptx)
+    assert quantizes(ptx) == (fp8 is not None)
     rope = dict(cache, HALF=64, BLOCK_D=64, BLOCK_HQ=32, BLOCK_HK=8)
     attn = dict(
         GROUP=4,
@@ -192,13 +219,17 @@ def test_attention_kernels_compile_with_pdl(splits: int, fuse_kv: bool) -> None:
         FUSE_KV=fuse_kv,
         QK_NORM=fuse_kv,  # Qwen3's per-head q / k RMSNorm inside the fused RoPE tiles
         HAS_SINKS=False,
+        **kv_quant_args(kv_dtype),
     )
-    eps = {"q_eps": "fp32", "k_eps": "fp32"}
     for kernel, consts in ((_rope_and_cache_kernel, rope), (_paged_attention_kernel, attn)):
-        ptx = compile_sm90(kernel, consts, types=eps)
+        ptx = compile_sm90(kernel, consts, types=types)
         _pdl_ptx(ptx)
         assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
     assert "atom" not in ptx
+    # The attention kernel writes the cache only when fused; it always reads it.
+    assert quantizes(ptx) == (fp8 is not None and fuse_kv)
+    if fp8 is not None:
+        assert f"cvt.rn.f16x2.{fp8[1]}x2" in ptx
     if splits > 1:
         combine = dict(HEAD_DIM=128, SPLITS=splits, PDL=True)
         _pdl_ptx(compile_sm90(_combine_splits_kernel, combine))
