@@ -64,10 +64,11 @@ def test_warmup_leaves_no_state(ckpt_dir, tmp_path, kind: str | None, async_sche
         rep = e.warmup_report
         if warm:
             k1 = 4 if kind else 1
-            # uniform: 3 flavors x every size x (q = 1, and 1 + K), async adds placed rows
-            uniform = len(FLAVORS) * MAX_SEQS * (2 if kind else 1) * (2 if async_sched else 1)
+            # uniform: 3 flavors x every size x every q = 1 + k, k = 0..K (the adaptive
+            # budget may verify any k up to K), async adds placed rows for each q > 1
+            uniform = len(FLAVORS) * MAX_SEQS * k1
             if async_sched:
-                uniform -= len(FLAVORS) * MAX_SEQS  # q = 1 has no drafts to place
+                uniform += len(FLAVORS) * MAX_SEQS * (k1 - 1)  # q = 1 has no drafts to place
             assert rep is not None and rep.steps > uniform
             # prefills of 1..64 tokens beside 0, 1, 2 and 3 decoding rows where they fit
             lens = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64]
@@ -86,6 +87,12 @@ def test_warmup_leaves_no_state(ckpt_dir, tmp_path, kind: str | None, async_sche
         assert sorted(e.runner.states.free_rows) == list(range(MAX_SEQS))
         assert e.kv.pool.num_free == e.kv.pool.num_blocks
         assert not e.requests and e.scheduler.num_unfinished == 0
+        # No prefix-cache entry or lookup, and nothing the adaptive draft budget learns from
+        # (a step time or an acceptance would steer the first real steps' K).
+        assert not e.kv.pool.cached and e.kv.num_queries == 0
+        if kind:
+            b = e.budget
+            assert b is not None and b.step == 0 and not b.costs and not b.classes
         res = llm.generate(prompts, _params(len(prompts)), use_tqdm=False)
         outs[warm] = [o.outputs[0].token_ids for o in res]
         assert [len(t) for t in outs[warm]] == [4 + 3 * i for i in range(len(prompts))]
