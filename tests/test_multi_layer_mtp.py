@@ -53,14 +53,20 @@ def mtp_llm(target: str, k: int, **kw) -> LLM:
 MODES = {
     "plain": {},
     "chunked": {"max_num_batched_tokens": 24},
-    "preempt": {"num_gpu_blocks_override": 9, "max_num_batched_tokens": 64},
+    # Preempts even without drafts (7 blocks of 16 against the prompts' 177 tokens plus their
+    # outputs): the adaptive budget, which may verify few drafts, preempts too.
+    "preempt": {"num_gpu_blocks_override": 7, "max_num_batched_tokens": 64},
 }
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_equivalence(setup: dict, n: int, mode: str) -> None:
-    llm = mtp_llm(setup[n], n, max_model_len=256, **MODES[mode])
+def test_greedy_equivalence(setup: dict, n: int, mode: str, adaptive: bool) -> None:
+    """Under the adaptive budget (K switching between steps, 0 running no module: the carried
+    hidden states and module KV go stale, which costs acceptance only) and at a fixed K."""
+    spec = {"adaptive": adaptive}
+    llm = mtp_llm(setup[n], n, spec=spec, max_model_len=256, **MODES[mode])
     assert len(llm.engine.speculator.model.mtp) == n
     assert _generate(llm, setup["prompts"], _params(MAX_TOKENS)) == setup["ref"]
     m = llm.get_metrics()
@@ -142,7 +148,11 @@ def test_module_kv_equals_from_scratch(setup: dict, n: int, k: int) -> None:
     staggered arrivals with different max_tokens. After every step every running request's
     module-k KV over its verified positions, and its drafts, equal a from-scratch chain. With
     K > N (steps 3 and 5 rerun module 1, step 4 module 2) each step's own KV is checked."""
-    spec = {"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5}
+    spec = {
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rate": 0.5,
+        "adaptive": False,  # fixed K: the budget's k = 0 runs no module (KV holes, stale carry)
+    }
     llm = mtp_llm(
         setup[n],
         k,
@@ -156,16 +166,22 @@ def test_module_kv_equals_from_scratch(setup: dict, n: int, k: int) -> None:
     runner, mtp = eng.runner, eng.speculator.model.mtp
     accepted: list[int] = []
     sampled: set[str] = set()  # requests that drafted in the latest step
-    execute = runner.execute
+    launched: list = []  # the scheduled requests of the step in flight
+    # The engine launches every step, then finishes it (synchronous steps: one at a time).
+    launch, finish = runner.launch, runner.finish
 
-    def recording_execute(sched, lp, **kw):  # noqa: ANN001, ANN202, ANN003
-        out = execute(sched, lp, **kw)
-        accepted.extend(int(a) for s, a in zip(sched.scheduled, out.num_accepted) if s.num_draft)
+    def recording_launch(sched, lp, *a, **kw):  # noqa: ANN001, ANN002, ANN202, ANN003
+        launched[:] = sched.scheduled
         sampled.clear()
         sampled.update(s.req.request_id for s in sched.scheduled if s.samples)
+        return launch(sched, lp, *a, **kw)
+
+    def recording_finish(pending):  # noqa: ANN001, ANN202
+        out = finish(pending)
+        accepted.extend(int(a) for s, a in zip(launched, out.num_accepted) if s.num_draft)
         return out
 
-    runner.execute = recording_execute
+    runner.launch, runner.finish = recording_launch, recording_finish
     prompts = random_prompts(6, 3, 30, seed=9)
     arrivals = {0: [0, 1], 2: [2], 5: [3, 4], 9: [5]}
     mts = [30, 8, 25, 14, 3, 20]
@@ -195,7 +211,11 @@ def test_module_kv_equals_from_scratch(setup: dict, n: int, k: int) -> None:
 
 
 def test_seeded_probabilistic_drafting_is_batch_invariant(setup: dict) -> None:
-    spec = {"draft_sample_method": "probabilistic", "rejection_sample_method": "probabilistic"}
+    spec = {
+        "draft_sample_method": "probabilistic",
+        "rejection_sample_method": "probabilistic",
+        "adaptive": False,  # fixed K: probabilistic verification's draws depend on K
+    }
     llm = mtp_llm(setup[3], 3, spec=spec, max_model_len=256)
     sp = SamplingParams(temperature=0.9, seed=77, max_tokens=24, ignore_eos=True)
     p = {"prompt_token_ids": setup["prompts"][0]}
@@ -262,7 +282,8 @@ def test_padded_row_is_inert(setup: dict, q_pad: int) -> None:
     max_model_len) changes no draft and no verified token: the padded row writes no KV."""
     runs = []
     for pad in (False, True):
-        llm = mtp_llm(setup[3], 3, max_model_len=128)
+        # Fixed K: the two runs' drafts are compared step by step.
+        llm = mtp_llm(setup[3], 3, spec={"adaptive": False}, max_model_len=128)
         if pad:
             spec = llm.engine.speculator
             spec.propose = _padded_propose(spec, q_pad)

@@ -52,7 +52,9 @@ class _ThreadRecorder:
 
 
 def _spec(paths: dict[str, str]) -> dict[str, Any]:
-    return {"method": "draft_model", "model": paths["model"], "num_speculative_tokens": K}
+    # Fixed K: the stop point's place inside a step assumes K + 1 tokens every step.
+    spec = {"method": "draft_model", "model": paths["model"], "num_speculative_tokens": K}
+    return {**spec, "adaptive": False}
 
 
 @pytest.fixture(scope="module")

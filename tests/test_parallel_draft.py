@@ -55,31 +55,44 @@ def setup(ckpt_dir, tmp_path_factory) -> dict:
     }
 
 
-def ptd_llm(setup: dict, method: str, k: int, target: str | None = None, **kw) -> LLM:
+def ptd_llm(
+    setup: dict,
+    method: str,
+    k: int,
+    target: str | None = None,
+    adaptive: bool = True,
+    **kw,
+) -> LLM:
     cfg = {
         "method": method,
         "model": setup[method],
         "num_speculative_tokens": k,
         "parallel_draft": True,
+        "adaptive": adaptive,
     }
     return LLM(target or setup["target"], speculative_config=cfg, **kw)
 
 
-PREEMPT = {"num_gpu_blocks_override": 9, "max_num_batched_tokens": 64}
+# A pool that preempts even without drafts (7 blocks of 16 against the prompts' 177 tokens plus
+# their outputs): the adaptive budget, which may verify few drafts, preempts too.
+PREEMPT = {"num_gpu_blocks_override": 7, "max_num_batched_tokens": 64}
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
 @pytest.mark.parametrize("k", range(2, 9))
-def test_greedy_equivalence_all_k(setup: dict, k: int) -> None:
-    """EAGLE-3 PTD for every K: requests finishing mid-batch, a KV pool small enough to preempt,
-    and prompts ending near max_model_len (mask slots past it write no KV, never verified)."""
+def test_greedy_equivalence_all_k(setup: dict, k: int, adaptive: bool) -> None:
+    """EAGLE-3 PTD for every K, under the adaptive budget (K switching between steps, 0 runs
+    no drafter) and at a fixed K: requests finishing mid-batch, a KV pool small enough to
+    preempt, and prompts ending near max_model_len (mask slots past it write no KV, never
+    verified)."""
     for mode in ({}, PREEMPT):
-        llm = ptd_llm(setup, "eagle3", k, max_model_len=256, **mode)
+        llm = ptd_llm(setup, "eagle3", k, max_model_len=256, adaptive=adaptive, **mode)
         assert _generate(llm, setup["prompts"], _params(MAX_TOKENS)) == setup["ref"]
         m = llm.get_metrics()
         assert m["spec_decode_num_drafts_total"] > 0
         assert m["kv_cache_usage_perc"] == 0.0
         assert m["num_preemptions_total"] > 0 or not mode
-    llm = ptd_llm(setup, "eagle3", k, max_model_len=64)
+    llm = ptd_llm(setup, "eagle3", k, max_model_len=64, adaptive=adaptive)
     outs = _generate(llm, setup["near"], _params([32] * 3))
     assert outs == setup["near_ref"]
     assert all(len(p) + len(o) <= 64 for p, o in zip(setup["near"], outs))
@@ -96,8 +109,11 @@ def test_greedy_equivalence_all_k(setup: dict, k: int) -> None:
         ("eagle3", 4, {"max_num_batched_tokens": 24}),
     ],
 )
-def test_greedy_equivalence_methods_and_modes(setup: dict, method: str, k: int, mode: dict) -> None:
-    llm = ptd_llm(setup, method, k, max_model_len=256, **mode)
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_greedy_equivalence_methods_and_modes(
+    setup: dict, method: str, k: int, mode: dict, adaptive: bool
+) -> None:
+    llm = ptd_llm(setup, method, k, max_model_len=256, adaptive=adaptive, **mode)
     assert _generate(llm, setup["prompts"], _params(MAX_TOKENS)) == setup["ref"]
     if "num_gpu_blocks_override" in mode:
         assert llm.get_metrics()["num_preemptions_total"] > 0
@@ -133,7 +149,16 @@ def test_all_drafts_accepted(setup: dict, tmp_path) -> None:
 def test_drafts_equal_from_scratch_recomputation(setup: dict, method: str, k: int) -> None:
     """After every step, each request's K drafts in the token buffer equal the drafts of ONE
     from-scratch drafter forward over its accepted sequence followed by K-1 mask slots."""
-    llm = ptd_llm(setup, method, k, max_model_len=72, max_num_batched_tokens=32, max_num_seqs=3)
+    # Fixed K: every step's K drafts are compared; the adaptive budget drafts fewer, or none.
+    llm = ptd_llm(
+        setup,
+        method,
+        k,
+        adaptive=False,
+        max_model_len=72,
+        max_num_batched_tokens=32,
+        max_num_seqs=3,
+    )
     eng = llm.engine
     runner, spec = eng.runner, eng.speculator
     d = spec.model
@@ -141,14 +166,14 @@ def test_drafts_equal_from_scratch_recomputation(setup: dict, method: str, k: in
     for i, (p, mt) in enumerate(zip(prompts, [20, 12, 30, 25])):
         eng.add_request(str(i), {"prompt_token_ids": p}, _params([mt])[0])
     sampled: set[str] = set()  # requests that drafted in the latest step
-    execute = runner.execute
+    launch = runner.launch  # the engine launches every step (then finishes it)
 
-    def recording_execute(sched, lp, **kw):  # noqa: ANN001, ANN202, ANN003
+    def recording_launch(sched, lp, *a, **kw):  # noqa: ANN001, ANN002, ANN202, ANN003
         sampled.clear()
         sampled.update(s.req.request_id for s in sched.scheduled if s.samples)
-        return execute(sched, lp, **kw)
+        return launch(sched, lp, *a, **kw)
 
-    runner.execute = recording_execute
+    runner.launch = recording_launch
     checked = 0
     while eng.has_unfinished_requests():
         eng.step()
@@ -285,7 +310,8 @@ def test_seeded_probabilistic_drafting_is_batch_invariant(setup: dict, method: s
     """Sampled drafts (their probabilities feed the rejection sampler, EAGLE-3's through d2t)
     are keyed by (seed, position): a seeded request gives the same tokens alone or batched."""
     spec = {"draft_sample_method": "probabilistic", "rejection_sample_method": "probabilistic"}
-    cfg = {"method": method, "model": setup[method], "num_speculative_tokens": 4}
+    # Fixed K: probabilistic verification's draws depend on K, which the budget sets per batch.
+    cfg = {"method": method, "model": setup[method], "num_speculative_tokens": 4, "adaptive": False}
     llm = LLM(
         setup["target"],
         max_model_len=256,
