@@ -227,9 +227,8 @@ def mla_forward(
     if use_triton:
         from specserve.attention.mla_triton import mla_attention
 
-        out = mla_attention(
-            q_latent, q_pe, kv_cache, c, w.scale, split_len=split_len, kv_scale=w.latent_scale
-        )
+        # A cache in the model's dtype here (fp8 runs the torch path above): no scale.
+        out = mla_attention(q_latent, q_pe, kv_cache, c, w.scale, split_len=split_len)
     else:
         out = mla_attention_ref(q_latent, q_pe, kv_cache, c, w.scale, w.latent_scale)
     # [H, T, L] @ [H, L, v] -> [T, H, v]
