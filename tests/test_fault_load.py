@@ -5,8 +5,6 @@ server error and no response outside /openapi.json."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import random
 import re
 import subprocess
@@ -20,6 +18,7 @@ import pytest
 from specserve.config import EngineConfig
 
 from .conftest import random_prompts
+from .load_utils import stream_with_disconnects
 from .test_server import NGRAM, LiveServer, _config, dirs  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -54,35 +53,7 @@ def test_fault_load(server: LiveServer) -> None:
     leave = {i for i in range(NUM_REQUESTS) if rng.random() < DISCONNECT}
     preempted_before = server.engine.engine.stats.num_preemptions
 
-    async def one(h: httpx.AsyncClient, sem: asyncio.Semaphore, i: int) -> str | None:
-        body = {
-            "prompt": prompts[i % len(prompts)],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        text, done = "", False
-        async with sem, h.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if i in leave:
-                    return None  # disconnect after the first chunk
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                text += json.loads(line[6:])["choices"][0]["text"]
-        return text if done else "<lost>"
-
-    async def run() -> list[str | None]:
-        sem = asyncio.Semaphore(CONCURRENCY)
-        limits = httpx.Limits(max_connections=CONCURRENCY)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as h:
-            return await asyncio.gather(*(one(h, sem, i) for i in range(NUM_REQUESTS)))
-
-    got = asyncio.run(run())
+    got = stream_with_disconnects(server.url, prompts, NUM_REQUESTS, leave, CONCURRENCY, MAX_TOKENS)
     for i, text in enumerate(got):
         if i in leave:
             assert text is None

@@ -5,7 +5,6 @@ reports cached_tokens; `bench serve` runs the multi-turn and prefix_repetition d
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import json
 import os
@@ -19,6 +18,7 @@ import pytest
 from specserve.entrypoints.cli import main
 
 from .conftest import random_prompts
+from .load_utils import stream_with_disconnects
 from .spec_utils import write_eagle
 from .test_server import LiveServer, _config, dirs  # noqa: F401
 
@@ -63,35 +63,7 @@ def test_shared_prefixes_with_disconnects(server: LiveServer) -> None:
     leave = {i for i in range(NUM_REQUESTS) if rng.random() < DISCONNECT}
     preempted = server.engine.engine.stats.num_preemptions
 
-    async def one(h: httpx.AsyncClient, sem: asyncio.Semaphore, i: int) -> str | None:
-        body = {
-            "prompt": prompts[i % len(prompts)],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        text, done = "", False
-        async with sem, h.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if i in leave:
-                    return None  # disconnect after the first chunk
-                if line == "data: [DONE]":
-                    done = True
-                    break
-                text += json.loads(line[6:])["choices"][0]["text"]
-        return text if done else "<lost>"
-
-    async def run() -> list[str | None]:
-        sem = asyncio.Semaphore(CONCURRENCY)
-        limits = httpx.Limits(max_connections=CONCURRENCY)
-        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as h:
-            return await asyncio.gather(*(one(h, sem, i) for i in range(NUM_REQUESTS)))
-
-    got = asyncio.run(run())
+    got = stream_with_disconnects(server.url, prompts, NUM_REQUESTS, leave, CONCURRENCY, MAX_TOKENS)
     for i, text in enumerate(got):
         if i in leave:
             assert text is None
