@@ -30,6 +30,12 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_KV_DTYPES
 
 
+def check_kv_scales(cache_dtype: torch.dtype, kv_scales: torch.Tensor | None) -> None:
+    """An fp8 cache is written and read only with its layer's scales."""
+    if is_fp8(cache_dtype) and kv_scales is None:
+        raise ValueError("an fp8 KV cache needs its layer's kv_scales")
+
+
 def quantize_kv_ref(
     # [...] any float dtype
     x: torch.Tensor,
@@ -61,8 +67,8 @@ def store_kv(
     scale: torch.Tensor | None,
 ) -> torch.Tensor:
     """x as `dst`'s dtype stores it: quantized for an fp8 cache, cast otherwise."""
+    check_kv_scales(dst.dtype, scale)
     if is_fp8(dst.dtype):
-        assert scale is not None, "an fp8 KV cache needs its layer's kv_scales"
         return quantize_kv_ref(x, scale, dst.dtype)
     return x.to(dst.dtype)
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.kv_quant import is_fp8, kv_quant_args
+from specserve.attention.kv_quant import check_kv_scales, kv_quant_args
 from specserve.attention.torch_ref import reshape_and_cache_ref
 from specserve.ops import pdl
 
@@ -112,8 +112,7 @@ def reshape_and_cache(
     kv_scales: torch.Tensor | None = None,
 ) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
-    if is_fp8(kv_cache.dtype) and kv_scales is None:
-        raise ValueError("an fp8 KV cache needs its layer's kv_scales")
+    check_kv_scales(kv_cache.dtype, kv_scales)
     if num_tokens == 0:
         return
     k = k if k.stride(-1) == 1 else k.contiguous()

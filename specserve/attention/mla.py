@@ -25,7 +25,13 @@ import torch
 
 from specserve import ops
 from specserve.attention.backend import CommonAttentionMetadata
-from specserve.attention.kv_quant import compute_kv_scales_, dequantize_kv_ref, is_fp8, store_kv
+from specserve.attention.kv_quant import (
+    check_kv_scales,
+    compute_kv_scales_,
+    dequantize_kv_ref,
+    is_fp8,
+    store_kv,
+)
 
 
 @dataclass
@@ -187,8 +193,8 @@ def gather_latent(
     """[B, nblk * block_size, L + R]: each request's latent rows in one run; an fp8 cache
     dequantized (fp32)."""
     kv = kv_cache[block_table.long()].flatten(1, 2)
+    check_kv_scales(kv.dtype, kv_scale)
     if is_fp8(kv.dtype):
-        assert kv_scale is not None, "an fp8 latent cache needs its layer's kv_scales"
         kv = dequantize_kv_ref(kv, kv_scale)
     return kv
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specserve.attention.kv_quant import is_fp8, kv_quant_args
+from specserve.attention.kv_quant import check_kv_scales, kv_quant_args
 from specserve.attention.kv_write import fp8_quantize
 from specserve.attention.torch_ref import reshape_and_cache_ref
 from specserve.ops import pdl
@@ -117,8 +117,7 @@ def rope_and_cache_(
 ) -> None:
     """ops.rope_ then reshape_and_cache in one launch (reference: `rope_and_cache_ref`)."""
     num_tokens, num_heads, head_dim = q.shape
-    if is_fp8(kv_cache.dtype) and kv_scales is None:
-        raise ValueError("an fp8 KV cache needs its layer's kv_scales")
+    check_kv_scales(kv_cache.dtype, kv_scales)
     if num_tokens == 0:
         return
     v = v if v.stride(-1) == 1 else v.contiguous()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.attention.backend import AttentionBackend, CommonAttentionMetadata
-from specserve.attention.kv_quant import dequantize_kv_ref, is_fp8, store_kv
+from specserve.attention.kv_quant import check_kv_scales, dequantize_kv_ref, is_fp8, store_kv
 
 
 @dataclass
@@ -66,8 +66,8 @@ def paged_attention_ref(
     nblk = (c.max_seq_len + bs - 1) // bs
     # [2, B, nblk * bs, Hkv, D]: each request's pages gathered into one contiguous run.
     kv = kv_cache[:, c.block_table[:, :nblk].long()].flatten(2, 3)
+    check_kv_scales(kv.dtype, kv_scales)
     if is_fp8(kv.dtype):
-        assert kv_scales is not None, "an fp8 KV cache needs its layer's kv_scales"
         kv = dequantize_kv_ref(kv, kv_scales.view(2, 1, 1, 1, 1))
     kv = kv.float()
     B, S, Q = kv.shape[1], kv.shape[2], c.max_query_len
