@@ -5,8 +5,6 @@ same fields; content_start is where the content begins and never moves once deci
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from specserve.entrypoints.openai.reasoning import (
@@ -15,18 +13,7 @@ from specserve.entrypoints.openai.reasoning import (
     get_reasoning_parser,
 )
 
-
-def splits(text: str) -> list[list[str]]:
-    out = [[text[i : i + n] for i in range(0, len(text), n)] for n in (1, 2, 7)]
-    for seed in range(3):
-        rng = random.Random(seed)
-        pieces, i = [], 0
-        while i < len(text):
-            n = rng.randint(1, 12)
-            pieces.append(text[i : i + n])
-            i += n
-        out.append(pieces)
-    return out
+from .split_utils import splits
 
 
 def stream(name: str, pieces: list[str], thinking_in_prompt: bool | None) -> tuple[str, str]:

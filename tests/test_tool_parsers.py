@@ -6,7 +6,6 @@ concatenating to the whole-output arguments)."""
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import pytest
@@ -18,20 +17,9 @@ from specserve.entrypoints.openai.tool_parsers import (
 )
 from specserve.entrypoints.openai.tool_parsers.text import json_object_end, partial_tag_len
 
+from .split_utils import splits
+
 ID = re.compile(r"call_[A-Za-z0-9]{24}")
-
-
-def splits(text: str) -> list[list[str]]:
-    out = [[text[i : i + n] for i in range(0, len(text), n)] for n in (1, 2, 7)]
-    for seed in range(3):
-        rng = random.Random(seed)
-        pieces, i = [], 0
-        while i < len(text):
-            n = rng.randint(1, 12)
-            pieces.append(text[i : i + n])
-            i += n
-        out.append(pieces)
-    return out
 
 
 def stream(name: str, pieces: list[str]) -> tuple[str, list[tuple[str, str, str]]]:
