@@ -464,11 +464,10 @@ class ModelRunner:
     def _next_drafts(self, inp: StepInputs, num_acc: torch.Tensor | None) -> torch.Tensor:
         """[B, K] the drafts just proposed (after each request's newest token): structured
         requests need them on the host to fill the next step's masks."""
-        if num_acc is None:  # nothing was drafted this step
-            num_acc = torch.zeros(inp.num_reqs, dtype=torch.int64, device=self.device)
         k = self.num_spec_tokens
         tok = self.states.token_ids
-        pos = (inp.out_pos0 + num_acc + 1)[:, None] + torch.arange(k, device=self.device)
+        newest = inp.out_pos0 if num_acc is None else inp.out_pos0 + num_acc  # None: 0 accepted
+        pos = (newest + 1)[:, None] + torch.arange(k, device=self.device)
         return tok[inp.idx_mapping[:, None], pos.clamp_max(tok.shape[1] - 1)]
 
     def _place_on_device(self, inp: StepInputs) -> None:
