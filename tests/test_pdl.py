@@ -36,6 +36,9 @@ TYPES = {
     "ws_l_ptr": "*fp32",
     "counter_ptr": "*i32",
     "kv_scales_ptr": "*fp32",
+    "tree_start_ptr": "*i64",
+    "tree_mask_ptr": "*i64",
+    "tree_pos_ptr": "*i64",
     "scale": "fp32",
     "eps": "fp32",
     "res_ptr": "*bf16",
@@ -233,6 +236,41 @@ def test_attention_kernels_compile_with_pdl(
     if splits > 1:
         combine = dict(HEAD_DIM=128, SPLITS=splits, PDL=True)
         _pdl_ptx(compile_sm90(_combine_splits_kernel, combine))
+
+
+@pytest.mark.parametrize(
+    "splits,kv_dtype", [(1, torch.bfloat16), (4, torch.float8_e4m3fn)], ids=["bf16", "e4m3-split"]
+)
+def test_attention_tree_variant_compiles(splits: int, kv_dtype: torch.dtype) -> None:
+    """The draft-tree variant (TREE) with a window and sinks at a verification tile (9 tokens x
+    GQA 4): no spills, its tree metadata loads before the PDL wait with the rest, and only it
+    tests ancestor bits (64-bit shifts)."""
+    import re
+
+    from specserve.attention.paged_attention import _PER_STEP_ARGS, _paged_attention_kernel
+
+    from .test_moe_ops import _cuobjdump
+
+    # As launched: q, the caches and strides aligned, the step's metadata not (_PER_STEP_ARGS).
+    names = _paged_attention_kernel.arg_names
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
+    aligned = tuple(n for n in aligned if n not in _PER_STEP_ARGS)
+    types = {"q_eps": "fp32", "k_eps": "fp32"}
+    if kv_dtype != torch.bfloat16:
+        types.update(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
+    attn = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=64, BLOCK_Q=16, BLOCK_N=64)
+    attn.update(USE_WINDOW=True, DOT_PRECISION="tf32", SPLITS=splits, PDL=True)
+    attn.update(FUSE_KV=False, QK_NORM=False, HAS_SINKS=True, **kv_quant_args(kv_dtype))
+    out: list = []
+    plain = compile_sm90(_paged_attention_kernel, attn, 4, 2, types, aligned)
+    tree = compile_sm90(_paged_attention_kernel, dict(attn, TREE=True), 4, 2, types, aligned, out)
+    _pdl_ptx(tree)
+    wait = tree.index("griddepcontrol.wait")
+    assert tree.count("ld.global.b64", 0, wait) > plain.count("ld.global.b64", 0, wait)
+    shift64 = re.compile(r"shr\.[su]64")
+    assert shift64.search(tree) and not shift64.search(plain)
+    usage = _cuobjdump(out[-1], "--dump-resource-usage")
+    assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
 
 
 def test_place_on_device_compiles() -> None:

@@ -218,6 +218,8 @@ def mla_forward(
     where asked (fused kernels for small batches, mla_fused.py), else torch."""
     from specserve.attention import mla_expanded
 
+    if c.tree_mask is not None:  # no MLA kernel (torch or Triton) reads the ancestor masks
+        raise ValueError("MLA attention has no draft-tree masks: run without a draft tree")
     # NOTE: the MLA Triton kernels (mla_fused.py, mla_triton.py) read the latent cache in the
     # model's dtype only: an fp8 latent cache runs the torch path here (quantize on write,
     # dequantize on gather), on any backend.

@@ -26,6 +26,11 @@ Each of these took a dependent L2 round trip off the path after the wait (H100, 
 and gpt-oss-20b device-busy time a step: page ids 2945 -> 2930 us; norm weights and sinks
 2862 -> 2858 us and 1677 -> 1671 us).
 
+Draft trees (CommonAttentionMetadata's tree fields, the TREE variant): a tree token sees keys
+from its tree start on through its ancestor bits instead of the window test, and its window
+counts from its rotary position; everything else (splits, sinks, GQA, fp8) is unchanged, and
+launches without a tree compile to the kernel without these tests.
+
 The metadata holds no position-dependent derived state: window bounds are computed in the kernel
 from `positions`, so the per-window metadata of one forward all share one common metadata and
 `advance_decode_` only has to advance the common tensors.
@@ -85,6 +90,9 @@ _PER_STEP_ARGS = [
     "ws_acc_ptr",
     "ws_m_ptr",
     "ws_l_ptr",
+    "tree_start_ptr",
+    "tree_mask_ptr",
+    "tree_pos_ptr",
 ]
 
 
@@ -150,7 +158,11 @@ def _paged_attention_kernel(
     FP8_MAX: tl.constexpr,
     FP8_MANT: tl.constexpr,
     FP8_MIN_EXP: tl.constexpr,
+    tree_start_ptr,
+    tree_mask_ptr,
+    tree_pos_ptr,
     EARLY_KV: tl.constexpr = False,
+    TREE: tl.constexpr = False,
 ):
     # KV_FP8: the cache holds value / scale in fp8 (kv_quant.py): this step's keys and values
     # are quantized where the kernel writes them, every key tile dequantized (cast, times the
@@ -158,6 +170,9 @@ def _paged_attention_kernel(
     # FUSE_KV: q and this step's k arrive unrotated and k is not in the cache yet; QK_NORM (with
     # FUSE_KV): q and k arrive un-normed too; the per-head RMSNorm runs in the RoPE tiles (no
     # qk-norm launch), q_norm_w / k_norm_w [HEAD_DIM].
+    # TREE: draft trees (CommonAttentionMetadata's tree fields, [num_tokens] int64 each): keys
+    # from a token's tree_start on are visible through its tree_mask bits instead of the
+    # window test, and windows count from tree_positions (its rotary position).
     # The loads up to pdl.wait are metadata and parameters (ops/pdl.py says why that is safe).
     pdl.trigger(PDL)
     q_block = tl.program_id(0)
@@ -183,9 +198,20 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     kv_end = tl.minimum(kv_end, seq_len)
     kv_end = tl.minimum(kv_end, max_blocks_per_req * BLOCK_SIZE)
+    if TREE:
+        rot_pos = tl.load(tree_pos_ptr + tok, mask=row_valid, other=-1).to(tl.int32)
+        # The no-tree sentinel (1 << 40) clamped into int32 stays past every key.
+        tree_start = tl.load(tree_start_ptr + tok, mask=row_valid, other=0)
+        tree_start = tl.minimum(tree_start, 1 << 30).to(tl.int32)
+        tree_mask = tl.load(tree_mask_ptr + tok, mask=row_valid, other=0)
+    else:
+        rot_pos = pos
     if USE_WINDOW:
-        win_start = tl.maximum(pos - sliding_window + 1, 0)
-        first = tl.min(tl.where(row_valid, win_start, kv_end), axis=0)
+        win_start = tl.maximum(rot_pos - sliding_window + 1, 0)
+        first = win_start
+        if TREE:  # tree keys are visible through the bits even before the window
+            first = tl.minimum(first, tree_start)
+        first = tl.min(tl.where(row_valid, first, kv_end), axis=0)
         kv_begin = (first // BLOCK_N) * BLOCK_N
     else:
         win_start = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -295,7 +321,13 @@ def _paged_attention_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (kpos[None, :] <= pos[:, None]) & kmask[None, :]
-        if USE_WINDOW:
+        if TREE:
+            # Key tree_start + i: bit i (i past 63 reads bit 63, as the torch reference).
+            rel = kpos[None, :] - tree_start[:, None]
+            bit = (tree_mask[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)) & 1
+            in_window = kpos[None, :] >= win_start[:, None]
+            visible = visible & tl.where(rel >= 0, bit != 0, in_window)
+        elif USE_WINDOW:
             visible = visible & (kpos[None, :] >= win_start[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -395,9 +427,13 @@ def paged_attention(
         ws_l = torch.empty_like(ws_m)
     else:
         ws_acc = ws_m = ws_l = out  # unused
+    tree = common.tree_mask is not None
     if new_kv is not None:
         if common.max_query_len > block_q:
             raise ValueError("new_kv needs max_query_len <= BLOCK_Q (see fuses_kv_write)")
+        if tree:
+            # Its RoPE turns by `positions`, a tree node's by its tree_positions.
+            raise ValueError("new_kv cannot take a draft tree: write the tree's KV first")
         k_new, v_new, cos, sin = new_kv
         v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
         fused = (k_new, v_new, cos, sin, common.slot_mapping)
@@ -462,11 +498,26 @@ def paged_attention(
         **_qk_norm_args(qk_norm, q),
         kv_scales_ptr=kv_scales if kv_scales is not None else q,
         **kv_quant_args(kv_cache.dtype),
+        **_tree_args(common, q),
         **kw,
     )
     if num_splits > 1:
         combine_splits(out, ws_acc, ws_m, ws_l)
     return out
+
+
+def _tree_args(common: CommonAttentionMetadata, dummy: torch.Tensor) -> dict:
+    """The attention kernel's tree arguments (any tensor stands in when off: never read)."""
+    if common.tree_mask is None:
+        return dict(tree_start_ptr=dummy, tree_mask_ptr=dummy, tree_pos_ptr=dummy, TREE=False)
+    # Without tree_positions windows count from positions (as the torch reference's build).
+    rot = common.tree_positions if common.tree_positions is not None else common.positions
+    return dict(
+        tree_start_ptr=common.tree_start,
+        tree_mask_ptr=common.tree_mask,
+        tree_pos_ptr=rot,
+        TREE=True,
+    )
 
 
 def _qk_norm_args(

@@ -36,6 +36,8 @@ class TritonAttentionBackend(AttentionBackend):
     supports_inplace_advance = True
     fuses_rope = True
     fuses_qk_norm = True
+    # The paged kernel's TREE variant; MLA (mla_forward) and the fused RoPE + KV write refuse.
+    supports_tree = True
 
     def __init__(self, max_model_len: int | None = None) -> None:
         # Split-KV counts follow max_model_len, the bound every captured graph is built for.
@@ -92,8 +94,10 @@ class TritonAttentionBackend(AttentionBackend):
             )
         c = meta.common
         new_kv = None
-        # The fused kernel rotates by the metadata's positions: only when RoPE's are those.
+        # The fused kernel rotates by the metadata's positions: only when RoPE's are those, and
+        # never for a tree (its nodes turn by tree_positions; paged_attention refuses).
         same_pos = rope is not None and rope[0].data_ptr() == c.positions.data_ptr()
+        same_pos = same_pos and c.tree_mask is None
         if same_pos and rope[0].shape == c.positions.shape and k.stride(-1) == 1:
             cdt = compute_dtype(kv_cache.dtype, q.dtype)
             if fuses_kv_write(q.shape[1], k.shape[1], c.max_query_len, q.shape[2], cdt):
@@ -157,6 +161,8 @@ def advance_decode_common_(c: CommonAttentionMetadata, block_size: int) -> None:
     """In place and graph-safe (no host sync, no tensor rebinding): positions and seq_lens + 1,
     slots from the block table, -1 kept for padded rows and set past the table. One launch on
     CUDA (`advance_decode_metadata_`)."""
+    if c.tree_mask is not None:  # tree fields do not advance with positions
+        raise ValueError("a draft tree's metadata cannot advance in place: build it again")
     advance_decode_metadata_(
         c.positions, c.seq_lens, c.slot_mapping, c.block_table, c.token_req, block_size
     )

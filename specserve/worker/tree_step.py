@@ -42,7 +42,7 @@ def check_tree_support(backend: AttentionBackend, windows: set[int | None], k: i
     if not backend.supports_tree:
         raise ValueError(
             f"attention_backend {backend.name!r} has no tree attention; draft trees need the "
-            "torch backend (--attention-backend torch) for now, or no speculative_config draft_tree."
+            "torch or triton backend, or no speculative_config draft_tree."
         )
     short = [w for w in windows if w is not None and w <= k + 1]
     if short:
