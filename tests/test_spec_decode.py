@@ -236,9 +236,10 @@ def test_speculator_switches(setup: dict) -> None:
 
     prompts = setup["prompts"][:3]
     sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    base = drafts_per_step(spec_llm(setup, "mtp", 3), prompts, sp)
+    # A fixed K: drafts are compared step by step (the adaptive budget's K follows timings).
+    base = drafts_per_step(spec_llm(setup, "mtp", 3, adaptive=False), prompts, sp)
 
-    llm = spec_llm(setup, "mtp", 3)
+    llm = spec_llm(setup, "mtp", 3, adaptive=False)
     spec = llm.engine.speculator
     drafter_forward = spec.model.forward
     spec.model.forward = lambda *a: drafter_forward(*a)[0]  # MTP carries its output: same tensor

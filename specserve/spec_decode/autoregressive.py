@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 
 class AutoregressiveSpeculator(DeviceSpeculator):
+    tracks_kv_at_zero = True
+
     def __init__(self, spec: SpeculativeConfig, drafter: Drafter, device: torch.device) -> None:
         super().__init__(spec, drafter, device)
         # False for a Q-only MTP that shares the target's KV: every draft step at one position.
@@ -216,6 +218,9 @@ class AutoregressiveSpeculator(DeviceSpeculator):
         so the drafter's KV stays complete for when K grows again."""
         if self.tree is not None:
             self.tree.propose(self, runner, t, num_drafts)
+            return
+        if num_drafts == 0:  # no drafts: the drafter's KV over the verified tokens only
+            self.prefill_forward(runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc)
             return
         inp, rows = t.inp, t.inp.idx_mapping
         pos, h = self.draft_prefill(runner, inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)

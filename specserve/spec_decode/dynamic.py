@@ -15,17 +15,22 @@ The choice maximizes expected tokens per second of the batch:
               proposed) per batch bucket (powers of two) and k. Cells never measured come from
               a linear fit t0 + k * dt over the bucket's measured cells, or, with fewer than
               two, from the nearest measured bucket's shape.
-  k = 0       the drafter does not run at all (plain decoding's cost). Its KV then has holes
-              at the positions decoded meanwhile; outputs never depend on drafts (coupled
+  k = 0       no drafts. An autoregressive drafter (EAGLE, EAGLE-3, MTP, a draft model) still
+              runs its draft prefill over the verified token (a small share of a step), so
+              its KV stays complete for a switch back; the others do not run, and their KV has
+              holes at the positions decoded meanwhile. Outputs never depend on drafts (coupled
               verification), only acceptance right after a switch back does.
 
 Exploration: the choice is held for at least two steps (a decision sets the drafts the next
-step verifies, so a switch costs one transitional step whose time is not recorded). Every
-`explore_every` decode steps of a bucket, the controller probes the neighbour of its choice
-whose cost measurement is oldest (from k = 0: k = 1, which also refreshes acceptance), but
-less often when the probe is estimated to lose much: at most `explore_budget` of the time is
-spent on expected losses. First visit: the maximum K (measures acceptance at every position),
-then k = 0 (measures plain decoding's cost).
+step verifies, so a switch costs one transitional step whose time is not recorded; going up,
+that step verifies the old k at the new k's price, so a larger k is taken only when its gain
+over `explore_every` steps pays for it). Every `explore_every` decode steps of a bucket, the
+controller probes the neighbour of its choice whose cost measurement is oldest (from k = 0:
+k = 1, which also refreshes acceptance), but less often when the probe, its transitional
+steps included, is estimated to lose much: at most `explore_budget` of the time is spent on
+expected losses. The first bucket ever visited starts at the maximum K (acceptance at every
+position), then k = 0 (plain decoding's cost); later buckets start from the nearest measured
+bucket's cost shape.
 
 Convergence: with gamma = 0.9, observations older than 32 steps weigh 3%; a change visible at
 the current k (acceptance falling, a batch-size bucket already measured) moves the choice in a
@@ -229,23 +234,48 @@ class DraftBudget:
         c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k))
         c.steps += 1
         measured = ~np.isnan(c.t)
-        v = self.values(batch, requests)
-        if v is None or not measured[self.max_k] and not measured.any():
+        t = self.step_costs(batch)
+        # Only the first bucket ever visited explores from scratch; later ones start from the
+        # nearest bucket's cost shape (`step_costs`) and their own measurements refine it.
+        first = not any((~np.isnan(x.t)).sum() >= 2 for x in self.costs.values())
+        if t is None or first and not measured.any():
             return self._decide(self.max_k)  # first visit: every position's acceptance
-        if not measured[0] and measured.sum() == 1:
+        if first and not measured[0]:
             return self._decide(0)  # then plain decoding's cost
+        e = self.batch_tokens(requests)
+        v = e / np.maximum(t, 1e-12)
         best = int(np.argmax(v))
+        cur = self.last_k
+        if 0 <= cur < best and t[best] > 0:
+            # Going up costs a transitional step at the larger k's price that still yields the
+            # current k's tokens: worth it only if the gain over `explore_every` steps pays it
+            # (no flapping between near-equal choices).
+            switch = 1.0 - t[cur] / t[best]
+            if (v[best] - v[cur]) / v[best] * self.explore_every <= switch:
+                best = cur
         if c.steps >= c.probe_at:
             probe = self._probe(best, c)
-            loss = max(0.0, 1.0 - v[probe] / v[best]) if probe != best else 0.0
-            # A probe is `hold` steps at k plus the transitional step back, each losing about
-            # `loss`: space probes so that their expected loss stays under `explore_budget`.
-            cost = (self.hold + 1) * loss / self.explore_budget
-            gap = max(self.explore_every, math.ceil(cost))
-            c.probe_at = c.steps + gap
+            # Space probes so that their expected loss stays under `explore_budget` of the time.
+            loss = self._probe_loss(best, probe, e, t) / self.explore_budget
+            c.probe_at = c.steps + max(self.explore_every, math.ceil(loss))
             if probe != best:
                 return self._decide(probe)
         return self._decide(best)
+
+    def _probe_loss(self, best: int, probe: int, e: np.ndarray, t: np.ndarray) -> float:
+        """Expected steps lost by a probe of k = `probe` from `best`: the transitional step in
+        (it verifies `best` drafts but proposes `probe`, so it costs the larger k's step),
+        `hold` steps at `probe`, and the transitional step back. The transitional steps are
+        most of it when drafting is dear (from k = 0, the first drafts' step yields one
+        token)."""
+        if probe == best:
+            return 0.0
+        v_best = e[best] / t[best]
+        wide = t[max(best, probe)]
+        steps_in = 1.0 - e[best] / wide / v_best
+        at = 1.0 - e[probe] / t[probe] / v_best
+        steps_out = 1.0 - e[probe] / wide / v_best
+        return max(0.0, steps_in) + self.hold * max(0.0, at) + max(0.0, steps_out)
 
     def _probe(self, best: int, c: _Costs) -> int:
         if best == 0:

@@ -62,6 +62,11 @@ class Speculator:
     proposes_on_host: ClassVar[bool] = False
     # The runner captures this speculator's drafting in CUDA graphs (worker/draft_graphs.py).
     graph_capturable: ClassVar[bool] = False
+    # `propose(num_drafts=0)` only brings the drafter's KV up to date, for a small share of a
+    # plain step: the adaptive budget's k = 0 then runs it, so that drafting resumes from
+    # complete KV. False: k = 0 runs no drafter, its KV keeps holes (lower acceptance after a
+    # switch back, never other outputs).
+    tracks_kv_at_zero: ClassVar[bool] = False
     # The drafter module (its KV layers share the target's block pool), or None.
     model: Any = None
     # Draft trees: the drafter's TreeDrafter (spec_decode/tree.py), whose `state` holds each

@@ -224,10 +224,16 @@ class ModelRunner:
         ver = self._verify_and_sample(sched, inp, fwd, gs)
         # NOTE: before drafting, which may reuse the target graph's output buffers.
         prompt_lp = self._prompt_logprobs(sched, inp, fwd.hidden)
-        # NOTE: the adaptive budget's 0 runs no drafter at all (plain decoding's cost); its KV
-        # keeps holes at these positions, which only lowers acceptance after a switch back.
-        # A batch-size map's 0 keeps the drafter's KV complete (draft prefill only).
-        skip = num_drafts == 0 and self.config.spec is not None and self.config.spec.adaptive_budget
+        # NOTE: the adaptive budget's 0 runs no drafter where the drafter cannot just track its
+        # KV (`tracks_kv_at_zero`); its KV keeps holes at these positions, which only lowers
+        # acceptance after a switch back. A batch-size map's 0 keeps the drafter's KV complete.
+        spec = self.config.spec
+        skip = (
+            num_drafts == 0
+            and spec is not None
+            and spec.adaptive_budget
+            and not (self.speculator is not None and self.speculator.tracks_kv_at_zero)
+        )
         if self.speculator is not None and not skip:
             self._propose(inp, fwd, ver, num_drafts)
         next_drafts = None
