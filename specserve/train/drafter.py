@@ -157,7 +157,12 @@ def train_drafter(
         torch.cuda.empty_cache()  # the engine sizes its KV cache from free memory
     acc_len, outputs = float("nan"), []
     if prompt_ids:
-        spec = {**method_class(method).spec_config(out_dir), "num_speculative_tokens": cfg.eval_k}
+        # A fixed K: the acceptance length "at K" (the adaptive budget would vary it by timing).
+        spec = {
+            **method_class(method).spec_config(out_dir),
+            "num_speculative_tokens": cfg.eval_k,
+            "adaptive": False,
+        }
         acc_len, outputs = measure_acceptance(target_dir, spec, prompt_ids, cfg)
         logger.info("%s: mean acceptance length %.3f at K=%d", method, acc_len, cfg.eval_k)
     return {

@@ -70,11 +70,14 @@ def fraction_parsing(engine: LLMEngine, prompts: list[str], max_tokens: int = 12
 
 
 def spec_config_for(method: str, drafter_dir: str | None, k: int) -> dict[str, Any]:
+    """The drafter at a fixed K: acceptance is measured at K (the adaptive budget would vary
+    it with step timings)."""
+    fixed = {"num_speculative_tokens": k, "adaptive": False}
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k}
+        return {"method": "ngram", **fixed}
     from specserve.train.drafter import method_class
 
-    return {**method_class(method).spec_config(drafter_dir), "num_speculative_tokens": k}
+    return {**method_class(method).spec_config(drafter_dir), **fixed}
 
 
 def evaluate_acceptance(
