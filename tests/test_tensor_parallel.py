@@ -1,18 +1,23 @@
 """Tensor parallelism on the CPU: TP = 2 over gloo, in two processes, gives TP = 1's greedy tokens
 for dense, MoE and MLA targets and every drafter, with chunked prefill, preemption and prefix
-caching; every step the engine compares the tokens each rank sampled (SPECSERVE_TP_CHECK); a
-killed rank fails the engine with a clear error."""
+caching; structured outputs (rank 0's grammar masks sent to the worker) give TP = 1's tokens too;
+every step the engine compares the tokens each rank sampled (SPECSERVE_TP_CHECK); a killed rank
+fails the engine with a clear error."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
 
+import jsonschema
 import pytest
 
-from specserve import LLM, SamplingParams
+from specserve import LLM, SamplingParams, StructuredOutputsParams
+from specserve.data import embedded_model_dir, load_prompts
 from specserve.distributed import TensorParallelError
 from specserve.engine.tp_executor import CHECK_ENV
 
@@ -25,6 +30,7 @@ from .spec_utils import (
     write_multi_mtp_target,
     write_ptd_eagle3,
 )
+from .test_structured import CHOICES, NGRAM, REGEX, SCHEMA
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "tp_check")
 
@@ -251,3 +257,38 @@ def test_two_nodes_rendezvous(ckpt_dir, monkeypatch) -> None:
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+@pytest.mark.parametrize("drafter", [None, "eagle3", "ngram"])
+def test_structured_outputs_equal_tp1(drafter: str | None) -> None:
+    """Greedy requests under a JSON schema, a regex and a choice list: TP = 2 gives TP = 1's
+    tokens (rank 0's masks reach the worker each step), plain and with a fixed K of device and
+    host drafts; the JSON validates against its schema."""
+    target, eagle3 = embedded_model_dir()
+    spec = {"eagle3": eagle3, "ngram": NGRAM, None: None}[drafter]
+    kw = {} if spec is None else {"speculative_config": {**spec, "adaptive": False}}
+    constraints = [
+        StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+        StructuredOutputsParams(regex=REGEX),
+        StructuredOutputsParams(choice=CHOICES),
+    ]
+    prompts = [r["prompt"] for r in load_prompts("code", 2)]
+    reqs = [(p, so) for p in prompts for so in constraints]
+    sps = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=so) for _, so in reqs]
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(target, tensor_parallel_size=tp, max_model_len=256, **kw)
+        try:
+            got = llm.generate([p for p, _ in reqs], sps, use_tqdm=False)
+            outs[tp] = [o.outputs[0] for o in got]
+        finally:
+            llm.shutdown()
+    assert [c.token_ids for c in outs[2]] == [c.token_ids for c in outs[1]]
+    for c, (_, so) in zip(outs[2], reqs):
+        assert c.finish_reason == "stop", c.text
+        if so.json is not None:
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+        elif so.regex is not None:
+            assert re.fullmatch(REGEX, c.text), c.text
+        else:
+            assert c.text in CHOICES, c.text

@@ -375,12 +375,6 @@ class LLMEngine:
                 if sampling_params.structured_outputs is not None
                 else "logits_processors",
             )
-        if self.tp is not None and sampling_params.structured_outputs is not None:
-            # NOTE: the workers' runners would need the grammar matchers' masks each step.
-            raise RequestFieldError(
-                "structured outputs are not supported with tensor_parallel_size > 1 yet",
-                "structured_outputs",
-            )
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._rng.integers(0, 2**62))

@@ -32,7 +32,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.distributed import TensorParallel, TensorParallelError
 from specserve.distributed.group import make_store
-from specserve.request import Request
+from specserve.request import Request, RequestGrammar
 from specserve.scheduler_output import SchedulerOutput
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.step_results import PendingStep, StepOutput
@@ -164,11 +164,21 @@ class TPExecutor:
     ) -> PendingStep:
         self._check_alive()
         msg = self.sender.message(sched, reqs_logprobs, num_drafts, self.runner, self.check)
+        # Rank 0's launch applies the very masks it sent: building them walked its matchers
+        # over the step's drafts already, and a second walk would only repeat that work.
+        grammars: list[tuple[Request, RequestGrammar | None]] = []
+        for s, r in zip(sched.scheduled, msg.requests):
+            if r.masks is not None:
+                grammars.append((s.req, s.req.grammar))
+                s.req.grammar = r.masks
         try:
             self.channel.send(msg)
             pending = self.runner.launch(sched, reqs_logprobs, num_drafts)
         except Exception as e:
             raise self._failed(e) from e
+        finally:
+            for req, grammar in grammars:
+                req.grammar = grammar
         self._steps[id(pending)] = msg.step
         return pending
 

@@ -5,15 +5,22 @@ Only batches holding a structured request build a `GrammarStep`; every other ste
 as before (no upload, no launch). The runner builds it right after queueing the target
 forward, so on CUDA the host fills the masks while the device runs the forward; the masks
 then travel in one pinned, asynchronous upload.
+
+Under tensor parallelism only rank 0 holds the matchers: it sends each step's mask rows to the
+other ranks (worker/tp_step.py), whose mirror requests hold them as a `SentMasks` in place of a
+grammar, so every rank's `build_grammar_step` writes the very same masks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from specserve.request import RequestGrammar
 
 
 @dataclass
@@ -26,6 +33,46 @@ class GrammarStep:
 
 def bitmask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
+
+
+@dataclass
+class SentMasks:
+    """One request's masks for one step, walked by rank 0's matcher: the `RequestGrammar` of a
+    worker rank's mirror request (and of rank 0's own launch of that step). The runner only
+    reads `drafts` and `fill_masks`; the engine, which commits, runs on rank 0 alone."""
+
+    # The drafts the step verifies (rank 0's, already cut to the step's count).
+    drafts: list[int]
+    # [len(drafts) + 1, ceil(vocab / 32)] int32 host rows, as `fill_masks` writes them
+    rows: torch.Tensor
+    # (The rest of `RequestGrammar`: rank 0's engine alone ends and commits requests.)
+    is_terminated: bool = False
+
+    @classmethod
+    def walk(cls, grammar: RequestGrammar, num_draft: int, vocab_size: int) -> SentMasks:
+        """The rows `grammar.fill_masks` writes for this step's drafts (which it leaves
+        tentatively accepted, as the runner's own walk would)."""
+        drafts = grammar.drafts[:num_draft]
+        rows = torch.full((len(drafts) + 1, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+        grammar.fill_masks(drafts, rows, 0)
+        return cls(drafts, rows)
+
+    def fill_masks(
+        self,
+        drafts: list[int],
+        # [rows, ceil(vocab / 32)] int32 host bitmask; rows start .. start + len(drafts) written
+        bitmask: torch.Tensor,
+        start: int,
+    ) -> None:
+        if len(drafts) + 1 != len(self.rows):
+            raise RuntimeError(f"masks for {len(self.rows) - 1} drafts, {len(drafts)} scheduled")
+        bitmask[start : start + len(self.rows)] = self.rows
+
+    def commit(self, tokens: list[int], num_accepted: int) -> int:
+        raise RuntimeError("only rank 0's grammar commits tokens")
+
+    def valid_prefix(self, drafts: list[int]) -> int:
+        raise RuntimeError("only rank 0's grammar checks drafts")
 
 
 def build_grammar_step(

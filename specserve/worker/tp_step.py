@@ -9,6 +9,11 @@ logprob and draft counts. A worker keeps a mirror `Request` per running request 
 the `SchedulerOutput`; rows are handed out in the same order on every rank, so they agree
 (the message carries rank 0's rows, and a worker checks).
 
+Structured outputs: the grammar matchers live on rank 0 only. For each structured request that
+samples in the step, the message carries the mask rows rank 0's matcher walked over the step's
+drafts (`SentMasks`); a worker's mirror holds them as its grammar, so every rank masks its
+logits alike (and so samples alike). Rank 0's own launch reads the same rows (tp_executor.py).
+
 The channel is the group's TCPStore (torch.distributed's rendezvous store): one pickled
 message a step under `step/<n>`. A worker blocks on the next key; the store lives in rank 0's
 process, so a worker whose engine died gets an error, not a hang.
@@ -22,10 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from specserve.request import Request
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler_output import ScheduledRequest, SchedulerOutput
+from specserve.structured.bitmask import SentMasks
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.step_results import StepOutput
 
@@ -58,6 +65,8 @@ class RequestStep:
     new_output_ids: list[int]
     block_ids: list[int] | None
     new: NewRequest | None = None
+    # A structured request that samples this step: its grammar's masks, walked on rank 0.
+    masks: SentMasks | None = None
 
 
 @dataclass
@@ -120,6 +129,9 @@ class StepSender:
             out = req.output_token_ids[sent.num_output :] if new is None else []
             blocks = list(req.block_ids) if len(req.block_ids) != sent.num_blocks else None
             sent.num_output, sent.num_blocks = req.num_output_tokens, len(req.block_ids)
+            masks = None
+            if req.grammar is not None and s.samples:
+                masks = SentMasks.walk(req.grammar, s.num_draft, runner.vocab_size)
             steps.append(
                 RequestStep(
                     req.request_id,
@@ -135,6 +147,7 @@ class StepSender:
                     out,
                     blocks,
                     new,
+                    masks,
                 )  # fmt: skip
             )
         msg = StepMessage(
@@ -172,6 +185,10 @@ class StepReceiver:
             req.output_token_ids = list(n.output_token_ids)
             req.cache_hit_tokens = n.cache_hit_tokens
             req.bad_words_token_ids = n.bad_words_token_ids
+            if n.sampling_params.structured_outputs is not None:
+                # A grammar from the start, as on rank 0 (min_tokens leaves the stop tokens to
+                # it); the masks come with each step that samples the request.
+                req.grammar = SentMasks([], torch.empty(0, 0, dtype=torch.int32))
             self.mirrors[r.request_id] = req
             self.runner.add_request(req)
         req = self.mirrors[r.request_id]
@@ -187,6 +204,8 @@ class StepReceiver:
         req.num_computed_tokens = r.num_computed_tokens
         req.start_on_device = r.start_on_device
         req.host_draft_tokens = r.host_draft_tokens
+        if r.masks is not None:
+            req.grammar = r.masks
         del req.prompt_logprobs[r.prompt_logprobs_len :]
         req.prompt_logprobs.extend([None] * (r.prompt_logprobs_len - len(req.prompt_logprobs)))
         return req
