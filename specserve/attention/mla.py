@@ -220,13 +220,12 @@ def mla_forward(
 
     if c.tree_mask is not None:  # no MLA kernel (torch or Triton) reads the ancestor masks
         raise ValueError("MLA attention has no draft-tree masks: run without a draft tree")
-    # NOTE: the MLA Triton kernels (mla_fused.py, mla_triton.py) read the latent cache in the
-    # model's dtype only: an fp8 latent cache runs the torch path here (quantize on write,
-    # dequantize on gather), on any backend.
-    use_triton = use_triton and not is_fp8(kv_cache.dtype)
     if use_triton:
         from specserve.attention import mla_fused
 
+        # NOTE: calculate_kv_scales computes an fp8 cache's latent scale from this step's rows
+        # before they are written (mla_prologue_ref): the fused prologue writes with the scale
+        # it is given, so such a step takes the torch prologue and the Triton attention below.
         if not w.calc_kv_scale and mla_fused.fusable(q, w, c):
             return mla_fused.mla_forward_fused(positions, q, kv_a, w, kv_cache, c, split_len)
     if mla_expanded.expand_fits(c, w, q.shape[2] - w.nope):
@@ -235,8 +234,9 @@ def mla_forward(
     if use_triton:
         from specserve.attention.mla_triton import mla_attention
 
-        # A cache in the model's dtype here (fp8 runs the torch path above): no scale.
-        out = mla_attention(q_latent, q_pe, kv_cache, c, w.scale, split_len=split_len)
+        out = mla_attention(
+            q_latent, q_pe, kv_cache, c, w.scale, split_len=split_len, kv_scale=w.latent_scale
+        )
     else:
         out = mla_attention_ref(q_latent, q_pe, kv_cache, c, w.scale, w.latent_scale)
     # [H, T, L] @ [H, L, v] -> [T, H, v]

@@ -17,6 +17,12 @@ latent KV write, and two cuBLAS bmm's (W_UK, W_UV) of ~4 us each. Here:
 Each program loops over the batch's tokens with its weight tile in registers, so weights are
 read once a step; that loop is why only small batches (`tunables().mla_fuse_max_tokens`) take
 this path: prefill keeps the torch glue and cuBLAS bmm's.
+
+An fp8 latent cache (KV_FP8, attention/kv_quant.py): the prologue quantizes the rows it writes
+with the layer's latent scale as `write_latent` does (the same bits), q_latent and q_pe stay in
+q's dtype, and the attention kernel dequantizes its key tiles. The scale must be known before
+the step: calculate_kv_scales (which computes it from the step's own rows) runs the torch
+prologue instead (`attention.mla.mla_forward`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import triton
 import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
+from specserve.attention.kv_quant import check_kv_scales, compute_dtype, kv_quant_args
+from specserve.attention.kv_write import fp8_quantize
 from specserve.attention.mla import MLAWeights, mla_prologue_ref
 from specserve.ops import graph_rows, l2, pdl
 from specserve.tunables import tunables
@@ -100,8 +108,15 @@ def _mla_prologue_kernel(
     PAGE: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     PDL: tl.constexpr,
+    kv_scale_ptr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
     W_EVICT: tl.constexpr = "",  # ops/l2.py's policy for the W_UK tile
 ):
+    # KV_FP8: the latent rows are written as row / scale in fp8 (kv_write.fp8_quantize);
+    # q_latent and q_pe are stored in their buffers' dtype (q's then, the cache's otherwise).
     pid = tl.program_id(0)
     out_ty = kv_ptr.dtype.element_ty
     if pid < num_heads * L_BLOCKS:
@@ -132,8 +147,10 @@ def _mla_prologue_kernel(
                 pos = tl.load(positions_ptr + t)
                 rot = _rope_row(q_row + NOPE, pos, cos_ptr, sin_ptr, stride_cos, R, INTERLEAVE)
                 _absorb_store(w, q_row, k, km, q_lat_ptr + dst * L + col, cm)
-                # Rounded to q's dtype as the RoPE kernel rounds, then to the cache's.
-                tl.store(q_pe_ptr + dst * R + d, rot.to(q_ptr.dtype.element_ty).to(out_ty))
+                # Rounded to q's dtype as the RoPE kernel rounds, then to q_pe's (the cache's or,
+                # for an fp8 cache, q's).
+                q_pe_ty = q_pe_ptr.dtype.element_ty
+                tl.store(q_pe_ptr + dst * R + d, rot.to(q_ptr.dtype.element_ty).to(q_pe_ty))
             else:
                 _absorb_store(w, q_row, k, km, q_lat_ptr + dst * L + col, cm)
     else:
@@ -143,6 +160,8 @@ def _mla_prologue_kernel(
         lm = dl < L
         d = tl.arange(0, R)
         g = tl.load(norm_w_ptr + dl, mask=lm, other=0.0)
+        if KV_FP8:
+            kv_scale = tl.load(kv_scale_ptr)
         for t in range(num_tokens):
             row = kv_a_ptr + t * stride_kvat
             x = tl.load(row + dl, mask=lm, other=0.0)
@@ -154,6 +173,9 @@ def _mla_prologue_kernel(
             pos = tl.load(positions_ptr + t)
             k_pe = _rope_row(row + L, pos, cos_ptr, sin_ptr, stride_cos, R, INTERLEAVE)
             k_pe = k_pe.to(x.dtype)
+            if KV_FP8:  # the rounded row, divided by the scale, as kv_quant.quantize_kv_ref
+                lat = fp8_quantize(lat, kv_scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
+                k_pe = fp8_quantize(k_pe, kv_scale, FP8_MAX, FP8_MANT, FP8_MIN_EXP)
             slot = tl.load(slot_mapping_ptr + t)
             dst = kv_ptr + (slot // PAGE).to(tl.int64) * stride_kvb + (slot % PAGE) * stride_kvs
             tl.store(dst + dl, lat.to(out_ty), mask=lm & (slot >= 0))
@@ -173,12 +195,14 @@ def mla_prologue(
     # [num_tokens] int64, -1 = padding
     slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_latent [T, H, L], rotated q_pe [T, H, R]) in kv_cache's dtype, this step's latent
-    rows written: `mla_prologue_ref` in one launch."""
+    """(q_latent [T, H, L], rotated q_pe [T, H, R]) in kv_cache's dtype (q's for an fp8 cache),
+    this step's latent rows written: `mla_prologue_ref` in one launch."""
     T, H, _ = q.shape
     L, R = w.w_uk.shape[2], q.shape[2] - w.nope
-    q_lat = torch.empty(T, H, L, dtype=kv_cache.dtype, device=q.device)
-    q_pe = torch.empty(T, H, R, dtype=kv_cache.dtype, device=q.device)
+    check_kv_scales(kv_cache.dtype, w.latent_scale)
+    cdt = compute_dtype(kv_cache.dtype, q.dtype)
+    q_lat = torch.empty(T, H, L, dtype=cdt, device=q.device)
+    q_pe = torch.empty(T, H, R, dtype=cdt, device=q.device)
     if T == 0:
         return q_lat, q_pe
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -201,6 +225,8 @@ def mla_prologue(
         W_EVICT=l2.weight_eviction(),
         num_warps=8,
         **pdl.launch_kwargs(q.device),
+        kv_scale_ptr=w.latent_scale if w.latent_scale is not None else q,
+        **kv_quant_args(kv_cache.dtype),
     )  # fmt: skip
     return q_lat, q_pe
 
@@ -240,8 +266,13 @@ def mla_forward_fused(
     c: CommonAttentionMetadata,
     split_len: int | None,
 ) -> torch.Tensor:
-    """`attention.mla.mla_forward` for small batches: [num_tokens, H, v] in kv_cache's dtype."""
+    """`attention.mla.mla_forward` for small batches: [num_tokens, H, v] in kv_cache's dtype
+    (q's for an fp8 cache). The latent scale (fp8) is the layer's given one: with
+    calc_kv_scale, `mla_forward` takes the torch prologue, which computes it first."""
     from specserve.attention.mla_triton import mla_attention
 
     q_lat, q_pe = mla_prologue(positions, q, kv_a, w, kv_cache, c.slot_mapping)
-    return mla_attention(q_lat, q_pe, kv_cache, c, w.scale, split_len=split_len, w_uv=w.w_uv)
+    return mla_attention(
+        q_lat, q_pe, kv_cache, c, w.scale, split_len=split_len, w_uv=w.w_uv,
+        kv_scale=w.latent_scale,
+    )  # fmt: skip

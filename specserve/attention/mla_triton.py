@@ -18,6 +18,10 @@ each writes its partial softmax state (m, l, unnormalized acc) and mla_merge.py 
 splits in a fixed order (deterministic). The merge can also apply W_UV (the absorbed value
 up-projection, [H, v, L]) to the merged latent: the output is then [T, H, v] and the separate
 bmm after attention goes away.
+
+An fp8 latent cache (KV_FP8, attention/kv_quant.py) holds each row / the layer's latent scale
+(MLAWeights.latent_scale): every key tile, latent and rotary parts alike, is dequantized (cast,
+times the scale) into q's dtype, which the dots and the output then use.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import triton
 import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
+from specserve.attention.kv_quant import check_kv_scales, compute_dtype, kv_quant_args
+from specserve.attention.kv_write import fp8_dequantize
 from specserve.attention.mla import mla_attention_ref
 from specserve.attention.mla_merge import mla_merge
 from specserve.ops import graph_rows, pdl
@@ -47,9 +53,26 @@ def _latent_rows(row, ok, dl, lm, dr, rm, L: tl.constexpr):
 
 
 @triton.jit
-def _latent_tile(q_lat, q_pe, c, k_pe, sm, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+def _latent_tile(
+    q_lat,
+    q_pe,
+    c,
+    k_pe,
+    sm,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    kv_scale,
+    DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """One key tile of the online softmax (log2 domain): keys where `sm`; returns the new
-    (m_i [BLOCK_H], l_i [BLOCK_H], acc [BLOCK_H, BLOCK_L])."""
+    (m_i [BLOCK_H], l_i [BLOCK_H], acc [BLOCK_H, BLOCK_L]). KV_FP8: c and k_pe arrive as the
+    cache's fp8 values and are dequantized here (the early tile is read before the scale is)."""
+    if KV_FP8:
+        c = fp8_dequantize(c, kv_scale, q_lat.dtype)
+        k_pe = fp8_dequantize(k_pe, kv_scale, q_lat.dtype)
     # [BLOCK_H, BLOCK_N]
     qk = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
     qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PRECISION)
@@ -102,8 +125,15 @@ def _mla_attention_kernel(
     PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    kv_scale_ptr,
+    KV_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    FP8_MANT: tl.constexpr,
+    FP8_MIN_EXP: tl.constexpr,
     EARLY_KV: tl.constexpr = False,
 ):
+    # KV_FP8: the cache holds row / scale in fp8; q keeps its dtype and the key tiles are
+    # dequantized into it (FP8_MAX, FP8_MANT, FP8_MIN_EXP: kv_quant_args's, unused on read).
     # PARTIALS: write (m, l, acc) to the workspace for _mla_merge_kernel (always with
     # SPLITS > 1; with SPLITS == 1 too when the merge applies W_UV), else the normalized output.
     pdl.trigger(PDL)
@@ -139,16 +169,23 @@ def _mla_attention_kernel(
         fresh0 = s0 >= seq_len - tl.num_programs(0)
         c0, k_pe0 = _latent_rows(row0, sm0 & ~fresh0, dl, lm, dr, rm, L)
     pdl.wait(PDL)
+    # The dots run in the cache's dtype, or in q's for an fp8 cache (tiles dequantized to it).
+    if KV_FP8:  # the scale after the wait: calculate_kv_scales writes it in the stream
+        kv_scale = tl.load(kv_scale_ptr)
+        cdt = q_lat_ptr.dtype.element_ty
+    else:
+        kv_scale = 1.0
+        cdt = kv_ptr.dtype.element_ty
     q_lat = tl.load(
         q_lat_ptr + t * stride_qlt + h[:, None] * stride_qlh + dl[None, :],
         mask=hm[:, None] & lm[None, :],
         other=0.0,
-    ).to(kv_ptr.dtype.element_ty)
+    ).to(cdt)
     q_pe = tl.load(
         q_pe_ptr + t * stride_qpt + h[:, None] * stride_qph + dr[None, :],
         mask=hm[:, None] & rm[None, :],
         other=0.0,
-    ).to(kv_ptr.dtype.element_ty)
+    ).to(cdt)
     # exp2 on log2-scaled scores: one multiply per score instead of one inside exp.
     qk_scale = scale * 1.4426950408889634
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -161,8 +198,9 @@ def _mla_attention_kernel(
         k_pe0 = tl.where(fresh0[:, None], k_pe_new, k_pe0)
         if kv_begin < kv_end:  # an empty split keeps m = -inf, l = 0, acc = 0
             m_i, l_i, acc = _latent_tile(
-                q_lat, q_pe, c0, k_pe0, sm0, m_i, l_i, acc, qk_scale, DOT_PRECISION
-            )
+                q_lat, q_pe, c0, k_pe0, sm0, m_i, l_i, acc, qk_scale, kv_scale,
+                DOT_PRECISION, KV_FP8,
+            )  # fmt: skip
         first = kv_begin + BLOCK_N
     for start in range(first, kv_end, BLOCK_N):
         s = start + offs_n
@@ -171,7 +209,7 @@ def _mla_attention_kernel(
         row = kv_ptr + page.to(tl.int64) * stride_kvb + (s % PAGE) * stride_kvs
         c, k_pe = _latent_rows(row, sm, dl, lm, dr, rm, L)
         m_i, l_i, acc = _latent_tile(
-            q_lat, q_pe, c, k_pe, sm, m_i, l_i, acc, qk_scale, DOT_PRECISION
+            q_lat, q_pe, c, k_pe, sm, m_i, l_i, acc, qk_scale, kv_scale, DOT_PRECISION, KV_FP8
         )
     if PARTIALS:
         ws = (t * num_heads + h) * SPLITS + split
@@ -200,14 +238,20 @@ def mla_attention(
     split_len: int | None = None,
     # [num_heads, v, L] (last dim contiguous) or None
     w_uv: torch.Tensor | None = None,
+    # [] fp32: an fp8 cache's scale (MLAWeights.latent_scale), else None
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal latent attention; returns [num_tokens, num_heads, L] in kv_cache's dtype, or with
-    `w_uv` the value-projected [num_tokens, num_heads, v] (W_UV applied in the merge kernel).
+    """Causal latent attention; returns [num_tokens, num_heads, L] in kv_cache's dtype (q's for
+    an fp8 cache), or with `w_uv` the value-projected [num_tokens, num_heads, v] (W_UV applied
+    in the merge kernel).
     `num_splits`: key splits per token (None: `mla_split_count`'s choice over `split_len`, the
     engine's max_model_len, and `graph_rows.row_bound` of the token count; tests force it).
     Padding tokens (positions of a padded row) attend over their row's pages harmlessly."""
     T, H, L = q_latent.shape
     R = q_pe.shape[-1]
+    check_kv_scales(kv_cache.dtype, kv_scale)
+    # The dtype the dots run in: the cache's, or q's for an fp8 cache (dequantized tiles).
+    cdt = compute_dtype(kv_cache.dtype, q_latent.dtype)
     if q_latent.stride(-1) != 1:
         q_latent = q_latent.contiguous()
     if q_pe.stride(-1) != 1:
@@ -219,7 +263,7 @@ def mla_attention(
         bound = graph_rows.row_bound(T)
         num_splits = mla_split_count(bound, head_blocks, split_len, q_latent.device)
     out_dim = L if w_uv is None else w_uv.shape[1]
-    out = torch.empty(T, H, out_dim, dtype=kv_cache.dtype, device=q_latent.device)
+    out = torch.empty(T, H, out_dim, dtype=cdt, device=q_latent.device)
     if T == 0:
         return out
     block_l = max(16, triton.next_power_of_2(L))
@@ -230,7 +274,7 @@ def mla_attention(
     else:
         ws_acc = ws_ml = out  # unused
     kw = pdl.launch_kwargs(q_latent.device)
-    fp32 = kv_cache.dtype == torch.float32
+    fp32 = cdt == torch.float32
     # Short splits: 16-key tiles spread a short context over more programs.
     block_n = 32 if fp32 or split_len // num_splits >= 256 else 16
     _mla_attention_kernel[(T, head_blocks, num_splits)](
@@ -253,6 +297,8 @@ def mla_attention(
         EARLY_KV=tunables().mla_early_kv and (block_n == 16 or q_latent.device.type == "cpu"),
         num_warps=4,
         **kw,
+        kv_scale_ptr=kv_scale if kv_scale is not None else q_latent,
+        **kv_quant_args(kv_cache.dtype),
     )  # fmt: skip
     if partials:
         mla_merge(out, ws_acc, ws_ml, num_splits, L, w_uv)
