@@ -5,10 +5,9 @@ For batch 1 and 16: ms per engine step of plain decoding, the K = 4 chain, and E
 8 / 16 / 32 / 64 verified tokens (root + 7 / 15 / 31 / 63 nodes), and the drafting share of
 each step (CUDA events around drafting: the tree draft loop runs depth - 1 expansions of topk
 nodes a request). Random weights accept almost nothing: these are step costs, not speed-ups.
-Tree steps run eagerly (graphs capture chains only) and on the torch attention backend (the
-Triton kernel has no tree mask yet), so the chain and plain rows are run on the same backend
-for a like-for-like comparison; `--chain-backend triton` adds the chain on the production path.
-Tree outputs are checked against the chain's (greedy: identical tokens).
+Tree steps run eagerly (graphs capture chains only), every row on one attention backend
+(`--backend`: the Triton kernel, which takes tree masks, on CUDA; torch on the CPU). Tree
+outputs are checked against the chain's (greedy: identical tokens).
 
     python benchmarks/trees.py                          # GPU, $OUT/trees.json, < 10 min
     python benchmarks/trees.py --device cpu --shape tiny  # smoke run of the code paths
@@ -102,8 +101,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--sizes", default="8,16,32,64")
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--backend", default=None, help="attention backend (triton on CUDA)")
     args = ap.parse_args()
+    if args.backend is None:
+        args.backend = "triton" if args.device.startswith("cuda") else "torch"
     tiny = args.shape == "tiny"
     root = tempfile.mkdtemp(prefix="trees-")
     target = write_config(TINY if tiny else LLAMA3_8B, os.makedirs(f"{root}/t") or f"{root}/t")
