@@ -18,12 +18,18 @@ class RequestGrammar(Protocol):
 
     # The drafts of the next step that the grammar accepts, in order.
     drafts: list[int]
+    # Draft trees: the parent of each node 0..K of the next step's tree; None for chains.
+    parents: list[int] | None
 
     @property
     def is_terminated(self) -> bool: ...
 
     # bitmask: [rows, ceil(vocab / 32)] int32 on the host
     def fill_masks(self, drafts: list[int], bitmask: torch.Tensor, start: int) -> None: ...
+
+    def fill_tree_masks(
+        self, tokens_by_node: list[int], parents: list[int], bitmask: torch.Tensor, start: int
+    ) -> None: ...
 
     def commit(self, tokens: list[int], num_accepted: int) -> int: ...
 

@@ -359,21 +359,12 @@ class LLMEngine:
         allowed = sampling_params.allowed_token_ids or []
         _check_token_ids("allowed_token_ids", allowed, vocab, param="allowed_token_ids")
         bad_words = self._bad_words_token_ids(sampling_params.bad_words or [], vocab)
-        if (
-            c.spec is not None
-            and c.spec.is_tree
-            and (
-                sampling_params.structured_outputs is not None
-                or sampling_params.uses_logits_processors
-            )
-        ):
+        if c.spec is not None and c.spec.is_tree and sampling_params.uses_logits_processors:
             raise RequestFieldError(
-                "structured outputs and logits processors (penalties, logit_bias, min_tokens, "
-                "allowed_token_ids, bad_words) are not supported with draft trees; run without "
-                "speculative_config draft_tree / speculative_token_tree for this request.",
-                "structured_outputs"
-                if sampling_params.structured_outputs is not None
-                else "logits_processors",
+                "logits processors (penalties, logit_bias, min_tokens, allowed_token_ids, "
+                "bad_words) are not supported with draft trees; run without speculative_config "
+                "draft_tree / speculative_token_tree for this request.",
+                "logits_processors",
             )
         seed = sampling_params.seed
         if seed is None:
@@ -691,6 +682,8 @@ class LLMEngine:
                 new = new[: req.grammar.commit(new, n_acc)]
                 if out.next_drafts is not None:
                     req.grammar.drafts = out.next_drafts[i].tolist()
+                if out.next_parents is not None:
+                    req.grammar.parents = out.next_parents[i].tolist()
             lps = out.logprobs[i] if out.logprobs is not None else None
             outputs.append(self._append(req, new, lps))
         if self.budget is not None and verified[0]:

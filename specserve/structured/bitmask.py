@@ -45,8 +45,10 @@ class SentMasks:
     drafts: list[int]
     # [len(drafts) + 1, ceil(vocab / 32)] int32 host rows, as `fill_masks` writes them
     rows: torch.Tensor
-    # (The rest of `RequestGrammar`: rank 0's engine alone ends and commits requests.)
+    # (The rest of `RequestGrammar`: rank 0's engine alone ends and commits requests; the
+    # rows already follow each tree node's path.)
     is_terminated: bool = False
+    parents: list[int] | None = None
 
     @classmethod
     def walk(cls, grammar: RequestGrammar, num_draft: int, vocab_size: int) -> SentMasks:
@@ -54,7 +56,7 @@ class SentMasks:
         tentatively accepted, as the runner's own walk would)."""
         drafts = grammar.drafts[:num_draft]
         rows = torch.full((len(drafts) + 1, bitmask_width(vocab_size)), -1, dtype=torch.int32)
-        grammar.fill_masks(drafts, rows, 0)
+        fill_request_masks(grammar, num_draft, rows, 0)
         return cls(drafts, rows)
 
     def fill_masks(
@@ -95,7 +97,7 @@ def build_grammar_step(
                 f"request {s.req.request_id}: {s.num_draft} drafts scheduled, "
                 f"{len(gr.drafts)} known to its grammar"
             )
-        gr.fill_masks(gr.drafts[: s.num_draft], host, g * k1)
+        fill_request_masks(gr, s.num_draft, host, g * k1)
     rows = torch.tensor(idx, dtype=torch.int64)
     if cuda:
         rows = rows.pin_memory()
@@ -103,6 +105,22 @@ def build_grammar_step(
         rows.to(device, non_blocking=True),
         host.view(len(idx), k1, -1).to(device, non_blocking=True),
     )
+
+
+def fill_request_masks(
+    grammar: RequestGrammar,
+    num_draft: int,
+    # [rows, ceil(vocab / 32)] int32 host bitmask; rows start .. start + num_draft written
+    bitmask: torch.Tensor,
+    start: int,
+) -> None:
+    """One request's rows for a step verifying its first `num_draft` drafts: a chain's, or a
+    draft tree's (each node's row after its own path from the root)."""
+    drafts = grammar.drafts[:num_draft]
+    if grammar.parents is not None:
+        grammar.fill_tree_masks(drafts, grammar.parents[: num_draft + 1], bitmask, start)
+    else:
+        grammar.fill_masks(drafts, bitmask, start)
 
 
 def apply_grammar_bitmask_(

@@ -11,6 +11,14 @@ Per step, for a request verifying drafts d1..dn:
                recovered / bonus token.
 Every token the engine appends has been accepted by the matcher, so none breaks the grammar.
 
+Draft trees (`fill_tree_masks`): node m's mask is the grammar's allowed set after the path
+root -> m, each node's path walked with the matcher's rollback. Which path verification
+accepts is known only after it, so the walk leaves the matcher where it started and `commit`
+walks the accepted path (the verified tokens come in the chain's layout). A node the grammar
+forbids, its descendants, a drafted stop token and its descendants copy their parent's mask:
+the masked target never accepts a forbidden node, and the output ends at a stop token, so
+those rows never decide an output token (as a chain's slots after its walk ended).
+
 Delayed start (`DelayedStart`, a chat request's `response_format` or tool grammar behind a
 reasoning parser): until the output holds the end-of-thinking marker every token is allowed and
 the matcher does not move; the token completing the marker is the last free one. The walk above
@@ -44,6 +52,11 @@ class RequestGrammar:
         # Host copy of the drafts the next step verifies (device drafters read them back with
         # the step's one device-to-host copy; n-gram proposes them on the host).
         self.drafts: list[int] = []
+        # Draft trees: the parent of each node 0..K of the next step's tree, read back with the
+        # drafts (node m's token is drafts[m - 1]); None for chains.
+        self.parents: list[int] | None = None
+        # The last fill walked a tree: `commit` walks the accepted path itself.
+        self._tree_step = False
 
     @property
     def num_tentative(self) -> int:
@@ -96,6 +109,7 @@ class RequestGrammar:
     ) -> None:
         """Masks for slots 0..len(drafts); leaves the accepted drafts tentatively accepted."""
         self._rollback(self.num_tentative)  # a step whose results were dropped (preempted)
+        self._tree_step = False
         self._fill(bitmask, start)
         n = len(drafts)
         for j, d in enumerate(drafts, 1):
@@ -110,10 +124,52 @@ class RequestGrammar:
         last = start + self.num_tentative - (1 if self.is_terminated else 0)
         bitmask[last + 1 : start + n + 1] = bitmask[last]
 
+    def fill_tree_masks(
+        self,
+        # tokens of nodes 1..n (node 0, the root, is the newest committed token)
+        tokens_by_node: list[int],
+        # parent of each node 0..n (topological: parents[m] < m; parents[0] is ignored)
+        parents: list[int],
+        # [rows, ceil(vocab / 32)] int32 CPU bitmask; rows start .. start + n written
+        bitmask: torch.Tensor,
+        start: int,
+    ) -> None:
+        """Row start + m: the mask after the path root -> node m. Leaves the matcher where it
+        started; `commit` then walks the path verification accepted."""
+        self._rollback(self.num_tentative)  # a step whose results were dropped (preempted)
+        n = len(tokens_by_node)
+        paths: list[list[int]] = [[]]
+        for m in range(1, n + 1):
+            paths.append(paths[parents[m]] + [m])
+        # live[m]: the grammar accepts m's path and it does not end at a stop token, so the
+        # row is the grammar's own (and m's children are worth walking).
+        live = [True] + [False] * n
+        self._fill(bitmask, start)
+        # Depth-first (paths in lexicographic order): the matcher holds a prefix of the last
+        # node's path, so reaching a node's parent is a rollback to the parent's depth.
+        for m in sorted(range(1, n + 1), key=paths.__getitem__):
+            p = parents[m]
+            if live[p]:
+                self._rollback(self.num_tentative - len(paths[p]))
+                live[m] = self._accept(int(tokens_by_node[m - 1])) and not self.is_terminated
+            if live[m]:
+                self._fill(bitmask, start + m)
+            else:
+                bitmask[start + m] = bitmask[start + p]
+        self._rollback(self.num_tentative)
+        self._tree_step = True
+
     def commit(self, tokens: list[int], num_accepted: int) -> int:
         """Record a verified step: `tokens` = the n accepted drafts then the recovered / bonus
         token. Returns how many of them the output keeps (all, unless an accepted draft was
         the stop token: the output ends there)."""
+        if self._tree_step:
+            # The tree walk left the matcher at the root: take the accepted path now, then
+            # finish as a chain step whose drafts were these.
+            self._tree_step = False
+            for tok in tokens[:num_accepted]:
+                if self.is_terminated or not self._accept(int(tok)):
+                    break
         a = self.num_tentative
         if a > 0 and num_accepted >= a and self.is_terminated:
             self._tentative.clear()

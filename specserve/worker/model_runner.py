@@ -236,10 +236,12 @@ class ModelRunner:
         )
         if self.speculator is not None and not skip:
             self._propose(inp, fwd, ver, num_drafts)
-        next_drafts = None
+        next_drafts = next_parents = None
         if gs is not None and self.speculator is not None and not self.speculator.proposes_on_host:
             next_drafts = self._next_drafts(inp, ver.num_acc)
-        return self._start_copy(inp, ver, reqs_logprobs, prompt_lp, next_drafts)
+            if self.tree is not None:  # a tree's masks follow each node's path: its parents
+                next_parents = self.tree.state.parent[inp.idx_mapping]
+        return self._start_copy(inp, ver, reqs_logprobs, prompt_lp, next_drafts, next_parents)
 
     def finish(self, pending: PendingStep) -> StepOutput:
         """Wait for a launched step's results and unpack them."""
@@ -498,6 +500,8 @@ class ModelRunner:
         prompt_lp: tuple[list[tuple[int, int, int]], int, dict[str, torch.Tensor]] | None,
         # [B, K] int64 next-step drafts to read back, or None
         next_drafts: torch.Tensor | None = None,
+        # [B, K + 1] int64 parents of the next step's tree nodes to read back, or None
+        next_parents: torch.Tensor | None = None,
     ) -> PendingStep:
         """Start the step's one device-to-host copy of everything the host needs."""
         out_tokens = ver.out_tokens
@@ -521,6 +525,8 @@ class ModelRunner:
             fields |= prompt_fields
         if next_drafts is not None:
             fields["next_drafts"] = next_drafts
+        if next_parents is not None:
+            fields["next_parents"] = next_parents
         return PendingStep(HostPacket.send(fields), B, k1, n_top, spans, p_top)
 
 

@@ -85,6 +85,9 @@ class StepOutput:
     # [B, K] drafts the drafter proposed for the next step, read back only for steps with
     # structured requests (their grammar walks the drafts on the host); else None
     next_drafts: np.ndarray | None = field(default=None)
+    # [B, K + 1] parents of the next step's tree nodes, read back with `next_drafts` under
+    # draft trees; else None
+    next_parents: np.ndarray | None = field(default=None)
 
 
 def unpack_step(pending: PendingStep) -> StepOutput:
@@ -96,6 +99,7 @@ def unpack_step(pending: PendingStep) -> StepOutput:
         got["num_accepted"].astype(np.int64) if "num_accepted" in got else np.zeros(B, np.int64)
     )
     next_drafts = got["next_drafts"].astype(np.int64) if "next_drafts" in got else None
+    next_parents = got["next_parents"].astype(np.int64) if "next_parents" in got else None
     logprobs = None
     if n_top >= 0:
         lp, top_ids, top_lp = got["lp"], got["top_ids"].astype(np.int64), got["top_lp"]
@@ -110,7 +114,7 @@ def unpack_step(pending: PendingStep) -> StepOutput:
     prompt_lps = None
     if pending.prompt_spans is not None:
         prompt_lps = _prompt_logprobs(got, pending.prompt_spans, pending.prompt_top)
-    return StepOutput(tokens, num_accepted, logprobs, prompt_lps, next_drafts)
+    return StepOutput(tokens, num_accepted, logprobs, prompt_lps, next_drafts, next_parents)
 
 
 def _prompt_logprobs(
