@@ -196,3 +196,20 @@ def test_concave_step_costs(acceptance: float, costs: list[float]) -> None:
     got = s.tokens / s.batch / s.seconds
     assert got >= 0.95 * rates.max(), (got, rates, s.chosen[-50:])
     assert got >= 0.98 * rates[0], (got, rates)
+
+
+def test_k0_keeps_the_drafters_kv_only_shortly_after_drafting() -> None:
+    """k = 0 keeps the drafter's KV for `track_steps` decisions after the last k > 0 (a switch
+    back drafts from complete KV), then stops paying for it (plain decoding's cost)."""
+    c = DraftBudget(3)
+    assert not c.tracks_drafter_kv  # never drafted yet
+    c._decide(2)
+    assert c.tracks_drafter_kv
+    for _ in range(c.track_steps):
+        c._decide(0)
+        assert c.tracks_drafter_kv
+    c._decide(0)
+    assert not c.tracks_drafter_kv
+    c._decide(1)
+    c._decide(0)
+    assert c.tracks_drafter_kv

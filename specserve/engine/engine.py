@@ -28,6 +28,7 @@ from specserve.request import Request, RequestStatus
 from specserve.sampling_params import SamplingParams
 from specserve.scheduler_output import SchedulerOutput
 from specserve.spec_decode.dynamic import DraftBudget
+from specserve.spec_decode.interface import NO_DRAFTER
 from specserve.spec_decode.speculator import build_speculator
 from specserve.structured.grammar import StructuredOutputs
 from specserve.worker.model_runner import ModelRunner
@@ -498,7 +499,10 @@ class LLMEngine:
         self._draft_cap = p
         self.stats.draft_budget = p
         self.stats.mean_draft_budget = self.budget.mean_budget
-        return self.runner.launch(sched, self._logprobs(sched), p)
+        propose = p
+        if p == 0 and not (self.speculator.tracks_kv_at_zero and self.budget.tracks_drafter_kv):
+            propose = NO_DRAFTER
+        return self.runner.launch(sched, self._logprobs(sched), propose)
 
     def _step_finished(self, sched: SchedulerOutput) -> None:
         """A step's results are read: its wall time since the previous step's end is the cost

@@ -15,10 +15,11 @@ The choice maximizes expected tokens per second of the batch:
               proposed) per batch bucket (powers of two) and k. Cells never measured come from
               a linear fit t0 + k * dt over the bucket's measured cells, or, with fewer than
               two, from the nearest measured bucket's shape.
-  k = 0       no drafts. An autoregressive drafter (EAGLE, EAGLE-3, MTP, a draft model) still
-              runs its draft prefill over the verified token (a small share of a step), so
-              its KV stays complete for a switch back; the others do not run, and their KV has
-              holes at the positions decoded meanwhile. Outputs never depend on drafts (coupled
+  k = 0       no drafts. For `track_steps` decisions after the last k > 0, an autoregressive
+              drafter (EAGLE, EAGLE-3, MTP, a draft model) still runs its draft prefill over
+              the verified token (a small share of a step), so its KV stays complete for a
+              switch back; after that, and for the other drafters, the drafter does not run
+              (plain decoding's cost) and its KV has holes at the positions decoded meanwhile. Outputs never depend on drafts (coupled
               verification), only acceptance right after a switch back does.
 
 Exploration: the choice is held for at least two steps (a decision sets the drafts the next
@@ -123,6 +124,10 @@ class DraftBudget:
     explore_every: int = 16
     explore_budget: float = 0.005  # fraction of time probes may lose, in expectation
     hold: int = 2  # decisions a choice is kept (one transitional step + one measured step)
+    # Decisions after the last k > 0 during which k = 0 still keeps the drafter's KV (its
+    # prefill costs ~7% of a batch-1 step on the CPU): short stretches at 0 resume drafting
+    # from complete KV; long ones, where drafting lost, cost plain decoding's price.
+    track_steps: int = 16
     classes: dict[bool, _Acceptance] = field(default_factory=dict)
     # Per-request decayed counts, one row a request (`_rows`: request id -> row).
     _rows: dict[str, int] = field(default_factory=dict)
@@ -136,6 +141,7 @@ class DraftBudget:
     _held: int = 0
     _budget_sum: float = 0.0
     _budget_n: int = 0
+    _since_draft: int = 10**9  # decisions since the last k > 0
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -292,7 +298,13 @@ class DraftBudget:
     def _chosen(self, k: int) -> int:
         self._budget_sum += k
         self._budget_n += 1
+        self._since_draft = 0 if k > 0 else self._since_draft + 1
         return k
+
+    @property
+    def tracks_drafter_kv(self) -> bool:
+        """Whether the k = 0 just chosen should keep the drafter's KV (see `track_steps`)."""
+        return self._since_draft <= self.track_steps
 
     @property
     def mean_budget(self) -> float:

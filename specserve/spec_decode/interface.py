@@ -50,6 +50,12 @@ class DraftRunner(Protocol):
         ...
 
 
+# `propose`'s num_drafts for a step whose drafter does not run at all (the adaptive budget's
+# k = 0 once the drafter's KV is no longer kept): no drafts, and the drafter's KV keeps holes at
+# these positions. 0 runs the draft prefill only (the KV stays complete).
+NO_DRAFTER = -1
+
+
 class Speculator:
     """A drafter and how it proposes: the runner calls these hooks and nothing else.
 

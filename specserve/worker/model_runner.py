@@ -39,7 +39,7 @@ from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import SamplingTensors, compute_logprobs, sample
 from specserve.scheduler_output import SchedulerOutput
 from specserve.spec_decode.drafting import TargetStep
-from specserve.spec_decode.interface import Speculator
+from specserve.spec_decode.interface import NO_DRAFTER, Speculator
 from specserve.step_inputs import StepInputs
 from specserve.structured.bitmask import apply_grammar_bitmask_, build_grammar_step
 from specserve.worker.cudagraph import eager_rows
@@ -203,8 +203,8 @@ class ModelRunner:
     def execute(
         self, sched: SchedulerOutput, reqs_logprobs: list[int], num_drafts: int | None = None
     ) -> StepOutput:
-        """`num_drafts`: drafts to propose for the next step (None: all K; dynamic K; 0 under
-        the adaptive budget: the drafter does not run)."""
+        """`num_drafts`: drafts to propose for the next step (None: all K; dynamic K; 0: the
+        draft prefill only, keeping the drafter's KV; NO_DRAFTER: the drafter does not run)."""
         return self.finish(self.launch(sched, reqs_logprobs, num_drafts))
 
     @torch.inference_mode()
@@ -224,16 +224,10 @@ class ModelRunner:
         ver = self._verify_and_sample(sched, inp, fwd, gs)
         # NOTE: before drafting, which may reuse the target graph's output buffers.
         prompt_lp = self._prompt_logprobs(sched, inp, fwd.hidden)
-        # NOTE: the adaptive budget's 0 runs no drafter where the drafter cannot just track its
-        # KV (`tracks_kv_at_zero`); its KV keeps holes at these positions, which only lowers
-        # acceptance after a switch back. A batch-size map's 0 keeps the drafter's KV complete.
-        spec = self.config.spec
-        skip = (
-            num_drafts == 0
-            and spec is not None
-            and spec.adaptive_budget
-            and not (self.speculator is not None and self.speculator.tracks_kv_at_zero)
-        )
+        # NOTE: NO_DRAFTER (the adaptive budget's 0 when the drafter's KV is not kept) runs no
+        # drafter: its KV keeps holes at these positions, which only lowers acceptance after a
+        # switch back. 0 runs the draft prefill only: the drafter's KV stays complete.
+        skip = num_drafts == NO_DRAFTER
         if self.speculator is not None and not skip:
             self._propose(inp, fwd, ver, num_drafts)
         next_drafts = next_parents = None
