@@ -7,7 +7,7 @@ engines back to back `--repeats` times, in a rotated order each time (a slow spe
 shared cores then falls on every engine alike), the adaptive budget afresh each time, and
 reports each engine's median; outputs are checked to equal the plain run's token for token.
 
-    python benchmarks/never_slower_cpu.py             # ~15 min on 2 cores
+    python benchmarks/never_slower_cpu.py             # ~19 min on 2 cores
     python benchmarks/never_slower_cpu.py --max-tokens 32 --repeats 1   # quicker
 """
 
