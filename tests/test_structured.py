@@ -245,24 +245,33 @@ def test_bad_constraints_name_the_field(engines: dict[str, LLM]) -> None:
         )  # fmt: skip
 
 
+def json_grammar_setup(
+    family: tuple[str, dict[str, Any]],
+) -> tuple[Any, Any, StructuredOutputsParams, list[int], int, int]:
+    """(the family's tokenizer, its StructuredOutputs, SCHEMA's params, the token ids of an object
+    SCHEMA accepts, vocab size, EOS id): the set-up of the matcher-level tests."""
+    from transformers import AutoTokenizer
+
+    from specserve.structured.grammar import StructuredOutputs
+
+    tok = AutoTokenizer.from_pretrained(family[0])
+    vocab, eos = len(tok), tok.eos_token_id
+    so = StructuredOutputs(tok, vocab, {eos})
+    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    text = '{"color": "red", "n": 7, "tags": ["red", "blue"]}'
+    ids = [t for t in tok.encode(text) if t not in tok.all_special_ids]
+    return tok, so, params, ids, vocab, eos
+
+
 def test_masks_per_draft_position_and_commit(family: tuple[str, dict[str, Any]]) -> None:
     """fill_masks = the masks a fresh matcher gives after each draft prefix; a draft the grammar
     rejects ends the walk (later slots copy the last mask); commit rolls back rejected drafts
     and accepts the emitted token; an accepted stop token ends the output."""
     import xgrammar as xgr
-    from transformers import AutoTokenizer
 
-    from specserve.structured.grammar import StructuredOutputs
     from specserve.structured.matcher import GrammarViolationError
 
-    target, _ = family
-    tok = AutoTokenizer.from_pretrained(target)
-    vocab = len(tok)
-    eos = tok.eos_token_id
-    so = StructuredOutputs(tok, vocab, {eos})
-    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    text = '{"color": "red", "n": 7, "tags": ["red", "blue"]}'
-    ids = [t for t in tok.encode(text) if t not in tok.all_special_ids]
+    tok, so, params, ids, vocab, eos = json_grammar_setup(family)
     assert len(ids) > 6
 
     ref = xgr.GrammarMatcher(so.compile(params))

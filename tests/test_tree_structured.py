@@ -22,7 +22,7 @@ from specserve import LLM, SamplingParams, StructuredOutputsParams
 from specserve.data import load_prompts
 
 from .test_draft_trees import STATIC
-from .test_structured import CHOICES, FAMILY, REGEX, SCHEMA
+from .test_structured import CHOICES, FAMILY, REGEX, SCHEMA, json_grammar_setup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -36,19 +36,10 @@ def family() -> tuple[str, dict[str, Any]]:
 
 def test_tree_masks_follow_each_nodes_path(family: tuple[str, dict[str, Any]]) -> None:
     import xgrammar as xgr
-    from transformers import AutoTokenizer
 
-    from specserve.structured.grammar import StructuredOutputs
     from specserve.structured.matcher import GrammarViolationError
 
-    target, _ = family
-    tok = AutoTokenizer.from_pretrained(target)
-    vocab = len(tok)
-    eos = tok.eos_token_id
-    so = StructuredOutputs(tok, vocab, {eos})
-    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    text = '{"color": "red", "n": 7, "tags": ["red", "blue"]}'
-    ids = [t for t in tok.encode(text) if t not in tok.all_special_ids]
+    tok, so, params, ids, vocab, eos = json_grammar_setup(family)
     g = so.new_request(params)
     row0 = xgr.allocate_token_bitmask(1, vocab)
     g.fill_masks([], row0, 0)
