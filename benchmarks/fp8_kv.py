@@ -6,15 +6,24 @@ mean |prompt logprob difference| with an fp8 against a bf16 cache.
 
     python benchmarks/fp8_kv.py [--quick]               # GPU; $OUT/fp8_kv.json
     python benchmarks/fp8_kv.py --device cpu --shape tiny   # CPU smoke run of every part
+    python benchmarks/fp8_kv.py --capacity-only fp8     # one KV dtype's pool, a JSON line
+
+Each KV dtype's capacity is measured in a fresh process (`--capacity-only`), before this one
+touches the GPU: an engine's pool is sized from the memory free when it is built, so nothing an
+earlier engine left behind (a reference, the allocator's fragments) can shrink it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import json
 import os
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -43,12 +52,24 @@ def make_engine(target: str, kv: str, device: str, **kw: object) -> object:
     return LLMEngine(cfg)
 
 
-def free(engine: object) -> None:
-    engine.runner.close()  # type: ignore[attr-defined]
-    del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def run_engine(
+    fn: Callable[[object], dict], target: str, kv: str, device: str, **kw: object
+) -> dict:
+    """`fn(engine)` on a fresh engine, which is closed and referenced by nothing once this
+    returns, so the next engine's KV sizing (torch.cuda.mem_get_info) finds its memory free."""
+    # NOTE: the engine lives in this frame only. A caller that kept it in a variable (a loop's
+    # `eng`) while building the next engine kept its weights allocated: close() frees the KV
+    # cache and graphs, not the model. That cost the fp8 capacity engine ~15 GB of pool (the
+    # Llama-3-8B shape's bf16 weights) when it was built after the bf16 one.
+    engine = make_engine(target, kv, device, **kw)
+    try:
+        return fn(engine)
+    finally:
+        engine.close()  # type: ignore[attr-defined]
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def decode_rows(target: str, head: str, args: argparse.Namespace) -> list[dict]:
@@ -56,48 +77,59 @@ def decode_rows(target: str, head: str, args: argparse.Namespace) -> list[dict]:
     vocab = 128000 if args.shape == "llama3-8b" else 500
     steps = 12 if args.quick else 24
     cases = [(64, args.long_ctx), (1, 128)]
+
+    def timed(kv: str, batch: int, ctx: int, **kw: object) -> dict:
+        fn = functools.partial(measure, batch=batch, steps=steps, prompt_len=ctx, vocab_size=vocab)
+        return run_engine(
+            fn, target, kv, args.device, max_model_len=ctx + 700, max_num_seqs=batch,
+            max_num_batched_tokens=8192, **kw,
+        )  # fmt: skip
+
     rows = []
     for kv in ("auto", "fp8"):
         for batch, ctx in cases:
-            eng = make_engine(
-                target, kv, args.device, max_model_len=ctx + 700, max_num_seqs=batch,
-                max_num_batched_tokens=8192,
-            )  # fmt: skip
-            r = measure(eng, batch, steps=steps, prompt_len=ctx, vocab_size=vocab)
+            r = timed(kv, batch, ctx)
             rows.append({"kv": kv, "spec": "plain", "batch": batch, "context": ctx, **r})
             print(f"{kv:>4} plain B={batch} ctx={ctx}: {r['ms_per_step']:.3f} ms/step", flush=True)
-            free(eng)
     for batch, ctx in cases:
-        spec = synthetic_spec(head, 3, 0.7)
-        eng = make_engine(
-            target, "fp8", args.device, max_model_len=ctx + 700, max_num_seqs=batch,
-            max_num_batched_tokens=8192, speculative_config=spec,
-        )  # fmt: skip
-        r = measure(eng, batch, steps=steps, prompt_len=ctx, vocab_size=vocab)
+        r = timed("fp8", batch, ctx, speculative_config=synthetic_spec(head, 3, 0.7))
         rows.append({"kv": "fp8", "spec": "eagle3 K=3", "batch": batch, "context": ctx, **r})
         print(f" fp8 eagle3 B={batch} ctx={ctx}: {r['ms_per_step']:.3f} ms/step", flush=True)
-        free(eng)
     return rows
 
 
-def capacity(target: str, args: argparse.Namespace) -> dict:
-    """Sequences of `ctx` tokens the KV cache holds (the pool's tokens // ctx), bf16 vs fp8."""
+def pool_size(target: str, kv: str, args: argparse.Namespace) -> dict:
+    """The KV pool one engine of `kv` gets in this process (`--capacity-only`)."""
     ctx = args.capacity_ctx
-    out = {}
-    for kv in ("auto", "fp8"):
-        # max_num_seqs high enough that GPU memory, not the per-sequence cap, sizes the pool.
-        eng = make_engine(
-            target, kv, args.device, max_model_len=ctx, max_num_seqs=1024, enforce_eager=True,
-            max_num_batched_tokens=8192,
-        )  # fmt: skip
-        m = eng.metrics_snapshot()  # type: ignore[attr-defined]
-        out[kv] = {
+
+    def snapshot(engine: object) -> dict:
+        m = engine.metrics_snapshot()  # type: ignore[attr-defined]
+        return {
             "kv_cache_num_blocks": m["kv_cache_num_blocks"],
             "kv_cache_num_tokens": m["kv_cache_num_tokens"],
             "max_concurrency": m["kv_cache_num_tokens"] // ctx,
         }
+
+    # max_num_seqs high enough that GPU memory, not the per-sequence cap, sizes the pool.
+    return run_engine(
+        snapshot, target, kv, args.device, max_model_len=ctx, max_num_seqs=1024,
+        enforce_eager=True, max_num_batched_tokens=8192,
+    )  # fmt: skip
+
+
+def capacity(args: argparse.Namespace) -> dict:
+    """Sequences of `ctx` tokens the KV cache holds (the pool's tokens // ctx), bf16 vs fp8,
+    each measured by this script in a fresh process (`--capacity-only KV`, a JSON line)."""
+    out = {}
+    for kv in ("auto", "fp8"):
+        cmd = [
+            sys.executable, os.path.abspath(__file__), "--capacity-only", kv, "--shape", args.shape,
+            "--device", args.device, "--capacity-ctx", str(args.capacity_ctx),
+        ]  # fmt: skip
+        # stdout carries the JSON line only (logs go to stderr, which stays this process's).
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+        out[kv] = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{kv:>4} KV cache: {out[kv]}", flush=True)
-        free(eng)
     return out
 
 
@@ -138,6 +170,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer timed steps")
     ap.add_argument("--long-ctx", type=int, default=None, help="batch-64 context (4096)")
     ap.add_argument("--capacity-ctx", type=int, default=None, help="capacity context (8192)")
+    ap.add_argument(
+        "--capacity-only", choices=["auto", "fp8"], default=None,
+        help="only print the KV pool of one engine of this KV dtype, as a JSON line",
+    )  # fmt: skip
     args = ap.parse_args()
     tiny = args.shape == "tiny"
     args.long_ctx = args.long_ctx or (64 if tiny else 4096)
@@ -145,9 +181,14 @@ def main() -> None:
     t0 = time.time()
     target_cfg, head_cfg = SHAPES[args.shape]
     target = write_config({**target_cfg, "max_position_embeddings": 16384})
+    if args.capacity_only is not None:
+        print(json.dumps(pool_size(target, args.capacity_only, args)), flush=True)
+        return
     head = write_config(head_cfg)
+    # First, while this process holds no GPU memory (no CUDA context yet) that would count
+    # against the measuring processes' mem_get_info().
+    cap = capacity(args)
     rows = decode_rows(target, head, args)
-    cap = capacity(target, args)
     lp = default_model_logprobs(args)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     out = {"device": device, "shape": args.shape, "rows": rows, "capacity": cap,
