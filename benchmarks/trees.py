@@ -5,8 +5,8 @@ For batch 1 and 16: ms per engine step of plain decoding, the K = 4 chain, and E
 8 / 16 / 32 / 64 verified tokens (root + 7 / 15 / 31 / 63 nodes), and the drafting share of
 each step (CUDA events around drafting: the tree draft loop runs depth - 1 expansions of topk
 nodes a request). Random weights accept almost nothing: these are step costs, not speed-ups.
-Tree steps run eagerly (graphs capture chains only), every row on one attention backend
-(`--backend`: the Triton kernel, which takes tree masks, on CUDA; torch on the CPU). Tree
+Tree steps replay CUDA graphs as chains do (the target's verification with its tree fields,
+the whole tree drafting in one graph), every row on one attention backend (`--backend`: the Triton kernel, which takes tree masks, on CUDA; torch on the CPU). Tree
 outputs are checked against the chain's (greedy: identical tokens).
 
     python benchmarks/trees.py                          # GPU, $OUT/trees.json, < 10 min
@@ -128,7 +128,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
     notes = [
         f"device {args.device}, shape {args.shape}, attention backend {args.backend}",
-        "tree steps run eagerly: CUDA graphs capture chains only",
+        "tree steps replay CUDA graphs (target verification and tree drafting)",
     ]
     if tiny:
         notes.append("--shape tiny: code paths only; times are not meaningful")

@@ -2,8 +2,10 @@
 drafter, verified in one target forward.
 
 A request's tree: node 0 is the root (the newest verified token), nodes 1..N are drafts in
-topological order (a parent's index is below its children's; within a depth, best first), so
-the first n nodes are always a tree: the adaptive budget may verify any prefix of them. The
+topological order (a parent's index is below its children's): dynamic trees best first by
+cumulative draft log-probability, so the first n nodes are the best tree of n nodes, and the
+adaptive budget verifies a prefix of a tree that is always drafted whole (one shape: what a
+CUDA graph of the drafting captures). The
 draft tokens sit in the token buffer after the root exactly where a chain's drafts sit (node m
 at column root + m, the KV slot it is verified at); the structure sits in persistent
 per-request rows (`TreeState`): parent, depth and the ancestor-or-self bitmask of every node.
@@ -22,6 +24,9 @@ log-probability are verified (a child scores strictly below its parent, so they 
 tree). Static trees expand the nodes that have children, taking the child of rank r as the
 r-th best token. The expansion queries' drafter KV goes to the slots after the root, which the
 scheduler reserves for drafts; the next draft prefill rewrites them.
+
+Nothing here reads back from the device or copies from the host, so `draft` runs inside a CUDA
+graph (worker/draft_graphs.py) as it runs eagerly.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from specserve.attention.backend import CommonAttentionMetadata
+from specserve.attention.backend import CommonAttentionMetadata, ForwardContext
 from specserve.config.speculative import SpeculativeConfig
 from specserve.sample.gumbel import SALT_SAMPLE, gumbel
 from specserve.sample.sampler import SamplingTensors, process_logits
@@ -50,8 +55,8 @@ _MIN_SCORE = -1.0e4
 
 class TreeState:
     """Per-request tree structure, [rows, K + 1] each, written by the drafter on the device and
-    read by the next target step and its verification. Initialized (and padded past the
-    drafted nodes) so that every row is always a valid tree."""
+    read by the next target step and its verification. Initialized (`pad_*`: every node a
+    child of the root, or the static tree) so that every row is always a valid tree."""
 
     def __init__(self, num_rows: int, k: int, device: torch.device) -> None:
         m = torch.arange(k + 1, device=device)
@@ -108,6 +113,14 @@ class TreeDrafter:
             ]
             self.levels.append((nodes, kids, max(r for _, _, r in kids) + 1))
         del m
+        # Device index tensors of each level (no host-to-device copy while drafting): the
+        # expanded nodes, and which of the previous level's expansions is each one's parent.
+        dev = self.device
+        self.level_nodes = [torch.tensor(nodes, device=dev) for nodes, _, _ in self.levels]
+        self.level_parents = [torch.zeros(0, dtype=torch.long, device=dev)] + [
+            torch.tensor([prev.index(parent[c]) for c in nodes], device=dev)
+            for (prev, _, _), (nodes, _, _) in zip(self.levels, self.levels[1:])
+        ]
 
     # ---- drafting -------------------------------------------------------------------------
     def propose(
@@ -117,13 +130,32 @@ class TreeDrafter:
         t: TargetStep,
         num_drafts: int | None,
     ) -> None:
-        """The draft prefill (a chain over the accepted path), then the tree; writes the nodes'
-        tokens into the token buffer and their structure into `state`."""
-        inp, rows = t.inp, t.inp.idx_mapping
+        """Eager drafting: the draft prefill only when no drafts are asked for (the drafter's
+        KV stays complete), else the whole tree (`draft`); a budget of n < K drafts verifies
+        the tree's first n nodes."""
+        if num_drafts == 0:
+            sp.prefill_forward(runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc)
+            return
+        self.draft(sp, runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)
+
+    def draft(
+        self,
+        sp: AutoregressiveSpeculator,
+        runner: DraftRunner,
+        inp: StepInputs,
+        ctx: ForwardContext,
+        # [T, hidden] target hidden states in chain order (the accepted path's nodes first)
+        hidden: Tensor,
+        aux: list[Tensor],
+        # [B]
+        num_acc: Tensor,
+        st: SamplingTensors | None,
+    ) -> None:
+        """The draft prefill (a chain over the accepted path), then the tree of K nodes; writes
+        the nodes' tokens into the token buffer and their structure into `state`."""
+        rows = inp.idx_mapping
         d = sp.model
-        out, carry, last, next_pos, _ = sp.prefill_forward(
-            runner, inp, t.ctx, t.hidden, t.aux, t.num_acc
-        )
+        out, carry, last, next_pos, _ = sp.prefill_forward(runner, inp, ctx, hidden, aux, num_acc)
         root_h = carry[last] if carry is not None else None
         if d.shift == 1:
             root_out, base = out[last], next_pos
@@ -135,14 +167,12 @@ class TreeDrafter:
                 x.input_ids, next_pos, root_h, runner.forward_context(meta)
             )
             base = next_pos + 1
-        n = self.k if num_drafts is None else max(1, min(self.k, num_drafts))
-        ctx = _Expansion(sp, runner, inp, rows, t.st, next_pos, base)
+        x = _Expansion(sp, runner, inp, rows, st, next_pos, base)
         if self.static is None:
-            tok, parent, depth = self._dynamic(ctx, root_out, root_h, n)
+            tok, parent, depth = self._dynamic(x, root_out, root_h, self.k)
         else:
-            tok, parent, depth = self._static(ctx, root_out, root_h)
-            n = self.k
-        self._write(runner, inp, rows, next_pos, tok, parent, depth, n)
+            tok, parent, depth = self._static(x, root_out, root_h)
+        self._write(runner, inp, rows, next_pos, tok, parent, depth)
 
     def _dynamic(
         self, x: _Expansion, root_out: Tensor, root_h: Tensor | None, n: int
@@ -183,11 +213,10 @@ class TreeDrafter:
         tok = torch.cat(cand_tok, 1)
         par = torch.cat(cand_par, 1)
         depth = torch.cat([torch.full_like(t, dd) for t, dd in zip(cand_tok, cand_depth)], 1)
-        # A child scores strictly below its parent: the best n are closed under parents.
+        # A child scores strictly below its parent: the best n are closed under parents, and
+        # in topk's order (best first) each parent comes before its children.
         adj = torch.cat(cand_score, 1).double() - depth.double() * 1e-6
         sel = adj.topk(n, dim=1).indices  # [B, n] candidate index (global id - 1)
-        order = (depth.gather(1, sel).double() * 1e7 - adj.gather(1, sel)).argsort(dim=1)
-        sel = sel.gather(1, order)
         node_of = torch.zeros(B, tok.shape[1] + 1, dtype=torch.long, device=dev)
         node_of.scatter_(1, sel + 1, torch.arange(1, n + 1, device=dev).expand(B, n))
         zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
@@ -210,14 +239,11 @@ class TreeDrafter:
         for level, (nodes, kids, width) in enumerate(self.levels):
             if level > 0:
                 # Expand this level's nodes with their parents' carried states.
-                prev_nodes = self.levels[level - 1][0]
-                pidx = torch.tensor(
-                    [prev_nodes.index(int(st.pad_parent[c])) for c in nodes], device=tok.device
-                )
+                pidx = self.level_parents[level]
                 h = hs[:, pidx] if hs is not None else None
                 f = len(nodes)
                 f_anc = f_anc[:, pidx] | ((1 << torch.arange(f, device=tok.device)) << off)[None]
-                out, carry = x.expand(tok[:, nodes], h, level, off, f_anc)
+                out, carry = x.expand(tok[:, self.level_nodes[level]], h, level, off, f_anc)
                 outs = out.view(B, f, -1)
                 hs = carry.view(B, f, -1) if carry is not None else None
                 off += f
@@ -233,25 +259,22 @@ class TreeDrafter:
         inp: StepInputs,
         rows: Tensor,
         next_pos: Tensor,
-        # [B, n + 1] each (node 0: the root)
+        # [B, K + 1] each (node 0: the root)
         tok: Tensor,
         parent: Tensor,
         depth: Tensor,
-        n: int,
     ) -> None:
         st = self.state
-        B = rows.shape[0]
         dev = tok.device
-        m = torch.arange(n + 1, device=dev)
-        anc = (1 << m).expand(B, -1).clone()
+        m = torch.arange(self.k + 1, device=dev)
+        anc = (1 << m).expand(tok.shape[0], -1).clone()
         anc[:, 0] = 1
         for _ in range(self.max_depth):
             anc = (1 << m) | anc.gather(1, parent)
             anc[:, 0] = 1
-        pad = slice(n + 1, self.k + 1)
-        st.parent[rows] = torch.cat([parent, st.pad_parent[pad].expand(B, -1)], 1)
-        st.depth[rows] = torch.cat([depth, st.pad_depth[pad].expand(B, -1)], 1)
-        st.anc[rows] = torch.cat([anc, st.pad_anc[pad].expand(B, -1)], 1)
+        st.parent[rows] = parent
+        st.depth[rows] = depth
+        st.anc[rows] = anc
         scratch = runner.states.token_ids.shape[1] - 1
         col = next_pos[:, None] + m[1:]
         col = torch.where(inp.samples[:, None] > 0, col.clamp_max(scratch), scratch)

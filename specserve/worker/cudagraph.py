@@ -7,6 +7,11 @@ input buffers; a step's input preparation writes into them (ids, slots, block-ta
 or copies into them (positions, seq_lens) and replays. Metadata building is
 captured too (it only reads the buffers), so the backend's derived state is rebuilt per replay.
 Padded rows are inert: slot -1 (KV goes to the null block), outputs ignored.
+
+Draft trees: every verification graph (1 + K tokens a request, K > 0) verifies a tree. Its
+metadata carries three more buffers, the tree fields of CommonAttentionMetadata (rotary
+positions, tree start, ancestor mask: worker/tree_step.py), copied in before a replay; padded
+rows are outside any tree. Plain decode (query length 1) stays a chain.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ import torch
 
 from specserve.attention.backend import CommonAttentionMetadata
 from specserve.ops.graph_rows import uniform_batch
+from specserve.spec_decode.tree import NO_TREE
 
 if TYPE_CHECKING:
     from specserve.config.speculative import SpeculativeConfig
     from specserve.step_inputs import StepInputs
     from specserve.worker.model_runner import ModelRunner
+    from specserve.worker.tree_step import TreeFields
 
 
 def graph_query_lens(spec: SpeculativeConfig | None) -> list[int]:
@@ -88,6 +95,12 @@ class CudaGraphRunner:
         self.block_table = torch.full(
             (max_b, runner.max_blocks_per_req), runner.null_block, dtype=torch.int32, device=dev
         )
+        # Draft trees: [max_t] int64 rotary positions, tree start and ancestor mask.
+        self.tree = runner.tree is not None
+        if self.tree:
+            self.tree_rope = torch.zeros(max_t, dtype=torch.int64, device=dev)
+            self.tree_start = torch.full((max_t,), NO_TREE, dtype=torch.int64, device=dev)
+            self.tree_mask = torch.zeros(max_t, dtype=torch.int64, device=dev)
         # Per query length q, the constant layout of a uniform batch (row i holds tokens
         # i*q .. i*q + q - 1): query_start_loc, token_req and the padded rows' positions.
         ar = torch.arange(max_t + 1, device=dev)
@@ -107,8 +120,21 @@ class CudaGraphRunner:
         self.last_replayed: tuple[int, int] | None = None
         self._capture_all()
 
-    def _common(self, b: int, q: int) -> CommonAttentionMetadata:
+    def is_tree(self, q: int) -> bool:
+        """Whether the graphs of query length q verify trees."""
+        return self.tree and q > 1
+
+    def _common(self, b: int, q: int, chain: bool = False) -> CommonAttentionMetadata:
+        """The metadata a graph of (q, b) builds from the buffers: with the tree fields where
+        it verifies trees, unless `chain` (the draft prefill over the accepted paths)."""
         t = b * q
+        tree = {}
+        if self.is_tree(q) and not chain:
+            tree = dict(
+                tree_start=self.tree_start[:t],
+                tree_mask=self.tree_mask[:t],
+                tree_positions=self.tree_rope[:t],
+            )
         return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc[: b + 1],
             seq_lens=self.seq_lens[:b],
@@ -120,6 +146,7 @@ class CudaGraphRunner:
             num_tokens=t,
             max_query_len=q,
             max_seq_len=self.runner.max_model_len,
+            **tree,
         )
 
     def _fill_dummy(self, b: int, q: int) -> None:
@@ -130,6 +157,14 @@ class CudaGraphRunner:
         self.slot_mapping[:t] = -1
         self.seq_lens[:b] = q
         self.input_ids[:t] = 0
+        if self.tree:
+            self._pad_tree(0, t, q)
+
+    def _pad_tree(self, start: int, end: int, q: int) -> None:
+        """Tokens start..end outside any tree (padded rows): rotary positions = positions."""
+        self.tree_rope[start:end] = self._layout[q][2][start:end]
+        self.tree_start[start:end] = NO_TREE
+        self.tree_mask[start:end] = 0
 
     def _set_layout(self, q: int) -> None:
         if self._layout_q != q:
@@ -142,9 +177,10 @@ class CudaGraphRunner:
         r = self.runner
         ctx = r.forward_context(self._common(b, q))
         t = b * q
+        pos = self.tree_rope[:t] if self.is_tree(q) else self.positions[:t]
         # Kernel choices from b x q rows: what the eager step of any B padded to b also uses.
         with uniform_batch(b, b):
-            return r.model(self.input_ids[:t], self.positions[:t], ctx, r.aux_layers)
+            return r.model(self.input_ids[:t], pos, ctx, r.aux_layers)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -193,11 +229,25 @@ class CudaGraphRunner:
         seq_lens [B] int32 (its `meta`): in its launch, not as two copies of their own."""
         return self.positions[: inp.num_tokens], self.seq_lens[: inp.num_reqs]
 
-    def replay(self, inp: StepInputs, bg: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def replay(
+        self, inp: StepInputs, bg: int, tree: TreeFields | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Replay the graph of `padded_batch(inp)` == bg, its `input_buffers` and `meta_buffers`
-        already written; -> (hidden [T, H], aux hidden states)."""
+        already written, with the step's tree fields where it verifies a tree;
+        -> (hidden [T, H], aux hidden states)."""
         B, T = inp.num_reqs, inp.num_tokens
         q = inp.max_query_len
+        if self.is_tree(q):
+            if tree is not None:
+                self.tree_rope[:T].copy_(tree.rope_positions)
+                self.tree_start[:T].copy_(tree.tree_start)
+                self.tree_mask[:T].copy_(tree.tree_mask)
+            else:  # q-token prompt chunks, no drafts: plain causal
+                self.tree_rope[:T].copy_(self.positions[:T])
+                self.tree_start[:T] = NO_TREE
+                self.tree_mask[:T] = 0
+            if bg > B:
+                self._pad_tree(T, bg * q, q)
         # NOTE: a uniform batch's query_start_loc and token_req are constants of q (set only
         # when q changes); padded rows (positions 0.., slot -1, null blocks) are refilled only
         # when there are any. Host time here is GPU idle time at batch 1.

@@ -11,6 +11,11 @@ Three graph kinds per padded batch size b (the target's capture sizes):
   loop b          the whole K-1 step loop in one graph: metadata built once, then advanced in
                   place between steps by the backend (`advance_context_`); only when the backend
                   supports it (`supports_inplace_advance`)
+Draft trees (spec_decode/tree.py) capture one graph kind instead, per (q, b):
+  tree (q, b)     the whole tree drafting: the draft prefill over the accepted paths (the target
+                  graph's hidden states gathered into chain order through `perm`, which the
+                  runner fills from verification), then every expansion level, the selection
+                  of K nodes and their writes; a budget of n < K verifies the first n
 PTD (ParallelDraftSpeculator) has no decode steps: its "prefill" graph is the whole proposal, one
 drafter forward over the enlarged batch (b * (q + E) slots). Multi-layer MTP
 (MultiLayerMTPSpeculator) has none either: its "prefill" graph is the whole module chain, module k
@@ -79,6 +84,11 @@ class DraftGraphRunner:
         self.h: torch.Tensor | None = None  # [max_b, hidden], allocated at the first capture
         self.temperature = torch.zeros(max_b, dtype=torch.float32, device=dev)
         self.seeds = torch.zeros(max_b, dtype=torch.int64, device=dev)
+        # Draft trees: [max_t] the target token whose hidden state each chain slot takes.
+        self.tree = getattr(spec, "tree", None)
+        if self.tree is not None:
+            self.ident = torch.arange(max_b * max(target.query_lens), device=dev)
+            self.perm = self.ident.clone()
         self.graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         # NOTE: allocated before capture: a captured graph must not allocate it.
         spec.ensure_draft_probs(runner)
@@ -104,8 +114,36 @@ class DraftGraphRunner:
             self._prefill_body(q, b)
 
     def _prefill_body(self, q: int, b: int) -> None:
+        inp = self._inputs(q, b)
+        ctx = self.runner.forward_context(self.target._common(b, q))
+        hidden, aux = self.target.outputs[(q, b)]
+        pos, h = self.spec.draft_prefill(
+            self.runner, inp, ctx, hidden, aux, self.num_acc[:b], self._st(b)
+        )
+        if pos is not None:
+            self.pos[:b].copy_(pos)
+        if h is not None:
+            if self.h is None:
+                self.h = torch.zeros(self.sizes[-1], h.shape[1], dtype=h.dtype, device=h.device)
+            self.h[:b].copy_(h)
+
+    def _tree(self, q: int, b: int) -> None:
+        with uniform_batch(b, b):
+            inp = self._inputs(q, b)
+            # The drafter sees the accepted paths as chains: causal metadata, hidden states
+            # in chain order.
+            ctx = self.runner.forward_context(self.target._common(b, q, chain=True))
+            hidden, aux = self.target.outputs[(q, b)]
+            perm = self.perm[: b * q]
+            hidden, aux = hidden[perm], [a[perm] for a in aux]
+            st = None if self.spec.greedy_draft else self._st(b)
+            self.tree.draft(self.spec, self.runner, inp, ctx, hidden, aux, self.num_acc[:b], st)
+
+    def _inputs(self, q: int, b: int) -> SimpleNamespace:
+        """The StepInputs fields the drafting reads, over this runner's and the target graph's
+        buffers."""
         t, cg = b * q, self.target
-        inp = SimpleNamespace(
+        return SimpleNamespace(
             idx_mapping=self.rows[:b],
             token_req=cg.token_req[:t],
             positions=cg.positions[:t],
@@ -118,17 +156,6 @@ class DraftGraphRunner:
             max_query_len=q,
             max_seq_len=self.runner.max_model_len,
         )
-        ctx = self.runner.forward_context(cg._common(b, q))
-        hidden, aux = cg.outputs[(q, b)]
-        pos, h = self.spec.draft_prefill(
-            self.runner, inp, ctx, hidden, aux, self.num_acc[:b], self._st(b)
-        )
-        if pos is not None:
-            self.pos[:b].copy_(pos)
-        if h is not None:
-            if self.h is None:
-                self.h = torch.zeros(self.sizes[-1], h.shape[1], dtype=h.dtype, device=h.device)
-            self.h[:b].copy_(h)
 
     def _steps(self, b: int, n: int) -> None:
         with uniform_batch(b, b):
@@ -163,7 +190,12 @@ class DraftGraphRunner:
                     # the target graph pads them, every row a padded row.
                     self.target._fill_dummy(b, q)
                     self.num_draft[:b].fill_(q - 1)
-                    self._capture(("prefill", q, b), lambda q=q, b=b: self._prefill(q, b))
+                    if self.tree is not None:
+                        self._capture(("tree", q, b), lambda q=q, b=b: self._tree(q, b))
+                    else:
+                        self._capture(("prefill", q, b), lambda q=q, b=b: self._prefill(q, b))
+                if self.tree is not None:
+                    continue
                 first = self.num_steps_before_decode
                 if n > 0:
                     # A replay always follows the prefill: start warm-up and capture from the
@@ -208,6 +240,8 @@ class DraftGraphRunner:
         q: int,
         bg: int,
         num_drafts: int | None = None,
+        # [T] draft trees: chain order of the verified tokens (None: the identity)
+        chain: torch.Tensor | None = None,
     ) -> None:
         B = inp.num_reqs
         self.rows[:B].copy_(inp.idx_mapping)
@@ -225,6 +259,14 @@ class DraftGraphRunner:
             self.temperature[:B].copy_(st.temperature)
             self.temperature[B:bg].zero_()
             self.seeds[:B].copy_(st.seeds)
+        if self.tree is not None:
+            # The whole tree even for num_drafts == 0 (one graph; the next step verifies none).
+            T, tg = inp.num_tokens, bg * q
+            src = chain if chain is not None else self.ident[:T]
+            self.perm[:T].copy_(src)
+            self.perm[T:tg].copy_(self.ident[T:tg])  # padded rows: themselves
+            self.graphs[("tree", q, bg)].replay()
+            return
         self.graphs[("prefill", q, bg)].replay()
         n = self.spec.decode_steps_for(num_drafts)
         if n > 1 and n == self.spec.num_decode_steps and self.fused:

@@ -263,8 +263,7 @@ class ModelRunner:
         """The target forward: a CUDA graph replay where the batch has one, else eager."""
         graphs = self.cudagraphs
         tf = tree_fields(self.tree, inp)
-        # NOTE: graphs capture chains; a step that verifies a tree runs eagerly.
-        bg = graphs.padded_batch(inp) if graphs is not None and tf is None else None
+        bg = graphs.padded_batch(inp) if graphs is not None else None
         if graphs is not None:
             graphs.last_replayed = None
         # One launch on CUDA: input ids, slot mapping and block-table rows (into the graph's
@@ -277,7 +276,7 @@ class ModelRunner:
         )  # fmt: skip
         fwd = TargetForward(slot_mapping, block_table, tree=tf)
         if bg is not None:
-            fwd.hidden, fwd.aux = graphs.replay(inp, bg)
+            fwd.hidden, fwd.aux = graphs.replay(inp, bg, tf)
             fwd.replayed = graphs.last_replayed
         else:
             ctx = self._context(inp, fwd)
@@ -397,7 +396,9 @@ class ModelRunner:
         if num_acc is None:
             num_acc = torch.zeros(inp.num_reqs, dtype=torch.int64, device=self.device)
         if self.draft_graphs is not None and fwd.replayed and self.draft_graphs.can_run(ver.st):
-            self.draft_graphs.run(inp, num_acc, ver.st, *fwd.replayed, num_drafts=num_drafts)
+            self.draft_graphs.run(
+                inp, num_acc, ver.st, *fwd.replayed, num_drafts=num_drafts, chain=fwd.chain
+            )
         else:
             ctx = self._context(inp, fwd)  # eager drafting needs the metadata
             kw = {"num_drafts": num_drafts} if num_drafts is not None else {}

@@ -1,7 +1,8 @@
 """The runner's part of a draft-tree step (spec_decode/tree.py has the trees themselves).
 
-forward    the target runs eagerly with the tree's rotary positions and ancestor masks
-           (CommonAttentionMetadata's tree fields); graphs capture chains only
+forward    the target runs with the tree's rotary positions and ancestor masks
+           (CommonAttentionMetadata's tree fields): a CUDA graph replay with them copied into
+           its buffers (worker/cudagraph.py), or eagerly
 verify     `sample/tree_verify.py` walks each tree -> chain-layout tokens + accepted path
 KV move    the accepted nodes' target KV is copied into the chain slots root + 1.. root + n
            (one gather and one scatter per target layer, B * K rows; rejected nodes' slots
