@@ -80,3 +80,33 @@ def test_graphs_cover_every_k_the_engine_may_choose() -> None:
     assert graph_query_lens(spec(num_speculative_tokens_per_batch_size="auto")) == list(range(1, 7))
     sched = spec(num_speculative_tokens_per_batch_size={"4": 5, "16": 3, "64": 1})
     assert graph_query_lens(sched) == [1, 2, 4, 6]
+
+
+def test_drafting_off_still_writes_the_drafters_prompt_kv(ckpt_dir) -> None:
+    """With the budget at 0 and the drafter's KV no longer kept, pure decode steps run no
+    drafter (NO_DRAFTER), but a step with a prompt chunk runs the draft prefill: a request that
+    arrives while drafting is off has its whole prompt in the drafter's KV."""
+    from specserve.spec_decode.interface import NO_DRAFTER
+
+    target = ckpt_dir("llama_gqa", "llama")
+    cfg = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    llm = LLM(target, max_model_len=256, speculative_config=cfg, max_num_batched_tokens=16)
+    eng = llm.engine
+    eng.budget.choose = lambda batch, reqs: 0  # type: ignore[method-assign]
+    eng.budget._since_draft = 10**9  # long past the last k > 0: the KV is not kept
+    calls: list[tuple[bool, int | None]] = []
+    launch = eng.runner.launch
+
+    def recording(sched, lp, num_drafts=None):
+        prompt = any(s.num_tokens != 1 + s.num_draft for s in sched.scheduled)
+        calls.append((prompt, num_drafts))
+        return launch(sched, lp, num_drafts)
+
+    eng.runner.launch = recording  # type: ignore[method-assign]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 20, 40, seed=4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(prompts, sp)
+    ref = LLM(target, max_model_len=256).generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
+    assert {d for prompt, d in calls if prompt} == {0}
+    assert NO_DRAFTER in {d for prompt, d in calls if not prompt}

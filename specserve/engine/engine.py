@@ -500,7 +500,11 @@ class LLMEngine:
         self.stats.draft_budget = p
         self.stats.mean_draft_budget = self.budget.mean_budget
         propose = p
-        if p == 0 and not (self.speculator.tracks_kv_at_zero and self.budget.tracks_drafter_kv):
+        # NO_DRAFTER only on pure decode steps: a step with prompt chunks runs the draft
+        # prefill (its KV over every prompt stays complete, so a request that arrived while
+        # drafting was off drafts from its whole prompt once the budget turns drafting on).
+        tracks = self.speculator.tracks_kv_at_zero and self.budget.tracks_drafter_kv
+        if p == 0 and not tracks and len(decode) == len(sched.scheduled):
             propose = NO_DRAFTER
         return self.runner.launch(sched, self._logprobs(sched), propose)
 

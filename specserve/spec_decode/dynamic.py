@@ -19,7 +19,9 @@ The choice maximizes expected tokens per second of the batch:
               drafter (EAGLE, EAGLE-3, MTP, a draft model) still runs its draft prefill over
               the verified token (a small share of a step), so its KV stays complete for a
               switch back; after that, and for the other drafters, the drafter does not run
-              (plain decoding's cost) and its KV has holes at the positions decoded meanwhile. Outputs never depend on drafts (coupled
+              on pure decode steps (plain decoding's cost) and its KV has holes at the
+              positions decoded meanwhile; steps with prompt chunks still run the draft
+              prefill, so every prompt is in its KV. Outputs never depend on drafts (coupled
               verification), only acceptance right after a switch back does.
 
 Exploration: the choice is held for at least two steps (a decision sets the drafts the next
