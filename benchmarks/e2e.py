@@ -8,10 +8,15 @@ Builds the GPU reference family first (benchmarks/build_family.py --family gpu, 
      draft LM of the same tokenizer (trained here in about a minute, cached), and specserve's
      draft_model method with that same pair;
   3. PTD vs autoregressive EAGLE-3 at K = 2..8, batch 1: tokens/s and drafting ms per step;
-  4. 64 concurrent requests: tokens/s without speculation, with EAGLE-3 K = 5, and automatic K.
+  4. 64 concurrent requests: tokens/s without speculation, with EAGLE-3 K = 5, and the adaptive
+     budget;
+  5. draft trees (`--parts trees`), batch 1: plain, EAGLE-3 chains K = 2..6 and EAGLE-2 trees of
+     8 / 16 / 32 / 64 verified tokens (fixed sizes, adaptive budget off), tokens/s and tau, and
+     the best tree's tokens/s over the best chain's.
 
     python benchmarks/e2e.py                    # $OUT/e2e.json, table last
     python benchmarks/e2e.py --parts methods,batch64 --skip-build   # the family already built
+    python benchmarks/e2e.py --parts trees --methods eagle3   # trees: the EAGLE-3 head only
 """
 
 from __future__ import annotations
@@ -119,16 +124,12 @@ def run_specserve(
         "texts": [o.outputs[0].token_ids for o in outs],
     }
     runner.draft_events = None
-    ctl = llm.engine.auto_k
-    if ctl is not None:  # automatic K: which K each batch-size bucket ran, and at what cost
-        res["auto_k"] = {
-            b: {
-                "steps_per_k": ctl.counts[b].tolist(),
-                "ms_per_k": [round(1e3 * x, 3) for x in ctl.times[b].tolist()],
-            }
-            for b in sorted(ctl.times)
+    budget = llm.engine.budget
+    if budget is not None:  # the adaptive budget: its mean K, and its cost table per bucket
+        res["mean_k"] = m["spec_decode_mean_draft_budget"]
+        res["budget_ms_per_k"] = {
+            b: [round(1e3 * x, 3) for x in c.t.tolist()] for b, c in sorted(budget.costs.items())
         }
-        res["auto_k_acceptance"] = ctl.acceptance().round(3).tolist()
     del llm
     free()
     return res
@@ -243,10 +244,11 @@ def main() -> None:
             ),
         ):
             r = run_specserve(target, spec, ps64, batch1=False)
-            res["batch64"][name] = {x: r[x] for x in ("tok_s", "tau", "auto_k") if x in r}
+            keep = ("tok_s", "tau", "mean_k", "budget_ms_per_k")
+            res["batch64"][name] = {x: r[x] for x in keep if x in r}
             print(f"64 concurrent {name}: {r['tok_s']:.0f} tok/s", flush=True)
-            for b, v in r.get("auto_k", {}).items():
-                print(f"  bucket {b}: steps per K {v['steps_per_k']}, ms per K {v['ms_per_k']}")
+            for b, v in r.get("budget_ms_per_k", {}).items():
+                print(f"  bucket {b}: ms per K {v} (mean K {r['mean_k']:.2f})")
         # Async scheduling (fixed K: the automatic controller times synchronous steps).
         for name, spec in (
             ("plain_async", None),
@@ -256,8 +258,38 @@ def main() -> None:
             res["batch64"][name] = {x: r[x] for x in ("tok_s", "tau")}
             print(f"64 concurrent {name}: {r['tok_s']:.0f} tok/s", flush=True)
         save(res)
+    if "trees" in parts:
+        trees(res, target, methods["eagle3"], ps)
+        save(res)
     save(res)
     print_table(res)
+
+
+# verified tokens -> (drafts, topk, depth), as benchmarks/trees.py sizes them
+TREES = {8: (7, 2, 3), 16: (15, 4, 4), 32: (31, 4, 6), 64: (63, 8, 6)}
+
+
+def trees(res: dict, target: str, eagle3: dict, ps: list[str]) -> None:
+    """Batch 1: chains K = 2..6 against trees of 8..64 verified tokens, the adaptive budget off
+    (fixed shapes), each checked against plain decoding's tokens."""
+    plain = res.get("batch1", {}).get("plain") or run_specserve(target, None, ps)
+    out = res["trees"] = {"plain": plain}
+    configs = [(f"chain K={k}", {"num_speculative_tokens": k}) for k in range(2, 7)]
+    for size, (n, k, d) in TREES.items():
+        tree = {"num_speculative_tokens": n, "draft_tree": {"topk": k, "depth": d}}
+        configs.append((f"tree {size} (topk {k}, depth {d})", tree))
+    for name, extra in configs:
+        r = run_specserve(target, {**eagle3, "adaptive": False, **extra}, ps)
+        r["lossless"] = r["texts"] == plain["texts"]
+        out[name] = r
+        print(f"{name:>26}: {r['tok_s']:.0f} tok/s tau {r['tau']:.2f} lossless {r['lossless']}")
+        save(res)
+    best = lambda kind: max(  # noqa: E731
+        (v["tok_s"], n) for n, v in out.items() if n.startswith(kind)
+    )
+    (c, cn), (t, tn) = best("chain"), best("tree")
+    res["tree_vs_chain"] = {"best_chain": cn, "best_tree": tn, "ratio": t / c}
+    print(f"best tree {tn} {t:.0f} tok/s / best chain {cn} {c:.0f} tok/s = {t / c:.2f}x")
 
 
 def print_table(res: dict) -> None:
@@ -265,11 +297,14 @@ def print_table(res: dict) -> None:
     print(f"\n{res['device']}, {res['num_prompts']} prompts, max {MAX_TOKENS} tokens")
     print("| part | configuration | tokens/s | tau | output == plain |")
     print("|---|---|---|---|---|")
-    for part in ("batch1", "hf", "ptd_sweep", "batch64"):
+    for part in ("batch1", "hf", "ptd_sweep", "batch64", "trees"):
         for name, r in res.get(part, {}).items():
             tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
             same = {True: "yes", False: "NO"}.get(r.get("lossless"), "-")
             print(f"| {part} | {name} | {r['tok_s']:.0f} | {tau} | {same} |")
+    if "tree_vs_chain" in res:
+        v = res["tree_vs_chain"]
+        print(f"best tree / best chain: {v['ratio']:.2f}x ({v['best_tree']} / {v['best_chain']})")
 
 
 def save(res: dict) -> None:
