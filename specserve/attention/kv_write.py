@@ -1,7 +1,8 @@
 """The paged KV write: each token's key and value to its slot of the cache (torch reference:
 `torch_ref.reshape_and_cache_ref`, also the CPU backend's write). An fp8 cache stores them
 quantized (`fp8_quantize`, the arithmetic of kv_quant.quantize_kv_ref); `fp8_dequantize` is what
-the attention kernels' key loops apply."""
+MLA's key loop applies (the paged kernel casts its tiles and folds the scales into the scores
+and the output instead)."""
 
 from __future__ import annotations
 

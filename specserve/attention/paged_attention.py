@@ -44,7 +44,7 @@ import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
 from specserve.attention.kv_quant import check_kv_scales, compute_dtype, kv_quant_args
-from specserve.attention.kv_write import fp8_dequantize, fp8_quantize
+from specserve.attention.kv_write import fp8_quantize
 from specserve.attention.launch_policy import launch_config, split_count
 from specserve.attention.rope_kv_write import _norm_weights, _rope_tile, _rope_trig
 from specserve.attention.split_merge import combine_splits
@@ -271,8 +271,10 @@ def _paged_attention_kernel(
     else:
         k_scale, v_scale = 1.0, 1.0
         q = q.to(k_cache_ptr.dtype.element_ty)
-    # exp2 on log2-scaled scores: one multiply per score instead of a multiply inside exp.
-    qk_scale = scale * 1.4426950408889634
+    # exp2 on log2-scaled scores: one multiply per score instead of a multiply inside exp. An
+    # fp8 cache's key scale joins it (and its value scale multiplies the output): the tiles
+    # are only cast, not rescaled element by element (an fp8 value is exact in bf16 / fp16).
+    qk_scale = scale * 1.4426950408889634 * k_scale
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -316,8 +318,8 @@ def _paged_attention_kernel(
             k = tl.load(k_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
             v = tl.load(v_cache_ptr + kv_off, mask=kmask[:, None], other=0.0)
         if KV_FP8:
-            k = fp8_dequantize(k, k_scale, q_ptr.dtype.element_ty)
-            v = fp8_dequantize(v, v_scale, q_ptr.dtype.element_ty)
+            k = k.to(q_ptr.dtype.element_ty)
+            v = v.to(q_ptr.dtype.element_ty)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (kpos[None, :] <= pos[:, None]) & kmask[None, :]
@@ -350,6 +352,8 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None]
             m_i = m_new
 
+    if KV_FP8:
+        acc = acc * v_scale
     if SPLITS > 1:
         ws = (tok * num_heads + head) * SPLITS + split
         tl.store(ws_m_ptr + ws, m_i, mask=row_valid)
