@@ -160,7 +160,7 @@ class LLMEngine:
         self._draft_cap = self.num_spec_tokens
         # What the budget needs of each launched step: (decode batch, k verified, k proposed),
         # None for a step that says nothing about the cost of k; and when the last step ended.
-        self._launched: dict[int, tuple[int, int, int] | None] = {}
+        self._launched: dict[int, tuple[int, int, bool] | None] = {}
         self._last_finish: float | None = None
         # Async scheduling: the launched step whose results the host has not read yet.
         self._inflight: tuple[SchedulerOutput, PendingStep] | None = None
@@ -495,7 +495,7 @@ class LLMEngine:
         decode = [s for s in sched.scheduled if s.samples and s.num_tokens == 1 + s.num_draft]
         v = {s.num_draft for s in decode}
         steady = len(decode) == len(sched.scheduled) and v == {p}
-        self._launched[id(sched)] = (len(decode), p, p) if steady else None
+        self._launched[id(sched)] = None
         self._draft_cap = p
         self.stats.draft_budget = p
         self.stats.mean_draft_budget = self.budget.mean_budget
@@ -506,6 +506,8 @@ class LLMEngine:
         tracks = self.speculator.tracks_kv_at_zero and self.budget.tracks_drafter_kv
         if p == 0 and not tracks and len(decode) == len(sched.scheduled):
             propose = NO_DRAFTER
+        if steady:  # (batch, k, whether a k = 0 step runs the draft prefill)
+            self._launched[id(sched)] = (len(decode), p, p == 0 and propose != NO_DRAFTER)
         return self.runner.launch(sched, self._logprobs(sched), propose)
 
     def _step_finished(self, sched: SchedulerOutput) -> None:
@@ -515,7 +517,7 @@ class LLMEngine:
         shape = self._launched.pop(id(sched), None)
         if self.budget is not None:
             if shape is not None and self._last_finish is not None:
-                self.budget.record_step(shape[0], shape[1], now - self._last_finish)
+                self.budget.record_step(shape[0], shape[1], now - self._last_finish, shape[2])
             self.budget.tick()
         self._last_finish = now
 

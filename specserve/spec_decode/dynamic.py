@@ -12,7 +12,8 @@ The choice maximizes expected tokens per second of the batch:
               engine's decode steps (`gamma` a step, elapsed steps included), not with the
               number of observations: a batch of 64 and a batch of 1 forget at the same pace.
   cost        c(B, k): EWMA of the measured wall time of steady decode steps (k verified and k
-              proposed) per batch bucket (powers of two) and k. Cells never measured come from
+              proposed) per batch bucket (powers of two) and k; c(B, 0) from plain steps (the
+              tracked k = 0 steps below stand in only until one is measured). Cells never measured come from
               a linear fit t0 + k * dt over the bucket's measured cells, or, with fewer than
               two, from the nearest measured bucket's shape.
   k = 0       no drafts. For `track_steps` decisions after the last k > 0, an autoregressive
@@ -97,17 +98,29 @@ class _Acceptance:
 
 @dataclass
 class _Costs:
-    """Step seconds of one batch bucket per k: EWMA, sample count, step of the last sample."""
+    """Step seconds of one batch bucket per k: EWMA, sample count, step of the last sample.
+    t[0] is plain decoding's step (the drafter not running); k = 0 steps that still ran the
+    draft prefill (`track_steps`) are a transitional cost after drafting, kept apart in
+    `t_tracked` and standing in for t[0] only until a plain step is measured."""
 
     t: np.ndarray
     n: np.ndarray
     last: np.ndarray
     steps: int = 0  # decisions made in this bucket
     probe_at: int = 0  # the decision count at which the next probe may start
+    t_tracked: float = math.nan
 
     @classmethod
     def empty(cls, k: int) -> _Costs:
         return cls(np.full(k + 1, np.nan), np.zeros(k + 1), np.full(k + 1, -(10**9)))
+
+    def table(self) -> np.ndarray:
+        """[K + 1] the measured costs, t[0] from tracked k = 0 steps while none ran plain."""
+        if np.isnan(self.t[0]) and not math.isnan(self.t_tracked):
+            t = self.t.copy()
+            t[0] = self.t_tracked
+            return t
+        return self.t
 
 
 @dataclass
@@ -202,27 +215,28 @@ class DraftBudget:
         b = self.bucket(batch)
         own = self.costs.get(b)
         ks = np.arange(self.max_k + 1)
-        if own is not None and (~np.isnan(own.t)).sum() >= 2:
-            return np.where(np.isnan(own.t), self._fit(own), own.t)
-        measured = [x for x, c in self.costs.items() if (~np.isnan(c.t)).sum() >= 2]
+        t = own.table() if own is not None else None
+        if t is not None and (~np.isnan(t)).sum() >= 2:
+            return np.where(np.isnan(t), self._fit(t), t)
+        measured = [x for x, c in self.costs.items() if (~np.isnan(c.table())).sum() >= 2]
         if not measured:
-            if own is None or np.isnan(own.t).all():
+            if t is None or np.isnan(t).all():
                 return None
-            k0 = int(np.flatnonzero(~np.isnan(own.t))[0])  # one point: 10% a draft
-            t0 = own.t[k0] / (1 + 0.1 * k0)
+            k0 = int(np.flatnonzero(~np.isnan(t))[0])  # one point: 10% a draft
+            t0 = t[k0] / (1 + 0.1 * k0)
             return t0 * (1 + 0.1 * ks)
         near = min(measured, key=lambda x: abs(math.log2(x) - math.log2(b)))
         shape = self.step_costs(near)
         assert shape is not None
-        if own is None or np.isnan(own.t).all():
+        if t is None or np.isnan(t).all():
             return shape
-        k0 = int(np.flatnonzero(~np.isnan(own.t))[0])
-        return np.where(np.isnan(own.t), shape * own.t[k0] / shape[k0], own.t)
+        k0 = int(np.flatnonzero(~np.isnan(t))[0])
+        return np.where(np.isnan(t), shape * t[k0] / shape[k0], t)
 
-    def _fit(self, c: _Costs) -> np.ndarray:
-        known = ~np.isnan(c.t)
+    def _fit(self, t: np.ndarray) -> np.ndarray:
+        known = ~np.isnan(t)
         ks = np.arange(self.max_k + 1)
-        slope, icpt = np.polyfit(ks[known], c.t[known], 1)
+        slope, icpt = np.polyfit(ks[known], t[known], 1)
         return icpt + max(slope, 0.0) * ks
 
     def values(self, batch: int, requests: list[tuple[str, bool]]) -> np.ndarray | None:
@@ -241,11 +255,11 @@ class DraftBudget:
             return self._chosen(self.last_k)
         c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k))
         c.steps += 1
-        measured = ~np.isnan(c.t)
+        measured = ~np.isnan(c.table())
         t = self.step_costs(batch)
         # Only the first bucket ever visited explores from scratch; later ones start from the
         # nearest bucket's cost shape (`step_costs`) and their own measurements refine it.
-        first = not any((~np.isnan(x.t)).sum() >= 2 for x in self.costs.values())
+        first = not any((~np.isnan(x.table())).sum() >= 2 for x in self.costs.values())
         if t is None or first and not measured.any():
             return self._decide(self.max_k)  # first visit: every position's acceptance
         if first and not measured[0]:
@@ -318,10 +332,15 @@ class DraftBudget:
         """One engine decode step has passed (the clock of every decay)."""
         self.step += 1
 
-    def record_step(self, batch: int, k: int, seconds: float) -> None:
+    def record_step(self, batch: int, k: int, seconds: float, tracked: bool = False) -> None:
         """A steady decode step (k drafts verified and k proposed) of `batch` requests took
-        `seconds` of wall time."""
+        `seconds` of wall time; `tracked`: a k = 0 step that ran the draft prefill."""
         c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k))
+        if k == 0 and tracked:
+            prev = c.t_tracked
+            c.t_tracked = seconds if math.isnan(prev) else prev + self.cost_alpha * (seconds - prev)
+            c.last[0] = c.steps
+            return
         if np.isnan(c.t[k]):
             c.t[k] = seconds
         else:
