@@ -10,10 +10,11 @@ from specserve import LLM, SamplingParams
 
 
 def drafts_per_step(
-    llm: LLM, prompts: list[list[int]], sp: SamplingParams
-) -> list[tuple[list[int], list[int]]]:
+    llm: LLM, prompts: list[list[int]], sp: SamplingParams, with_parents: bool = False
+) -> list[tuple]:
     """Run to completion; after every step record, per running request, (its tokens so far, the
-    K drafts it holds in the token buffer for the next step)."""
+    K drafts it holds in the token buffer for the next step[, with_parents: its draft tree's
+    parents])."""
     eng = llm.engine
     k = eng.num_spec_tokens
     for i, p in enumerate(prompts):
@@ -25,7 +26,10 @@ def drafts_per_step(
         for r in sorted(eng.requests.values(), key=lambda r: r.request_id):
             n = len(r.all_token_ids)
             if r.row >= 0 and not r.is_finished() and r.num_computed_tokens == n - 1:
-                seen.append((list(r.all_token_ids), tok[r.row, n : n + k].tolist()))
+                row = (list(r.all_token_ids), tok[r.row, n : n + k].tolist())
+                if with_parents:
+                    row += (eng.runner.tree.state.parent[r.row].tolist(),)
+                seen.append(row)
     return seen
 
 
