@@ -187,7 +187,7 @@ def test_attention_kernels_compile_with_pdl(
     """Metadata loads before the wait, q and KV after it (ops/pdl.py); fuse_kv (tunables
     attn_fuse_rope_kv): RoPE + KV write inside the attention kernel. An fp8 cache
     (attention/kv_quant.py): every KV write quantizes with the hardware's saturating
-    fp32 -> fp8 cvt and the key loop dequantizes with fp8 -> f16 cvts; the interpreter tests
+    fp32 -> fp8 cvt and the key loop casts its tiles without an fp32 detour; the interpreter tests
     (tests/test_fp8_kv_kernels.py) cannot show that the bit tricks of kv_write.fp8_quantize
     compile."""
     from specserve.attention.kv_write import _reshape_and_cache_kernel
@@ -232,7 +232,16 @@ def test_attention_kernels_compile_with_pdl(
     # The attention kernel writes the cache only when fused; it always reads it.
     assert quantizes(ptx) == (fp8 is not None and fuse_kv)
     if fp8 is not None:
+        # The key loop casts its tiles to the dot dtype through the hardware's fp8 -> f16 cvt
+        # and rescales no element (the scales join the scores and the output): a rescale of
+        # each K and V element would add 128 fp32 multiplies a thread to the bf16 kernel's
+        # (the fused quantizing write adds a few).
         assert f"cvt.rn.f16x2.{fp8[1]}x2" in ptx
+        bf16 = dict(attn, **kv_quant_args(torch.bfloat16))
+        plain = compile_sm90(
+            _paged_attention_kernel, bf16, types={"q_eps": "fp32", "k_eps": "fp32"}
+        )
+        assert ptx.count("mul.f32") < plain.count("mul.f32") + 64
     if splits > 1:
         combine = dict(HEAD_DIM=128, SPLITS=splits, PDL=True)
         _pdl_ptx(compile_sm90(_combine_splits_kernel, combine))
