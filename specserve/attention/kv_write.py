@@ -1,8 +1,7 @@
 """The paged KV write: each token's key and value to its slot of the cache (torch reference:
 `torch_ref.reshape_and_cache_ref`, also the CPU backend's write). An fp8 cache stores them
-quantized (`fp8_quantize`, the arithmetic of kv_quant.quantize_kv_ref); `fp8_dequantize` is what
-MLA's key loop applies (the paged kernel casts its tiles and folds the scales into the scores
-and the output instead)."""
+quantized (`fp8_quantize`, the arithmetic of kv_quant.quantize_kv_ref). The attention kernels
+read it back by a cast alone, with the scales folded into their score scale and output."""
 
 from __future__ import annotations
 
@@ -45,12 +44,6 @@ def fp8_quantize(
         tl.float32, bitcast=True
     )
     return tl.where(a < 2.0**FP8_MIN_EXP, sub, normal)
-
-
-@triton.jit
-def fp8_dequantize(x, scale, dtype: tl.constexpr):
-    """An fp8 cache tile as `dtype` values: cast, multiplied by the layer's scale in fp32."""
-    return (x.to(tl.float32) * scale).to(dtype)
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # per-step views

@@ -34,7 +34,6 @@ import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
 from specserve.attention.kv_quant import check_kv_scales, compute_dtype, kv_quant_args
-from specserve.attention.kv_write import fp8_dequantize
 from specserve.attention.mla import mla_attention_ref
 from specserve.attention.mla_merge import mla_merge
 from specserve.ops import graph_rows, pdl
@@ -63,16 +62,16 @@ def _latent_tile(
     l_i,
     acc,
     qk_scale,
-    kv_scale,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
 ):
     """One key tile of the online softmax (log2 domain): keys where `sm`; returns the new
     (m_i [BLOCK_H], l_i [BLOCK_H], acc [BLOCK_H, BLOCK_L]). KV_FP8: c and k_pe arrive as the
-    cache's fp8 values and are dequantized here (the early tile is read before the scale is)."""
+    cache's fp8 values and are only cast here, through f16 (exact; the paired hardware cvt):
+    the cache scale is in `qk_scale` and multiplies the output once."""
     if KV_FP8:
-        c = fp8_dequantize(c, kv_scale, q_lat.dtype)
-        k_pe = fp8_dequantize(k_pe, kv_scale, q_lat.dtype)
+        c = c.to(tl.float16).to(q_lat.dtype)
+        k_pe = k_pe.to(tl.float16).to(q_lat.dtype)
     # [BLOCK_H, BLOCK_N]
     qk = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)
     qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PRECISION)
@@ -186,8 +185,9 @@ def _mla_attention_kernel(
         mask=hm[:, None] & rm[None, :],
         other=0.0,
     ).to(cdt)
-    # exp2 on log2-scaled scores: one multiply per score instead of one inside exp.
-    qk_scale = scale * 1.4426950408889634
+    # exp2 on log2-scaled scores: one multiply per score instead of one inside exp (an fp8
+    # cache's scale with it: the tiles are cast, not rescaled).
+    qk_scale = scale * 1.4426950408889634 * kv_scale
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
@@ -198,8 +198,7 @@ def _mla_attention_kernel(
         k_pe0 = tl.where(fresh0[:, None], k_pe_new, k_pe0)
         if kv_begin < kv_end:  # an empty split keeps m = -inf, l = 0, acc = 0
             m_i, l_i, acc = _latent_tile(
-                q_lat, q_pe, c0, k_pe0, sm0, m_i, l_i, acc, qk_scale, kv_scale,
-                DOT_PRECISION, KV_FP8,
+                q_lat, q_pe, c0, k_pe0, sm0, m_i, l_i, acc, qk_scale, DOT_PRECISION, KV_FP8,
             )  # fmt: skip
         first = kv_begin + BLOCK_N
     for start in range(first, kv_end, BLOCK_N):
@@ -209,8 +208,10 @@ def _mla_attention_kernel(
         row = kv_ptr + page.to(tl.int64) * stride_kvb + (s % PAGE) * stride_kvs
         c, k_pe = _latent_rows(row, sm, dl, lm, dr, rm, L)
         m_i, l_i, acc = _latent_tile(
-            q_lat, q_pe, c, k_pe, sm, m_i, l_i, acc, qk_scale, kv_scale, DOT_PRECISION, KV_FP8
+            q_lat, q_pe, c, k_pe, sm, m_i, l_i, acc, qk_scale, DOT_PRECISION, KV_FP8
         )
+    if KV_FP8:  # the latent values' scale, once
+        acc = acc * kv_scale
     if PARTIALS:
         ws = (t * num_heads + h) * SPLITS + split
         tl.store(ws_ml_ptr + 2 * ws, m_i, mask=hm)
