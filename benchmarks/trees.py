@@ -128,7 +128,9 @@ def main() -> None:
                 torch.cuda.empty_cache()
     notes = [
         f"device {args.device}, shape {args.shape}, attention backend {args.backend}",
-        "tree steps replay CUDA graphs (target verification and tree drafting)",
+        "tree steps replay CUDA graphs (target verification and tree drafting)"
+        if args.device.startswith("cuda")
+        else "eager (no CUDA graphs off CUDA)",
     ]
     if tiny:
         notes.append("--shape tiny: code paths only; times are not meaningful")
