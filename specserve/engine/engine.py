@@ -158,8 +158,9 @@ class LLMEngine:
             self.budget = DraftBudget(self.num_spec_tokens)
         # Drafts the last launched step proposed: what the next step may verify.
         self._draft_cap = self.num_spec_tokens
-        # What the budget needs of each launched step: (decode batch, k verified, k proposed),
-        # None for a step that says nothing about the cost of k; and when the last step ended.
+        # What the budget needs of each launched step: (decode batch, k verified and proposed,
+        # whether a k = 0 step ran the draft prefill), None for a step that says nothing about
+        # the cost of k; and when the last step ended.
         self._launched: dict[int, tuple[int, int, bool] | None] = {}
         self._last_finish: float | None = None
         # Async scheduling: the launched step whose results the host has not read yet.
@@ -495,7 +496,6 @@ class LLMEngine:
         decode = [s for s in sched.scheduled if s.samples and s.num_tokens == 1 + s.num_draft]
         v = {s.num_draft for s in decode}
         steady = len(decode) == len(sched.scheduled) and v == {p}
-        self._launched[id(sched)] = None
         self._draft_cap = p
         self.stats.draft_budget = p
         self.stats.mean_draft_budget = self.budget.mean_budget
@@ -506,8 +506,8 @@ class LLMEngine:
         tracks = self.speculator.tracks_kv_at_zero and self.budget.tracks_drafter_kv
         if p == 0 and not tracks and len(decode) == len(sched.scheduled):
             propose = NO_DRAFTER
-        if steady:  # (batch, k, whether a k = 0 step runs the draft prefill)
-            self._launched[id(sched)] = (len(decode), p, p == 0 and propose != NO_DRAFTER)
+        tracked = p == 0 and propose != NO_DRAFTER
+        self._launched[id(sched)] = (len(decode), p, tracked) if steady else None
         return self.runner.launch(sched, self._logprobs(sched), propose)
 
     def _step_finished(self, sched: SchedulerOutput) -> None:

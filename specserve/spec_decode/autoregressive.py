@@ -215,12 +215,13 @@ class AutoregressiveSpeculator(DeviceSpeculator):
         """Eager drafting: prefill, then single-token steps with metadata REBUILT each step.
 
         `num_drafts` < K (dynamic speculation) runs fewer decode steps; the prefill always runs,
-        so the drafter's KV stays complete for when K grows again."""
-        if self.tree is not None:
-            self.tree.propose(self, runner, t, num_drafts)
-            return
+        so the drafter's KV stays complete for when K grows again. A tree is drafted whole
+        (spec_decode/tree.py): a budget of n < K verifies its first n nodes."""
         if num_drafts == 0:  # no drafts: the drafter's KV over the verified tokens only
             self.prefill_forward(runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc)
+            return
+        if self.tree is not None:
+            self.tree.draft(self, runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)
             return
         inp, rows = t.inp, t.inp.idx_mapping
         pos, h = self.draft_prefill(runner, inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)

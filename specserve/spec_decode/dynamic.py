@@ -13,9 +13,9 @@ The choice maximizes expected tokens per second of the batch:
               number of observations: a batch of 64 and a batch of 1 forget at the same pace.
   cost        c(B, k): EWMA of the measured wall time of steady decode steps (k verified and k
               proposed) per batch bucket (powers of two) and k; c(B, 0) from plain steps (the
-              tracked k = 0 steps below stand in only until one is measured). Cells never measured come from
-              a linear fit t0 + k * dt over the bucket's measured cells, or, with fewer than
-              two, from the nearest measured bucket's shape.
+              tracked k = 0 steps below stand in only until one is measured). Cells never
+              measured come from a linear fit t0 + k * dt over the bucket's measured cells, or,
+              with fewer than two, from the nearest measured bucket's shape.
   k = 0       no drafts. For `track_steps` decisions after the last k > 0, an autoregressive
               drafter (EAGLE, EAGLE-3, MTP, a draft model) still runs its draft prefill over
               the verified token (a small share of a step), so its KV stays complete for a

@@ -5,10 +5,10 @@ A request's tree: node 0 is the root (the newest verified token), nodes 1..N are
 topological order (a parent's index is below its children's): dynamic trees best first by
 cumulative draft log-probability, so the first n nodes are the best tree of n nodes, and the
 adaptive budget verifies a prefix of a tree that is always drafted whole (one shape: what a
-CUDA graph of the drafting captures). The
-draft tokens sit in the token buffer after the root exactly where a chain's drafts sit (node m
-at column root + m, the KV slot it is verified at); the structure sits in persistent
-per-request rows (`TreeState`): parent, depth and the ancestor-or-self bitmask of every node.
+CUDA graph of the drafting captures). The draft tokens sit in the token buffer after the root
+exactly where a chain's drafts sit (node m at column root + m, the KV slot it is verified at);
+the structure sits in persistent per-request rows (`TreeState`): parent, depth and the
+ancestor-or-self bitmask of every node.
 
 Target step: node m is computed at KV slot root + m with rotary position root + depth(m) and
 sees the context plus its ancestors (`target_tree_metadata`: CommonAttentionMetadata's tree
@@ -43,7 +43,6 @@ from specserve.sample.sampler import SamplingTensors, process_logits
 
 if TYPE_CHECKING:
     from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
-    from specserve.spec_decode.drafting import TargetStep
     from specserve.spec_decode.interface import DraftRunner
     from specserve.step_inputs import StepInputs
 
@@ -90,7 +89,6 @@ class TreeDrafter:
         index = {p: i + 1 for i, p in enumerate(paths)}
         parent = [0] + [index.get(p[:-1], 0) for p in paths]
         depth = [0] + [len(p) for p in paths]
-        m = torch.arange(len(paths) + 1)
         anc = [1]
         for i in range(1, len(paths) + 1):
             anc.append(anc[parent[i]] | (1 << i))
@@ -112,7 +110,6 @@ class TreeDrafter:
                 if depth[c] == d + 1
             ]
             self.levels.append((nodes, kids, max(r for _, _, r in kids) + 1))
-        del m
         # Device index tensors of each level (no host-to-device copy while drafting): the
         # expanded nodes, and which of the previous level's expansions is each one's parent.
         dev = self.device
@@ -123,21 +120,6 @@ class TreeDrafter:
         ]
 
     # ---- drafting -------------------------------------------------------------------------
-    def propose(
-        self,
-        sp: AutoregressiveSpeculator,
-        runner: DraftRunner,
-        t: TargetStep,
-        num_drafts: int | None,
-    ) -> None:
-        """Eager drafting: the draft prefill only when no drafts are asked for (the drafter's
-        KV stays complete), else the whole tree (`draft`); a budget of n < K drafts verifies
-        the tree's first n nodes."""
-        if num_drafts == 0:
-            sp.prefill_forward(runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc)
-            return
-        self.draft(sp, runner, t.inp, t.ctx, t.hidden, t.aux, t.num_acc, t.st)
-
     def draft(
         self,
         sp: AutoregressiveSpeculator,
@@ -169,15 +151,16 @@ class TreeDrafter:
             base = next_pos + 1
         x = _Expansion(sp, runner, inp, rows, st, next_pos, base)
         if self.static is None:
-            tok, parent, depth = self._dynamic(x, root_out, root_h, self.k)
+            tok, parent, depth = self._dynamic(x, root_out, root_h)
         else:
             tok, parent, depth = self._static(x, root_out, root_h)
         self._write(runner, inp, rows, next_pos, tok, parent, depth)
 
     def _dynamic(
-        self, x: _Expansion, root_out: Tensor, root_h: Tensor | None, n: int
+        self, x: _Expansion, root_out: Tensor, root_h: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """EAGLE-2: -> tokens, parents, depths of the n best nodes, [B, n + 1] (node 0 root)."""
+        """EAGLE-2: -> tokens, parents, depths of the K best nodes, [B, K + 1] (node 0 root),
+        best first."""
         k, B = self.topk, root_out.shape[0]
         dev = root_out.device
         tok, score = x.children(root_out, 1, k)  # [B, k]
@@ -216,6 +199,7 @@ class TreeDrafter:
         # A child scores strictly below its parent: the best n are closed under parents, and
         # in topk's order (best first) each parent comes before its children.
         adj = torch.cat(cand_score, 1).double() - depth.double() * 1e-6
+        n = self.k
         sel = adj.topk(n, dim=1).indices  # [B, n] candidate index (global id - 1)
         node_of = torch.zeros(B, tok.shape[1] + 1, dtype=torch.long, device=dev)
         node_of.scatter_(1, sel + 1, torch.arange(1, n + 1, device=dev).expand(B, n))

@@ -158,13 +158,21 @@ class CudaGraphRunner:
         self.seq_lens[:b] = q
         self.input_ids[:t] = 0
         if self.tree:
-            self._pad_tree(0, t, q)
+            self._set_tree(t, None)
 
-    def _pad_tree(self, start: int, end: int, q: int) -> None:
-        """Tokens start..end outside any tree (padded rows): rotary positions = positions."""
-        self.tree_rope[start:end] = self._layout[q][2][start:end]
-        self.tree_start[start:end] = NO_TREE
-        self.tree_mask[start:end] = 0
+    def _set_tree(self, t: int, tree: TreeFields | None) -> None:
+        """The tree buffers of the first t tokens, their positions already written: the step's
+        tree fields for its own tokens, every other token (padded rows; prompt chunks of a
+        step without drafts) outside any tree, at its own position."""
+        n = 0
+        if tree is not None:
+            n = tree.tree_start.shape[0]
+            self.tree_rope[:n].copy_(tree.rope_positions)
+            self.tree_start[:n].copy_(tree.tree_start)
+            self.tree_mask[:n].copy_(tree.tree_mask)
+        self.tree_rope[n:t].copy_(self.positions[n:t])
+        self.tree_start[n:t] = NO_TREE
+        self.tree_mask[n:t] = 0
 
     def _set_layout(self, q: int) -> None:
         if self._layout_q != q:
@@ -237,17 +245,6 @@ class CudaGraphRunner:
         -> (hidden [T, H], aux hidden states)."""
         B, T = inp.num_reqs, inp.num_tokens
         q = inp.max_query_len
-        if self.is_tree(q):
-            if tree is not None:
-                self.tree_rope[:T].copy_(tree.rope_positions)
-                self.tree_start[:T].copy_(tree.tree_start)
-                self.tree_mask[:T].copy_(tree.tree_mask)
-            else:  # q-token prompt chunks, no drafts: plain causal
-                self.tree_rope[:T].copy_(self.positions[:T])
-                self.tree_start[:T] = NO_TREE
-                self.tree_mask[:T] = 0
-            if bg > B:
-                self._pad_tree(T, bg * q, q)
         # NOTE: a uniform batch's query_start_loc and token_req are constants of q (set only
         # when q changes); padded rows (positions 0.., slot -1, null blocks) are refilled only
         # when there are any. Host time here is GPU idle time at batch 1.
@@ -258,6 +255,8 @@ class CudaGraphRunner:
             self.slot_mapping[T:tg] = -1
             self.seq_lens[B:bg] = q
             self.block_table[B:bg] = self.runner.null_block
+        if self.is_tree(q):
+            self._set_tree(bg * q, tree)
         self.graphs[(q, bg)].replay()
         self.last_replayed = (q, bg)
         hidden, aux = self.outputs[(q, bg)]
