@@ -9,7 +9,9 @@ Cells (offline, N requests at once with max_num_seqs = N, 128-token random promp
               (gpt_oss_decode.py); r = 0.7; concurrency 1 / 16; plain, K = 1..3, adaptive
 One engine per configuration serves all its cells (the synthetic rate is read per step; the
 adaptive budget starts afresh in every cell, so its learning is part of the measurement).
-Prints a table of tok/s and ratios to plain; $OUT/never_slower.json.
+Prints a table of tok/s and ratios to plain; $OUT/never_slower.json, which also holds each
+adaptive cell's decisions (the k chosen at each step) and its measured step costs per batch bucket
+and k, so that a cell that misses can be read without another run.
 
     python benchmarks/never_slower.py                   # one H100, ~8 min (estimate)
     python benchmarks/never_slower.py --only llama3-8b  # or gpt-oss-20b: one half
@@ -100,12 +102,49 @@ def configs(max_k: int, quick: bool) -> list[tuple[str, int | None, bool]]:
     )
 
 
+def traced_budget(max_k: int) -> Any:
+    """A DraftBudget that keeps its decisions and step samples (what the JSON reports)."""
+    import numpy as np
+
+    from specserve.spec_decode.dynamic import DraftBudget
+
+    class Traced(DraftBudget):
+        def __init__(self, max_k: int) -> None:
+            super().__init__(max_k)
+            self.choices: list[int] = []
+            self.samples: dict[str, list[float]] = {}
+
+        def choose(self, batch: int, requests: list[tuple[str, bool]]) -> int:
+            k = super().choose(batch, requests)
+            self.choices.append(k)
+            return k
+
+        def record_step(self, batch: int, k: int, seconds: float, tracked: bool = False) -> None:
+            key = f"b{self.bucket(batch)} k{k}{' tracked' * tracked}"
+            self.samples.setdefault(key, []).append(seconds * 1e3)
+            super().record_step(batch, k, seconds, tracked)
+
+        def report(self) -> dict:
+            pct = lambda v, q: round(float(np.percentile(v, q)), 2)  # noqa: E731
+            return {
+                "choices": "".join(map(str, self.choices)),
+                "cost_table_ms": {
+                    b: [None if np.isnan(x) else round(1e3 * x, 2) for x in c.table()]
+                    for b, c in self.costs.items()
+                },
+                "step_ms": {
+                    key: {"n": len(v), "p10": pct(v, 10), "p50": pct(v, 50), "p90": pct(v, 90)}
+                    for key, v in sorted(self.samples.items())
+                },
+            }
+
+    return Traced(max_k)
+
+
 def bench_shape(
     name: str, dirs: tuple[str, str], rates: list[float], concs: list[int], max_k: int,
     args: argparse.Namespace, result: dict,
 ) -> None:  # fmt: skip
-    from specserve.spec_decode.dynamic import DraftBudget
-
     target, head = dirs
     with open(os.path.join(target, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
@@ -128,13 +167,15 @@ def bench_shape(
                 if spec is not None:
                     eng.config.spec.synthetic_acceptance_rate = r
                 if eng.budget is not None:
-                    eng.budget = DraftBudget(max_k)
+                    eng.budget = traced_budget(max_k)
                 tps = run_cell(llm, conc, args.output_len, vocab, 2)
                 m = llm.get_metrics()
-                cells.setdefault(f"c{conc}", {}).setdefault(label, {})[str(r)] = {
+                cell = cells.setdefault(f"c{conc}", {}).setdefault(label, {})[str(r)] = {
                     "tok_s": tps,
                     "mean_draft_budget": m.get("spec_decode_mean_draft_budget"),
                 }
+                if eng.budget is not None:
+                    cell["budget"] = eng.budget.report()
                 print(f"  {name} {label:>8} c={conc:<3} r={r}: {tps:8.1f} tok/s", flush=True)
         print(f"  ({label}: built in {build:.0f} s)", flush=True)
         del llm, eng

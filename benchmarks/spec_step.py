@@ -10,6 +10,7 @@ the step (CUDA events around drafting), and output tokens per second.
     python benchmarks/spec_step.py [--ks 1,2,3,4,5,6,7] [--batches 1,16,64]  # $OUT/spec_step.json
     python benchmarks/spec_step.py --async-scheduling ...             # $OUT/spec_step_async.json
     python benchmarks/spec_step.py --methods eagle3,ptd --modes fused --batches 1 --ks 2,...,8
+    python benchmarks/spec_step.py --prompt-len 600 ...   # the same steps at a longer context
 """
 
 from __future__ import annotations
@@ -167,6 +168,10 @@ def main() -> None:
         "--async-scheduling", action="store_true", help="launch step N+1 while step N runs"
     )
     ap.add_argument("--decode-matmul", default="auto", help="cublas | triton | auto (default)")
+    ap.add_argument(
+        "--prompt-len", type=int, default=128,
+        help="tokens of context each request has when the timed steps start",
+    )  # fmt: skip
     args = ap.parse_args()
     log_plans()
     batches = [int(b) for b in args.batches.split(",")]
@@ -176,15 +181,17 @@ def main() -> None:
         "device": torch.cuda.get_device_name(),
         "async_scheduling": args.async_scheduling,
         "decode_matmul": args.decode_matmul,
+        "prompt_len": args.prompt_len,
         "rows": [],
     }
 
     def run(label: str, k: int, mode: str, spec: dict | None) -> None:
         engine = make_engine(
-            target, spec, mode, max(batches), args.async_scheduling, args.decode_matmul
-        )
+            target, spec, mode, max(batches), args.async_scheduling, args.decode_matmul,
+            max_model_len=max(1024, args.prompt_len + 700),
+        )  # fmt: skip
         for b in batches:
-            r = measure(engine, b)
+            r = measure(engine, b, prompt_len=args.prompt_len)
             results["rows"].append({"label": label, "k": k, "mode": mode, "batch": b, **r})
             print(
                 f"{label:>6} K={k} {mode:>8} B={b:>3}: {r['ms_per_step']:.2f} ms/step, "
@@ -201,9 +208,14 @@ def main() -> None:
             for mode in args.modes.split(",") if method == "eagle3" else ["graph"]:
                 spec = synthetic_spec(heads[method], k, args.acceptance, method == "ptd")
                 run(method, k, "auto" if mode == "graph" else mode, spec)
-    write_json(f"spec_step{'_async' * args.async_scheduling}_{args.decode_matmul}.json", results)
+    ctx = f"_ctx{args.prompt_len}" if args.prompt_len != 128 else ""
+    name = f"spec_step{'_async' * args.async_scheduling}_{args.decode_matmul}{ctx}.json"
+    write_json(name, results)
     plain = {r["batch"]: r["ms_per_step"] for r in results["rows"] if r["label"] == "plain"}
-    print(f"\n{results['device']}; ms per step (x plain decode step), drafting share")
+    print(
+        f"\n{results['device']}; {args.prompt_len}-token contexts; ms per step (x plain decode "
+        "step), drafting share"
+    )
     print(f"{'K':>2} {'drafter':>15} " + " ".join(f"{'B=' + str(b):>22}" for b in batches))
     print(f"{0:>2} {'plain':>15} " + " ".join(f"{plain[b]:>10.2f} ms {'':>10}" for b in batches))
     for r0 in results["rows"]:
