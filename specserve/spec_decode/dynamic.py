@@ -11,9 +11,16 @@ The choice maximizes expected tokens per second of the batch:
               it (so a probe at k = 1 also moves the deeper positions). Counts decay with the
               engine's decode steps (`gamma` a step, elapsed steps included), not with the
               number of observations: a batch of 64 and a batch of 1 forget at the same pace.
-  cost        c(B, k): EWMA of the measured wall time of steady decode steps (k verified and k
-              proposed) per batch bucket (powers of two) and k; c(B, 0) from plain steps (the
-              tracked k = 0 steps below stand in only until one is measured). Cells never
+  cost        c(B, k): a low quantile (the second fastest of five) of the last `cost_window`
+              measured wall times of steady decode steps (k verified and k proposed) per batch
+              bucket (powers of two) and k; c(B, 0) from plain steps (the tracked k = 0 steps
+              below stand in only until one is measured). Not a mean: step-time noise is
+              one-sided (a compile, a GC pause, a step the host could not overlap only add
+              time), and one stall at k = 0 in an EWMA made plain decoding look up to 1.7x its
+              price, so the budget drafted at large k where plain was best and never measured
+              k = 0 again to correct it (H100, batch 64, 0.93x plain). The quantile ignores up
+              to three stalls in five and follows a real change (contexts growing) within four
+              steps. Cells never
               measured come from a linear fit t0 + k * dt over the bucket's measured cells, or,
               with fewer than two, from the nearest measured bucket's shape.
   k = 0       no drafts. For `track_steps` decisions after the last k > 0, an autoregressive
@@ -98,21 +105,39 @@ class _Acceptance:
 
 @dataclass
 class _Costs:
-    """Step seconds of one batch bucket per k: EWMA, sample count, step of the last sample.
-    t[0] is plain decoding's step (the drafter not running); k = 0 steps that still ran the
-    draft prefill (`track_steps`) are a transitional cost after drafting, kept apart in
-    `t_tracked` and standing in for t[0] only until a plain step is measured."""
+    """Step seconds of one batch bucket per k: a low quantile of the recent samples, sample count,
+    step of the last sample. t[0] is plain decoding's step (the drafter not running); k = 0
+    steps that still ran the draft prefill (`track_steps`) are a transitional cost after
+    drafting, kept apart in `t_tracked` and standing in for t[0] only until a plain step is
+    measured."""
 
     t: np.ndarray
     n: np.ndarray
     last: np.ndarray
+    window: int
+    # [K + 2, window] the last samples of each k (row K + 1: tracked k = 0), NaN-padded
+    recent: np.ndarray
     steps: int = 0  # decisions made in this bucket
     probe_at: int = 0  # the decision count at which the next probe may start
     t_tracked: float = math.nan
 
     @classmethod
-    def empty(cls, k: int) -> _Costs:
-        return cls(np.full(k + 1, np.nan), np.zeros(k + 1), np.full(k + 1, -(10**9)))
+    def empty(cls, k: int, window: int) -> _Costs:
+        return cls(
+            np.full(k + 1, np.nan),
+            np.zeros(k + 1),
+            np.full(k + 1, -(10**9)),
+            window,
+            np.full((k + 2, window), np.nan),
+        )
+
+    def add(self, row: int, seconds: float) -> float:
+        """Record a sample of `row` (k, or K + 1 for tracked k = 0); the cost it gives now: the
+        25th percentile of the window, rounded down to a sample (the fastest of up to four)."""
+        r = self.recent[row]
+        r[:-1] = r[1:].copy()
+        r[-1] = seconds
+        return float(np.nanpercentile(r, 25, method="lower"))
 
     def table(self) -> np.ndarray:
         """[K + 1] the measured costs, t[0] from tracked k = 0 steps while none ran plain."""
@@ -135,7 +160,7 @@ class DraftBudget:
     position_strength: float = 2.0  # prior weight of position i-1 for position i
     floor: float = 4.0  # drafts of evidence a class position keeps however old
     prior_acceptance: float = 0.5
-    cost_alpha: float = 0.25  # EWMA weight of a new step time
+    cost_window: int = 5  # recent step times a cost is a low quantile of
     explore_every: int = 16
     explore_budget: float = 0.005  # fraction of time probes may lose, in expectation
     hold: int = 2  # decisions a choice is kept (one transitional step + one measured step)
@@ -253,7 +278,7 @@ class DraftBudget:
         if self._held > 0 and self.last_k >= 0:
             self._held -= 1
             return self._chosen(self.last_k)
-        c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k))
+        c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k, self.cost_window))
         c.steps += 1
         measured = ~np.isnan(c.table())
         t = self.step_costs(batch)
@@ -335,18 +360,12 @@ class DraftBudget:
     def record_step(self, batch: int, k: int, seconds: float, tracked: bool = False) -> None:
         """A steady decode step (k drafts verified and k proposed) of `batch` requests took
         `seconds` of wall time; `tracked`: a k = 0 step that ran the draft prefill."""
-        c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k))
+        c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k, self.cost_window))
         if k == 0 and tracked:
-            prev = c.t_tracked
-            c.t_tracked = seconds if math.isnan(prev) else prev + self.cost_alpha * (seconds - prev)
+            c.t_tracked = c.add(self.max_k + 1, seconds)
             c.last[0] = c.steps
             return
-        if np.isnan(c.t[k]):
-            c.t[k] = seconds
-        else:
-            if c.n[k] >= 3:  # a stall (a compile, a page fault) is not the cost of k
-                seconds = min(seconds, 4 * c.t[k])
-            c.t[k] += self.cost_alpha * (seconds - c.t[k])
+        c.t[k] = c.add(k, seconds)
         c.n[k] += 1
         c.last[k] = c.steps
 
