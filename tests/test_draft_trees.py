@@ -26,6 +26,7 @@ from specserve.sample.tree_verify import tree_verify
 from .conftest import random_prompts
 from .spec_utils import write_eagle, write_eagle3, write_mtp_target
 from .test_sampling import chi2_pvalue
+from .test_triton_attention import _no_interpreter, interpreter, needs_cuda  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -217,6 +218,49 @@ def test_greedy_and_coupled_walk_the_tree() -> None:
     out, acc, path = tree_verify(logits, drafts, *args, "strict")
     assert acc.tolist() == [2] and out[0, :3].tolist() == [2, 3, 4]
     assert path[0, :3].tolist() == [0, 1, 5]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=[pytest.mark.interpret, _no_interpreter], id="interpret"),
+        pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda], id="cuda"),
+    ],
+)
+@pytest.mark.parametrize("k, max_depth", [(3, 3), (7, 3), (15, 4), (31, 6), (63, 6)])
+def test_tree_walk_kernel_equals_the_reference(device: str, k: int, max_depth: int) -> None:
+    """The Triton walk (greedy and coupled rows) gives the reference's tokens, accept counts
+    and paths, bit for bit: random trees of up to `max_depth` levels over a 2-token vocabulary
+    (so that most levels have a matching child), some requests with fewer valid drafts."""
+    pytest.importorskip("triton")
+    from specserve.sample.tree_verify_triton import tree_walk_triton
+
+    g = torch.Generator().manual_seed(k)
+    B, V = 12, 2
+    parent = torch.zeros(B, k + 1, dtype=torch.int64)
+    depth = torch.zeros(B, k + 1, dtype=torch.int64)
+    for b in range(B):
+        for m in range(1, k + 1):
+            while True:  # a parent before m (often m - 1), not at the deepest level
+                p = int(torch.randint(0, m, (1,), generator=g))
+                p = m - 1 if torch.rand(1, generator=g) < 0.5 else p
+                if depth[b, p] < max_depth:
+                    break
+            parent[b, m], depth[b, m] = p, depth[b, p] + 1
+    drafts = torch.randint(0, V, (B, k), generator=g)
+    target = torch.randint(0, V, (B, k + 1), generator=g)
+    num_draft = torch.full((B,), k)
+    num_draft[::4] = torch.randint(0, k + 1, (len(num_draft[::4]),), generator=g)
+    logits = torch.nn.functional.one_hot(target, V).float() * 5.0
+    want = tree_verify(
+        logits, drafts, parent, depth, num_draft, None, torch.full((B,), 7), max_depth
+    )
+    tokens = torch.cat([torch.zeros(B, 1, dtype=torch.int64), drafts], 1)
+    args = [x.to(device) for x in (target, tokens, parent, num_draft)]
+    got = tree_walk_triton(*args, max_depth)
+    for w, x in zip(want, got):
+        assert torch.equal(w, x.cpu()), (w, x)
+    assert want[1].max() >= 2  # some walks go deeper than one level
 
 
 # ---- attention ---------------------------------------------------------------------------

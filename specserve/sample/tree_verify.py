@@ -19,7 +19,9 @@ starts at the root and at each level moves to the child whose token is the targe
 The walk stops at the first level without a match and emits the target's token there (the
 recovered or bonus token). Outputs: the chain layout of `rejection_sample` ([B, K + 1]
 accepted tokens, then the final one, then -1; [B] accepted count) plus the accepted path's
-node indices, which the runner uses to move the accepted nodes' KV into chain slots.
+node indices, which the runner uses to move the accepted nodes' KV into chain slots. On CUDA
+the walk of greedy and coupled rows is one Triton launch (tree_verify_triton.py; this
+function is its reference).
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ def tree_verify(
             )
             target = torch.where(st.greedy[:, None], target, draw.view(b, k1))
     recursive = sampled and method != "coupled"
+    if not recursive and dev.type == "cuda":
+        from specserve.sample.tree_verify_triton import tree_walk_triton
+
+        return tree_walk_triton(target, tokens, parent, num_draft, max_depth)
     if recursive:
         p = logw.softmax(dim=-1)
         # [B, K + 1] p(parent's distribution) of each node's token
