@@ -135,6 +135,7 @@ class ModelRunner:
         self.draft_graphs = None
         self.cudagraphs = None
         self.kv_caches = []
+        self.target_kv = None
 
     # ---- KV cache -------------------------------------------------------------------------
     def _target_layers(self) -> list[torch.nn.Module]:
@@ -151,12 +152,22 @@ class ModelRunner:
         return mods
 
     def _allocate_kv(self, num_blocks: int) -> list[torch.Tensor]:
+        """One cache a layer, the target's first. Target layers of one shape are views of one
+        tensor (`target_kv`, [layers, *shape]), so that moving a tree's accepted KV is one
+        gather and one scatter for all of them (worker/tree_step.py), not two a layer."""
+        layers = self.attention_layers()
+        n = len(self._target_layers())
+        # +1: the null block (see BlockPool). The layer says its layout (MLA: a latent).
+        shapes = [m.kv_cache_shape(num_blocks + 1, self.block_size) for m in layers]
+        kw = {"dtype": self.kv_dtype, "device": self.device}
+        self.target_kv: torch.Tensor | None = None
+        if n and len({tuple(x) for x in shapes[:n]}) == 1:
+            self.target_kv = torch.zeros(n, *shapes[0], **kw)
         caches = []
-        for i, layer in enumerate(self.attention_layers()):
+        for i, (layer, shape) in enumerate(zip(layers, shapes)):
             layer.kv_index = i
-            # +1: the null block (see BlockPool). The layer says its layout (MLA: a latent).
-            shape = layer.kv_cache_shape(num_blocks + 1, self.block_size)
-            caches.append(torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
+            own = i < n and self.target_kv is not None
+            caches.append(self.target_kv[i] if own else torch.zeros(shape, **kw))
         return caches
 
     @staticmethod
@@ -357,7 +368,10 @@ class ModelRunner:
             fwd.chain = chain_order(inp, path, k)
             # Target layers come first in kv_caches (attention_layers); the drafter's KV is
             # rewritten by its prefill over the accepted path.
-            move_accepted_kv(self.kv_caches[: self.num_target_kv], fwd.slot_mapping, fwd.chain)
+            target_kv = self.kv_caches[: self.num_target_kv]
+            if self.target_kv is not None:
+                target_kv = [self.target_kv]
+            move_accepted_kv(target_kv, fwd.slot_mapping, fwd.chain)
         else:
             spec = self.config.spec
             draft_pos = inp.out_pos0[:, None] + torch.arange(k, device=self.device)

@@ -5,8 +5,9 @@ forward    the target runs with the tree's rotary positions and ancestor masks
            its buffers (worker/cudagraph.py), or eagerly
 verify     `sample/tree_verify.py` walks each tree -> chain-layout tokens + accepted path
 KV move    the accepted nodes' target KV is copied into the chain slots root + 1.. root + n
-           (one gather and one scatter per target layer, B * K rows; rejected nodes' slots
-           hold stale KV past what the request has computed, rewritten by later steps)
+           (one gather and one scatter over every target layer at once, B * K rows a layer;
+           rejected nodes' slots hold stale KV past what the request has computed, rewritten
+           by later steps)
 propose    the drafter's prefill sees the accepted path as a chain: hidden states gathered
            into chain order, causal metadata at chain positions
 """
@@ -118,18 +119,21 @@ def chain_order(inp: StepInputs, path: Tensor, k: int) -> Tensor:
 
 
 def move_accepted_kv(
+    # one cache a layer, or the runner's `target_kv` ([layers, *one layer's shape]) alone
     kv_caches: list[Tensor],
     # [T] int64 the step's slot mapping
     slot_mapping: Tensor,
     # [T] from chain_order
     perm: Tensor,
 ) -> None:
-    """Copy each accepted node's target KV into its chain slot (identity elsewhere)."""
+    """Copy each accepted node's target KV into its chain slot (identity elsewhere): one
+    gather and one scatter a tensor (the gather copies first, so a slot that is both a source
+    and a destination is read before it is written)."""
     src, dst = slot_mapping[perm], slot_mapping
     for cache in kv_caches:
-        if cache.dim() == 5:  # [2, blocks, block_size, heads, dim]
-            flat = cache.view(2, -1, *cache.shape[3:])
-            flat[:, dst] = flat[:, src]
-        else:  # MLA: [blocks, block_size, width]
-            flat = cache.view(-1, cache.shape[-1])
-            flat[dst] = flat[src]
+        if cache.dim() in (5, 6):  # [(layers,) 2, blocks, block_size, heads, dim]
+            flat = cache.view(*cache.shape[:-4], -1, *cache.shape[-2:])
+            flat[..., dst, :, :] = flat[..., src, :, :]
+        else:  # MLA: [(layers,) blocks, block_size, width]
+            flat = cache.view(*cache.shape[:-3], -1, cache.shape[-1])
+            flat[..., dst, :] = flat[..., src, :]
