@@ -263,6 +263,67 @@ def test_tree_walk_kernel_equals_the_reference(device: str, k: int, max_depth: i
     assert want[1].max() >= 2  # some walks go deeper than one level
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=[pytest.mark.interpret, _no_interpreter], id="interpret"),
+        pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda], id="cuda"),
+    ],
+)
+@pytest.mark.parametrize("k", [3, 15, 63])
+def test_tree_layout_kernels_equal_the_references(device: str, k: int) -> None:
+    """The step's tree metadata (rotary positions, tree starts, ancestor masks) and the chain
+    order of accepted paths from one launch each equal their torch references: a batch of
+    prefill chunks, trees with all or some of their drafts, and requests without drafts."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from specserve.spec_decode.tree import NO_TREE, chain_order, target_tree_metadata
+    from specserve.spec_decode.tree_triton import chain_order_triton, tree_metadata_triton
+
+    g = torch.Generator().manual_seed(k)
+    rows = 10
+    num_draft = torch.tensor([k, 0, k // 2, 0, k, 1, k])
+    qlen = num_draft + 1
+    qlen[1] = 37  # prefill chunks
+    qlen[3] = 5
+    B = len(num_draft)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), qlen.cumsum(0)]).to(torch.int32)
+    T = int(qsl[-1])
+    token_req = torch.repeat_interleave(torch.arange(B), qlen)
+    start = torch.randint(0, 500, (B,), generator=g)
+    positions = start[token_req] + torch.arange(T) - qsl[:-1].long()[token_req]
+    state = SimpleNamespace(
+        k=k,
+        depth=torch.randint(0, 7, (rows, k + 1), generator=g),
+        anc=torch.randint(0, 1 << 40, (rows, k + 1), generator=g),
+    )
+    inp = SimpleNamespace(
+        num_tokens=T,
+        query_start_loc=qsl,
+        token_req=token_req,
+        num_draft=num_draft,
+        idx_mapping=torch.randperm(rows, generator=g)[:B],
+        positions=positions,
+    )
+    want = target_tree_metadata(state, inp)
+    on = lambda x: x.to(device)  # noqa: E731
+    args = (inp.token_req, qsl, num_draft, inp.idx_mapping, positions, state.depth, state.anc)
+    got = tree_metadata_triton(*map(on, args), NO_TREE)
+    for w, x in zip(want, got):
+        assert torch.equal(w, x.cpu())
+    path = torch.arange(k + 1).repeat(B, 1)
+    for b in range(B):  # an accepted path: increasing nodes among the valid drafts
+        n = int(torch.randint(0, int(num_draft[b]) + 1, (1,), generator=g))
+        nodes = torch.randperm(int(num_draft[b]), generator=g)[:n].sort().values + 1
+        path[b, 1 : n + 1] = nodes
+    path[0, 1] = k  # request 0 accepted its last node at depth 1
+    want = chain_order(inp, path, k)
+    got = chain_order_triton(*map(on, (inp.token_req, qsl, num_draft, path)))
+    assert torch.equal(want, got.cpu())
+    assert not torch.equal(want, torch.arange(T))  # some slot takes another node's state
+
+
 # ---- attention ---------------------------------------------------------------------------
 def tree_case(num_ctx: list[int], trees: list[list[int]], block_size: int = 4, seed: int = 0):
     """A batch of requests, each with `num_ctx` cached tokens then a tree (parent list, node 0

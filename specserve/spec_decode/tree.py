@@ -359,7 +359,14 @@ class _Expansion:
 def target_tree_metadata(state: TreeState, inp: StepInputs) -> tuple[Tensor, Tensor, Tensor]:
     """A target step's tree fields -> (rotary positions, tree_start, tree_mask), [T] int64 each.
     A request's last num_draft + 1 tokens are its tree (the root and nodes 1..num_draft); every
-    other token (prefill chunks) is plain causal."""
+    other token (prefill chunks) is plain causal. One Triton launch on CUDA (tree_triton.py)."""
+    if inp.token_req.is_cuda:
+        from specserve.spec_decode.tree_triton import tree_metadata_triton
+
+        return tree_metadata_triton(
+            inp.token_req, inp.query_start_loc, inp.num_draft, inp.idx_mapping, inp.positions,
+            state.depth, state.anc, NO_TREE,
+        )  # fmt: skip
     qsl = inp.query_start_loc.long()
     req = inp.token_req
     t = torch.arange(inp.num_tokens, device=req.device)
@@ -373,3 +380,28 @@ def target_tree_metadata(state: TreeState, inp: StepInputs) -> tuple[Tensor, Ten
     start = torch.where(node, root, NO_TREE)
     mask = torch.where(node, state.anc[row, mc], 0)
     return rope, start, mask
+
+
+def node_tokens(inp: StepInputs, k: int) -> Tensor:
+    """[B, K + 1] flattened-token index of each request's nodes 0..K (its root and drafts),
+    clamped to its last token (so nodes past num_draft repeat it)."""
+    last = inp.query_start_loc[1:].long() - 1
+    first = last - inp.num_draft
+    return torch.minimum(first[:, None] + torch.arange(k + 1, device=last.device), last[:, None])
+
+
+def chain_order(inp: StepInputs, path: Tensor, k: int) -> Tensor:
+    """[T] index of the token whose state each token's chain slot takes: node path[j] for chain
+    slot j of a tree, itself elsewhere. One Triton launch on CUDA (tree_triton.py)."""
+    if path.is_cuda:
+        from specserve.spec_decode.tree_triton import chain_order_triton
+
+        return chain_order_triton(inp.token_req, inp.query_start_loc, inp.num_draft, path)
+    idx = node_tokens(inp, k)
+    T = inp.num_tokens
+    perm = torch.arange(T + 1, device=idx.device)
+    j = torch.arange(k + 1, device=idx.device)
+    # Nodes past num_draft alias the last token: they go to a trash entry.
+    dst = torch.where(j[None, :] <= inp.num_draft[:, None], idx, T)
+    perm[dst.flatten()] = idx.gather(1, path).flatten()
+    return perm[:T]

@@ -40,6 +40,7 @@ from specserve.sample.sampler import SamplingTensors, compute_logprobs, sample
 from specserve.scheduler_output import SchedulerOutput
 from specserve.spec_decode.drafting import TargetStep
 from specserve.spec_decode.interface import NO_DRAFTER, Speculator
+from specserve.spec_decode.tree import chain_order
 from specserve.step_inputs import StepInputs
 from specserve.structured.bitmask import apply_grammar_bitmask_, build_grammar_step
 from specserve.worker.cudagraph import eager_rows
@@ -49,7 +50,6 @@ from specserve.worker.step_results import HostPacket, PendingStep, StepOutput, u
 from specserve.worker.tree_step import (
     TreeFields,
     chain_metadata,
-    chain_order,
     check_tree_support,
     move_accepted_kv,
     tree_fields,

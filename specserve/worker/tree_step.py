@@ -97,27 +97,6 @@ def verify_tree(
     )  # fmt: skip
 
 
-def node_tokens(inp: StepInputs, k: int) -> Tensor:
-    """[B, K + 1] flattened-token index of each request's nodes 0..K (its root and drafts),
-    clamped to its last token (so nodes past num_draft repeat it)."""
-    last = inp.query_start_loc[1:].long() - 1
-    first = last - inp.num_draft
-    return torch.minimum(first[:, None] + torch.arange(k + 1, device=last.device), last[:, None])
-
-
-def chain_order(inp: StepInputs, path: Tensor, k: int) -> Tensor:
-    """[T] index of the token whose state each token's chain slot takes: node path[j] for chain
-    slot j of a tree, itself elsewhere."""
-    idx = node_tokens(inp, k)
-    T = inp.num_tokens
-    perm = torch.arange(T + 1, device=idx.device)
-    j = torch.arange(k + 1, device=idx.device)
-    # Nodes past num_draft alias the last token: they go to a trash entry.
-    dst = torch.where(j[None, :] <= inp.num_draft[:, None], idx, T)
-    perm[dst.flatten()] = idx.gather(1, path).flatten()
-    return perm[:T]
-
-
 def move_accepted_kv(
     # one cache a layer, or the runner's `target_kv` ([layers, *one layer's shape]) alone
     kv_caches: list[Tensor],
