@@ -12,7 +12,8 @@ Builds the GPU reference family first (benchmarks/build_family.py --family gpu, 
      budget;
   5. draft trees (`--parts trees`), batch 1: plain, EAGLE-3 chains K = 2..6 and EAGLE-2 trees of
      8 / 16 / 32 / 64 verified tokens (fixed sizes, adaptive budget off), tokens/s and tau, and
-     the best tree's tokens/s over the best chain's.
+     the best tree's tokens/s over the best chain's; with synchronous steps, then with async
+     scheduling.
 
     python benchmarks/e2e.py                    # $OUT/e2e.json, table last
     python benchmarks/e2e.py --parts methods,batch64 --skip-build   # the family already built
@@ -271,25 +272,38 @@ TREES = {8: (7, 2, 3), 16: (15, 4, 4), 32: (31, 4, 6), 64: (63, 8, 6)}
 
 def trees(res: dict, target: str, eagle3: dict, ps: list[str]) -> None:
     """Batch 1: chains K = 2..6 against trees of 8..64 verified tokens, the adaptive budget off
-    (fixed shapes), each checked against plain decoding's tokens."""
-    plain = res.get("batch1", {}).get("plain") or run_specserve(target, None, ps)
-    out = res["trees"] = {"plain": plain}
+    (fixed shapes), each checked against plain decoding's tokens; synchronous steps (the host's
+    work in series with the device's), then async scheduling (the CUDA default: the next step
+    launched while this one runs). `same` counts prompts whose tokens equal plain decoding's
+    (bf16: the plain step's gemv and verification's matmuls round differently, so greedy paths
+    may split at near-ties)."""
+    out = res["trees"] = {}
     configs = [(f"chain K={k}", {"num_speculative_tokens": k}) for k in range(2, 7)]
     for size, (n, k, d) in TREES.items():
         tree = {"num_speculative_tokens": n, "draft_tree": {"topk": k, "depth": d}}
         configs.append((f"tree {size} (topk {k}, depth {d})", tree))
-    for name, extra in configs:
-        r = run_specserve(target, {**eagle3, "adaptive": False, **extra}, ps)
-        r["lossless"] = r["texts"] == plain["texts"]
-        out[name] = r
-        print(f"{name:>26}: {r['tok_s']:.0f} tok/s tau {r['tau']:.2f} lossless {r['lossless']}")
-        save(res)
-    best = lambda kind: max(  # noqa: E731
-        (v["tok_s"], n) for n, v in out.items() if n.startswith(kind)
-    )
-    (c, cn), (t, tn) = best("chain"), best("tree")
-    res["tree_vs_chain"] = {"best_chain": cn, "best_tree": tn, "ratio": t / c}
-    print(f"best tree {tn} {t:.0f} tok/s / best chain {cn} {c:.0f} tok/s = {t / c:.2f}x")
+    for mode, kw in (("sync", {}), ("async", {"async_scheduling": True})):
+        plain = run_specserve(target, None, ps, **kw)
+        out[f"plain {mode}"] = plain
+        print(f"{'plain ' + mode:>32}: {plain['tok_s']:.0f} tok/s", flush=True)
+        for name, extra in configs:
+            r = run_specserve(target, {**eagle3, "adaptive": False, **extra}, ps, **kw)
+            r["same"] = sum(a == b for a, b in zip(r["texts"], plain["texts"]))
+            r["lossless"] = r["same"] == len(ps)
+            out[f"{name} {mode}"] = r
+            print(
+                f"{name + ' ' + mode:>32}: {r['tok_s']:.0f} tok/s tau {r['tau']:.2f} "
+                f"same as plain {r['same']}/{len(ps)}",
+                flush=True,
+            )
+            save(res)
+        rows = [(v["tok_s"], n) for n, v in out.items() if n.endswith(mode)]
+        c, cn = max(r for r in rows if r[1].startswith("chain"))
+        t, tn = max(r for r in rows if r[1].startswith("tree"))
+        res.setdefault("tree_vs_chain", {})[mode] = {
+            "best_chain": cn, "best_tree": tn, "ratio": t / c,
+        }  # fmt: skip
+        print(f"best tree {tn} {t:.0f} tok/s / best chain {cn} {c:.0f} tok/s = {t / c:.2f}x")
 
 
 def print_table(res: dict) -> None:
@@ -301,10 +315,14 @@ def print_table(res: dict) -> None:
         for name, r in res.get(part, {}).items():
             tau = f"{r['tau']:.2f}" if r.get("tau") else "-"
             same = {True: "yes", False: "NO"}.get(r.get("lossless"), "-")
+            if "same" in r:
+                same = f"{r['same']}/{res['num_prompts']}"
             print(f"| {part} | {name} | {r['tok_s']:.0f} | {tau} | {same} |")
-    if "tree_vs_chain" in res:
-        v = res["tree_vs_chain"]
-        print(f"best tree / best chain: {v['ratio']:.2f}x ({v['best_tree']} / {v['best_chain']})")
+    for mode, v in res.get("tree_vs_chain", {}).items():
+        print(
+            f"best tree / best chain ({mode}): {v['ratio']:.2f}x ({v['best_tree']} / "
+            f"{v['best_chain']})"
+        )
 
 
 def save(res: dict) -> None:
