@@ -38,8 +38,8 @@ that step verifies the old k at the new k's price, so a larger k is taken only w
 over `explore_every` steps pays for it). Every `explore_every` decode steps of a bucket, the
 controller probes the neighbour of its choice whose cost measurement is oldest (from k = 0:
 k = 1, which also refreshes acceptance), but less often when the probe, its transitional
-steps included, is estimated to lose much: at most `explore_budget` of the time is spent on
-expected losses. The first bucket ever visited starts at the maximum K (acceptance at every
+steps included (from k = 0, also the tracked k = 0 steps it restarts), is estimated to lose
+much: at most `explore_budget` of the time is spent on expected losses. The first bucket ever visited starts at the maximum K (acceptance at every
 position), then k = 0 (plain decoding's cost); later buckets start from the nearest measured
 bucket's cost shape.
 
@@ -303,18 +303,23 @@ class DraftBudget:
         if c.steps >= c.probe_at:
             probe = self._probe(best, c)
             # Space probes so that their expected loss stays under `explore_budget` of the time.
-            loss = self._probe_loss(best, probe, e, t) / self.explore_budget
+            loss = self._probe_loss(best, probe, e, t, c) / self.explore_budget
             c.probe_at = c.steps + max(self.explore_every, math.ceil(loss))
             if probe != best:
                 return self._decide(probe)
         return self._decide(best)
 
-    def _probe_loss(self, best: int, probe: int, e: np.ndarray, t: np.ndarray) -> float:
+    def _probe_loss(
+        self, best: int, probe: int, e: np.ndarray, t: np.ndarray, c: _Costs | None = None
+    ) -> float:
         """Expected steps lost by a probe of k = `probe` from `best`: the transitional step in
         (it verifies `best` drafts but proposes `probe`, so it costs the larger k's step),
         `hold` steps at `probe`, and the transitional step back. The transitional steps are
         most of it when drafting is dear (from k = 0, the first drafts' step yields one
-        token)."""
+        token). From k = 0, a probe also restarts the `track_steps` k = 0 steps that run the
+        draft prefill (each dearer than a plain step by the bucket's measured share: on the
+        CPU at batch 1 ~10%, as much as the probe itself); left out, probes came every ~20
+        steps and those steps took most of the time drafting was off."""
         if probe == best:
             return 0.0
         v_best = e[best] / t[best]
@@ -322,7 +327,10 @@ class DraftBudget:
         steps_in = 1.0 - e[best] / wide / v_best
         at = 1.0 - e[probe] / t[probe] / v_best
         steps_out = 1.0 - e[probe] / wide / v_best
-        return max(0.0, steps_in) + self.hold * max(0.0, at) + max(0.0, steps_out)
+        loss = max(0.0, steps_in) + self.hold * max(0.0, at) + max(0.0, steps_out)
+        if best == 0 and c is not None and not math.isnan(c.t_tracked) and not np.isnan(c.t[0]):
+            loss += self.track_steps * max(0.0, c.t_tracked / c.t[0] - 1.0)
+        return loss
 
     def _probe(self, best: int, c: _Costs) -> int:
         if best == 0:
