@@ -31,6 +31,33 @@ def test_adaptive_engine_is_lossless(ckpt_dir, temperature: float, async_schedul
     assert sum(c.n.sum() for c in budget.costs.values()) > 0
 
 
+def test_logprobs_of_steps_without_drafts(ckpt_dir) -> None:
+    """Steps at k = 0 compute one logits row a request (not K + 1 copies): their logprobs and
+    top logprobs equal plain decoding's, as the drafted steps' do."""
+    target = ckpt_dir("llama_gqa", "llama")
+    cfg = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(2, 5, 20, seed=4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    llm = LLM(target, max_model_len=256, speculative_config=cfg)
+    chosen: list[int] = []
+    choose = llm.engine.budget.choose
+
+    def spy(batch: int, requests: list) -> int:
+        chosen.append(choose(batch, requests))
+        return chosen[-1]
+
+    llm.engine.budget.choose = spy
+    outs = llm.generate(prompts, sp)
+    ref = LLM(target, max_model_len=256).generate(prompts, sp)
+    assert 0 in chosen and max(chosen) > 0  # both kinds of step ran
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert a[t] == pytest.approx(b[t], abs=1e-4)
+
+
 def test_fixed_k_opt_outs() -> None:
     from specserve.config.speculative import SpeculativeConfig
 

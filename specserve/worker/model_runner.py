@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from specserve import ops
 from specserve.attention.backend import (
@@ -316,14 +317,19 @@ class ModelRunner:
         tok = self.states.token_ids
         drafted = k > 0 and bool(inp.num_draft_np.any())
         # A uniform batch with K drafts everywhere (plain decode: K = 0) has its verified slots
-        # in token order: no gather.
+        # in token order: no gather. A step without drafts (the adaptive budget's k = 0)
+        # computes one row a request, not K + 1 copies of it (lm_head, processors, sampling);
+        # grammar masks keep K + 1 rows.
         verified = fwd.hidden
-        if inp.num_tokens != B * k1 or (inp.num_draft_np != k).any():
+        rows = k1 if drafted or gs is not None else 1
+        if rows == 1 and inp.num_tokens != B:
+            verified = fwd.hidden[inp.logits_indices[:, 0]]
+        elif rows == k1 and (inp.num_tokens != B * k1 or (inp.num_draft_np != k).any()):
             verified = fwd.hidden[inp.logits_indices.flatten()]
-        rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64, B)
+        state_rows = np.fromiter((s.req.row for s in sched.scheduled), np.int64, B)
         # Without a speculator only sampling reads the sampling parameters, and greedy
         # sampling reads none: no gathers then.
-        greedy_only = self.speculator is None and self.states.all_greedy(rows)
+        greedy_only = self.speculator is None and self.states.all_greedy(state_rows)
         lpi = build_logits_processor_inputs(
             [s.req for s in sched.scheduled], self.eos_token_ids, self.device
         )
@@ -335,7 +341,7 @@ class ModelRunner:
         # In the model dtype: sampling and logprobs convert what they need (argmax needs no
         # fp32 copy of a 128k-vocabulary row: one kernel less per decode step).
         logits = fused[0] if fused is not None else self.model.compute_logits(verified)
-        logits = logits.view(B, k1, -1)
+        logits = logits.view(B, rows, -1)
         if gs is not None:
             # The grammar step: forbidden tokens -> -inf at every slot, before verification and
             # sampling read the logits (logprobs too, as in vLLM). Masking before the logits
@@ -351,7 +357,7 @@ class ModelRunner:
             target_logits = apply_logits_processors(
                 logits, tok, inp.idx_mapping, inp.out_pos0, inp.max_seq_len, lpi
             )
-        st = None if greedy_only else self.states.sampling_tensors(rows, inp.idx_mapping)
+        st = None if greedy_only else self.states.sampling_tensors(state_rows, inp.idx_mapping)
         num_acc = None  # nothing drafted: 0 accepted everywhere
         if not drafted:
             lg = target_logits[:, 0]
@@ -520,13 +526,16 @@ class ModelRunner:
         if ver.num_acc is not None:
             fields["num_accepted"] = ver.num_acc
         if n_top >= 0:
+            r = ver.logits.shape[1]  # 1 in a step without drafts: slot 0 only
             lp, _, top_ids, top_lp = compute_logprobs(
-                ver.logits.view(B * k1, -1), out_tokens.clamp_min(0).flatten(), max(n_top, 1)
-            )
+                ver.logits.reshape(B * r, -1), out_tokens[:, :r].clamp_min(0).flatten(),
+                max(n_top, 1),
+            )  # fmt: skip
+            pad = (0, 0, 0, k1 - r)
             fields |= {
-                "lp": lp.view(B, k1),
-                "top_ids": top_ids.view(B, k1, -1),
-                "top_lp": top_lp.view(B, k1, -1),
+                "lp": F.pad(lp.view(B, r), pad[2:]),
+                "top_ids": F.pad(top_ids.view(B, r, -1), pad),
+                "top_lp": F.pad(top_lp.view(B, r, -1), pad),
             }
         spans, p_top = None, 0
         if prompt_lp is not None:
