@@ -20,9 +20,8 @@ The choice maximizes expected tokens per second of the batch:
               price, so the budget drafted at large k where plain was best and never measured
               k = 0 again to correct it (H100, batch 64, 0.93x plain). The quantile ignores up
               to three stalls in five and follows a real change (contexts growing) within four
-              steps. Cells never
-              measured come from a linear fit t0 + k * dt over the bucket's measured cells, or,
-              with fewer than two, from the nearest measured bucket's shape.
+              steps. Cells never measured come from a linear fit t0 + k * dt over the bucket's
+              measured cells, or, with fewer than two, from the nearest measured bucket's shape.
   k = 0       no drafts. For `track_steps` decisions after the last k > 0, an autoregressive
               drafter (EAGLE, EAGLE-3, MTP, a draft model) still runs its draft prefill over
               the verified token (a small share of a step), so its KV stays complete for a
@@ -39,9 +38,9 @@ over `explore_every` steps pays for it). Every `explore_every` decode steps of a
 controller probes the neighbour of its choice whose cost measurement is oldest (from k = 0:
 k = 1, which also refreshes acceptance), but less often when the probe, its transitional
 steps included (from k = 0, also the tracked k = 0 steps it restarts), is estimated to lose
-much: at most `explore_budget` of the time is spent on expected losses. The first bucket ever visited starts at the maximum K (acceptance at every
-position), then k = 0 (plain decoding's cost); later buckets start from the nearest measured
-bucket's cost shape.
+much: at most `explore_budget` of the time is spent on expected losses. The first bucket ever
+visited starts at the maximum K (acceptance at every position), then k = 0 (plain decoding's
+cost); later buckets start from the nearest measured bucket's cost shape.
 
 Convergence: with gamma = 0.9, observations older than 32 steps weigh 3%; a change visible at
 the current k (acceptance falling, a batch-size bucket already measured) moves the choice in a
@@ -105,8 +104,8 @@ class _Acceptance:
 
 @dataclass
 class _Costs:
-    """Step seconds of one batch bucket per k: a low quantile of the recent samples, sample count,
-    step of the last sample. t[0] is plain decoding's step (the drafter not running); k = 0
+    """Step seconds of one batch bucket per k: a low quantile of the recent samples, sample
+    count, step of the last sample. t[0] is plain decoding's step (the drafter not running); k = 0
     steps that still ran the draft prefill (`track_steps`) are a transitional cost after
     drafting, kept apart in `t_tracked` and standing in for t[0] only until a plain step is
     measured."""
