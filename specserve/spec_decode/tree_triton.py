@@ -21,12 +21,15 @@ BLOCK_T = 128
 
 
 @triton.jit
-def _node_index(t, ok, token_req_ptr, qsl_ptr, num_draft_ptr):
-    """(request, first token of its tree, node index of t: negative outside the tree)."""
+def _node_index(T, token_req_ptr, qsl_ptr, num_draft_ptr, BLOCK: tl.constexpr):
+    """This program's tokens t (and t < T), with each one's request, the first token of its
+    tree and its node index there (negative outside the tree)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < T
     req = tl.load(token_req_ptr + t, mask=ok, other=0).to(tl.int64)
     last = tl.load(qsl_ptr + req + 1, mask=ok, other=0).to(tl.int64) - 1
     first = last - tl.load(num_draft_ptr + req, mask=ok, other=0).to(tl.int64)
-    return req, first, t - first
+    return t, ok, req, first, t - first
 
 
 @jit_any_shape
@@ -46,9 +49,7 @@ def _tree_metadata_kernel(
     NO_TREE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = t < T
-    req, first, m = _node_index(t, ok, token_req_ptr, qsl_ptr, num_draft_ptr)
+    t, ok, req, first, m = _node_index(T, token_req_ptr, qsl_ptr, num_draft_ptr, BLOCK)
     node = m >= 0
     mc = tl.minimum(tl.maximum(m, 0), K1 - 1)
     row = tl.load(idx_mapping_ptr + req, mask=ok, other=0).to(tl.int64)
@@ -100,9 +101,7 @@ def _chain_order_kernel(
     K1: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = t < T
-    req, first, m = _node_index(t, ok, token_req_ptr, qsl_ptr, num_draft_ptr)
+    t, ok, req, first, m = _node_index(T, token_req_ptr, qsl_ptr, num_draft_ptr, BLOCK)
     node = m >= 0
     p = tl.load(path_ptr + req * K1 + tl.maximum(m, 0), mask=ok & node, other=0)
     tl.store(perm_ptr + t, tl.where(node, first + p, t), mask=ok)
