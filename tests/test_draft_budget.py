@@ -262,11 +262,12 @@ def test_stalls_do_not_move_the_choice(acceptance: float) -> None:
     assert s.tokens / s.batch / s.seconds >= 0.97 * best, s.chosen[-100:]
 
 
-def test_probes_from_zero_pay_for_the_tracked_steps_they_restart() -> None:
-    """Where plain decoding wins and the k = 0 steps after a probe still run the draft prefill
-    (12% dearer, as on the CPU at batch 1), probes are spaced so that they and the tracked
-    steps they restart cost under 1.5%: a probe every ~20 steps made those steps most of the
-    time drafting was off."""
+def test_probes_from_zero_do_not_restart_the_tracked_steps() -> None:
+    """Where plain decoding wins and k = 0 steps that run the draft prefill are 12% dearer (as
+    on the CPU at batch 1), a probe from k = 0 does not restart them: the drafter's KV already
+    misses the plain stretch before the probe. (Restarted, they took most of the time drafting
+    was off.) What remains, probes and the drafts a lucky run of acceptances buys, costs
+    under 2.5%."""
     costs = [1.0, 1.3, 1.45, 1.6]
     rates = []
     for seed in range(3):
@@ -276,4 +277,47 @@ def test_probes_from_zero_pay_for_the_tracked_steps_they_restart() -> None:
         t0, n0 = s.seconds, s.tokens
         s.run(1500, 0.2, table(costs))
         rates.append((s.tokens - n0) / (s.seconds - t0))
-    assert np.mean(rates) >= 0.985, rates  # plain decoding: 1 token a second
+    assert np.mean(rates) >= 0.975, rates  # plain decoding: 1 token a second
+    c = DraftBudget(3)
+    c.record_step(1, 0, 1.0)  # plain measured
+    c._decide(2)
+    for _ in range(c.track_steps + 1):
+        c._decide(0)
+    assert not c.tracks_drafter_kv
+    c._decide(1, probe_from_plain=True)
+    c._decide(0)
+    assert not c.tracks_drafter_kv
+
+
+def test_plain_decoding_is_measured_where_tracked_steps_are_dear() -> None:
+    """A bucket without a plain step measured takes its k = 0 steps untracked, so plain
+    decoding's own cost is measured: tracked steps standing in for it (25% dearer, as at batch
+    64 on an H100) made k = 0 look worse than drafting at a loss, and it was never held long
+    enough to be measured (0.85x plain in this simulation before)."""
+    costs = [1.0, 1.25, 1.4, 1.55, 1.7, 1.85]
+    s = Sim(batch=16, track_cost=0.25)
+    s.run(100, 0.1, table(costs))
+    t0, n0 = s.seconds, s.tokens
+    s.run(400, 0.1, table(costs))
+    assert not np.isnan(s.c.costs[16].t[0])
+    assert (s.tokens - n0) / s.batch / (s.seconds - t0) >= 0.97, s.chosen[-100:]
+
+
+def test_old_step_times_age_out() -> None:
+    """Step costs drift as contexts grow. A k visited long ago keeps no old, cheap samples
+    once it is measured again: its cost is today's sample, not the fastest of old ones (a
+    k = 2 kept its cost from a short context, read cheaper than the k = 1 in use, and the
+    budget went back to it for stretches of 5-30 steps: 0.93x of fixed K = 1)."""
+    c = DraftBudget(3)
+    reqs = [("r", True)]
+    for _ in range(5):
+        c.record_step(1, 2, 1.2)
+    while c.costs[1].steps <= c.cost_max_age:  # decisions of the bucket
+        c.choose(1, reqs)
+        c.record_step(1, 1, 1.3)
+    c.record_step(1, 2, 1.8)
+    assert c.step_costs(1)[2] == pytest.approx(1.8)
+    # Within the age limit, the low quantile still ignores a stall.
+    c.record_step(1, 2, 1.7)
+    c.record_step(1, 2, 5.0)
+    assert c.step_costs(1)[2] == pytest.approx(1.7)

@@ -13,22 +13,28 @@ The choice maximizes expected tokens per second of the batch:
               number of observations: a batch of 64 and a batch of 1 forget at the same pace.
   cost        c(B, k): a low quantile (the second fastest of five) of the last `cost_window`
               measured wall times of steady decode steps (k verified and k proposed) per batch
-              bucket (powers of two) and k; c(B, 0) from plain steps (the tracked k = 0 steps
+              bucket (powers of two) and k, counting only samples at most `cost_max_age` of
+              the bucket's decisions old; c(B, 0) from plain steps (the tracked k = 0 steps
               below stand in only until one is measured). Not a mean: step-time noise is
               one-sided (a compile, a GC pause, a step the host could not overlap only add
               time), and one stall at k = 0 in an EWMA made plain decoding look up to 1.7x its
               price, so the budget drafted at large k where plain was best and never measured
               k = 0 again to correct it (H100, batch 64, 0.93x plain). The quantile ignores up
               to three stalls in five and follows a real change (contexts growing) within four
-              steps. Cells never measured come from a linear fit t0 + k * dt over the bucket's
-              measured cells, or, with fewer than two, from the nearest measured bucket's shape.
+              steps; the age limit keeps a k visited long ago from keeping its cheap samples
+              of a shorter context. Cells never measured come from a linear fit t0 + k * dt
+              over the bucket's measured cells, or, with fewer than two, from the nearest
+              measured bucket's shape.
   k = 0       no drafts. For `track_steps` decisions after the last k > 0, an autoregressive
               drafter (EAGLE, EAGLE-3, MTP, a draft model) still runs its draft prefill over
-              the verified token (a small share of a step), so its KV stays complete for a
-              switch back; after that, and for the other drafters, the drafter does not run
-              on pure decode steps (plain decoding's cost) and its KV has holes at the
-              positions decoded meanwhile; steps with prompt chunks still run the draft
-              prefill, so every prompt is in its KV. Outputs never depend on drafts (coupled
+              the verified token, so its KV stays complete for a switch back; after that, and
+              for the other drafters, the drafter does not run on pure decode steps (plain
+              decoding's cost) and its KV has holes at the positions decoded meanwhile; steps
+              with prompt chunks still run the draft prefill, so every prompt is in its KV.
+              Tracked steps are dearer than plain ones (H100, batch 64: 9.5 against 7.8 ms),
+              so going down to 0 must pay for them over `track_horizon` steps; a probe from 0
+              does not restart them; and a bucket whose plain step is not measured yet takes
+              k = 0 untracked, to measure it. Outputs never depend on drafts (coupled
               verification), only acceptance right after a switch back does.
 
 Exploration: the choice is held for at least two steps (a decision sets the drafts the next
@@ -37,10 +43,10 @@ that step verifies the old k at the new k's price, so a larger k is taken only w
 over `explore_every` steps pays for it). Every `explore_every` decode steps of a bucket, the
 controller probes the neighbour of its choice whose cost measurement is oldest (from k = 0:
 k = 1, which also refreshes acceptance), but less often when the probe, its transitional
-steps included (from k = 0, also the tracked k = 0 steps it restarts), is estimated to lose
-much: at most `explore_budget` of the time is spent on expected losses. The first bucket ever
-visited starts at the maximum K (acceptance at every position), then k = 0 (plain decoding's
-cost); later buckets start from the nearest measured bucket's cost shape.
+steps included, is estimated to lose much: at most `explore_budget` of the time is spent on
+expected losses. The first bucket ever visited starts at the maximum K (acceptance at every
+position), then k = 0 (plain decoding's cost); later buckets start from the nearest measured
+bucket's cost shape.
 
 Convergence: with gamma = 0.9, observations older than 32 steps weigh 3%; a change visible at
 the current k (acceptance falling, a batch-size bucket already measured) moves the choice in a
@@ -114,28 +120,38 @@ class _Costs:
     n: np.ndarray
     last: np.ndarray
     window: int
-    # [K + 2, window] the last samples of each k (row K + 1: tracked k = 0), NaN-padded
+    max_age: int
+    # [K + 2, window] the last samples of each k (row K + 1: tracked k = 0), NaN-padded, and
+    # the bucket decision (`steps`) each was recorded at
     recent: np.ndarray
+    stamps: np.ndarray
     steps: int = 0  # decisions made in this bucket
     probe_at: int = 0  # the decision count at which the next probe may start
     t_tracked: float = math.nan
 
     @classmethod
-    def empty(cls, k: int, window: int) -> _Costs:
+    def empty(cls, k: int, window: int, max_age: int) -> _Costs:
         return cls(
             np.full(k + 1, np.nan),
             np.zeros(k + 1),
             np.full(k + 1, -(10**9)),
             window,
+            max_age,
             np.full((k + 2, window), np.nan),
+            np.zeros((k + 2, window), dtype=np.int64),
         )
 
     def add(self, row: int, seconds: float) -> float:
         """Record a sample of `row` (k, or K + 1 for tracked k = 0); the cost it gives now: the
-        25th percentile of the window, rounded down to a sample (the fastest of up to four)."""
-        r = self.recent[row]
-        r[:-1] = r[1:].copy()
-        r[-1] = seconds
+        25th percentile of the window, rounded down to a sample (the fastest of up to four),
+        over the samples at most `max_age` decisions old. Older ones are dropped: step costs
+        drift as contexts grow (at batch 64 on an H100, a k = 2 step went from 9.9 to 13.2 ms
+        over 500 tokens), and a rarely visited k kept its cheap samples from a shorter context
+        while the k in use was measured at today's price, so it read cheaper than it was."""
+        r, st = self.recent[row], self.stamps[row]
+        r[:-1], st[:-1] = r[1:].copy(), st[1:].copy()
+        r[-1], st[-1] = seconds, self.steps
+        r[st < self.steps - self.max_age] = np.nan
         return float(np.nanpercentile(r, 25, method="lower"))
 
     def table(self) -> np.ndarray:
@@ -160,6 +176,7 @@ class DraftBudget:
     floor: float = 4.0  # drafts of evidence a class position keeps however old
     prior_acceptance: float = 0.5
     cost_window: int = 5  # recent step times a cost is a low quantile of
+    cost_max_age: int = 32  # decisions of a bucket after which a step time no longer counts
     explore_every: int = 16
     explore_budget: float = 0.005  # fraction of time probes may lose, in expectation
     hold: int = 2  # decisions a choice is kept (one transitional step + one measured step)
@@ -167,6 +184,7 @@ class DraftBudget:
     # prefill costs ~7% of a batch-1 step on the CPU): short stretches at 0 resume drafting
     # from complete KV; long ones, where drafting lost, cost plain decoding's price.
     track_steps: int = 16
+    track_horizon: int = 64  # steps over which going down to k = 0 must pay its tracked steps
     classes: dict[bool, _Acceptance] = field(default_factory=dict)
     # Per-request decayed counts, one row a request (`_rows`: request id -> row).
     _rows: dict[str, int] = field(default_factory=dict)
@@ -181,6 +199,8 @@ class DraftBudget:
     _budget_sum: float = 0.0
     _budget_n: int = 0
     _since_draft: int = 10**9  # decisions since the last k > 0
+    _plain_unmeasured: bool = False  # the bucket of the last decision has no plain step yet
+    _probing_plain: bool = False  # the k > 0 now held is a probe from k = 0
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -233,6 +253,12 @@ class DraftBudget:
         greedy = np.array([g for _, g in requests], dtype=bool)
         return self.expected_tokens(self._request_estimates(ids, greedy)).sum(0)
 
+    def _bucket_costs(self, batch: int) -> _Costs:
+        b = self.bucket(batch)
+        if b not in self.costs:
+            self.costs[b] = _Costs.empty(self.max_k, self.cost_window, self.cost_max_age)
+        return self.costs[b]
+
     def step_costs(self, batch: int) -> np.ndarray | None:
         """[K + 1] seconds per step for each k (measured, else modelled); None: nothing
         measured in any bucket."""
@@ -277,8 +303,9 @@ class DraftBudget:
         if self._held > 0 and self.last_k >= 0:
             self._held -= 1
             return self._chosen(self.last_k)
-        c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k, self.cost_window))
+        c = self._bucket_costs(batch)
         c.steps += 1
+        self._plain_unmeasured = bool(np.isnan(c.t[0]))
         measured = ~np.isnan(c.table())
         t = self.step_costs(batch)
         # Only the first bucket ever visited explores from scratch; later ones start from the
@@ -299,26 +326,29 @@ class DraftBudget:
             switch = 1.0 - t[cur] / t[best]
             if (v[best] - v[cur]) / v[best] * self.explore_every <= switch:
                 best = cur
+        elif best == 0 < cur and not self._probing_plain and not math.isnan(c.t_tracked):
+            # Going down to 0 starts `track_steps` tracked steps, each dearer than a plain one
+            # (H100, batch 64: +22%): worth it only if plain decoding's gain over
+            # `track_horizon` steps pays for them. Where the two are near equal, flapping
+            # between them paid the tracked steps every ~20 steps (0.94x of either).
+            track = self.track_steps * max(0.0, c.t_tracked / t[0] - 1.0)
+            if (v[0] - v[cur]) / v[0] * self.track_horizon <= track:
+                best = cur
         if c.steps >= c.probe_at:
             probe = self._probe(best, c)
             # Space probes so that their expected loss stays under `explore_budget` of the time.
-            loss = self._probe_loss(best, probe, e, t, c) / self.explore_budget
+            loss = self._probe_loss(best, probe, e, t) / self.explore_budget
             c.probe_at = c.steps + max(self.explore_every, math.ceil(loss))
             if probe != best:
-                return self._decide(probe)
+                return self._decide(probe, probe_from_plain=best == 0)
         return self._decide(best)
 
-    def _probe_loss(
-        self, best: int, probe: int, e: np.ndarray, t: np.ndarray, c: _Costs | None = None
-    ) -> float:
+    def _probe_loss(self, best: int, probe: int, e: np.ndarray, t: np.ndarray) -> float:
         """Expected steps lost by a probe of k = `probe` from `best`: the transitional step in
         (it verifies `best` drafts but proposes `probe`, so it costs the larger k's step),
         `hold` steps at `probe`, and the transitional step back. The transitional steps are
         most of it when drafting is dear (from k = 0, the first drafts' step yields one
-        token). From k = 0, a probe also restarts the `track_steps` k = 0 steps that run the
-        draft prefill (each dearer than a plain step by the bucket's measured share: on the
-        CPU at batch 1 ~10%, as much as the probe itself); left out, probes came every ~20
-        steps and those steps took most of the time drafting was off."""
+        token)."""
         if probe == best:
             return 0.0
         v_best = e[best] / t[best]
@@ -326,10 +356,7 @@ class DraftBudget:
         steps_in = 1.0 - e[best] / wide / v_best
         at = 1.0 - e[probe] / t[probe] / v_best
         steps_out = 1.0 - e[probe] / wide / v_best
-        loss = max(0.0, steps_in) + self.hold * max(0.0, at) + max(0.0, steps_out)
-        if best == 0 and c is not None and not math.isnan(c.t_tracked) and not np.isnan(c.t[0]):
-            loss += self.track_steps * max(0.0, c.t_tracked / c.t[0] - 1.0)
-        return loss
+        return max(0.0, steps_in) + self.hold * max(0.0, at) + max(0.0, steps_out)
 
     def _probe(self, best: int, c: _Costs) -> int:
         if best == 0:
@@ -337,22 +364,34 @@ class DraftBudget:
         near = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
         return min(near, key=lambda k: c.last[k])
 
-    def _decide(self, k: int) -> int:
+    def _decide(self, k: int, probe_from_plain: bool = False) -> int:
         if k != self.last_k:
             self._held = self.hold - 1
         self.last_k = k
+        self._probing_plain = probe_from_plain
         return self._chosen(k)
 
     def _chosen(self, k: int) -> int:
         self._budget_sum += k
         self._budget_n += 1
-        self._since_draft = 0 if k > 0 else self._since_draft + 1
+        # A probe from k = 0 does not restart the tracked steps: the drafter's KV already
+        # misses the plain stretch before it, and 16 tracked steps after each probe cost as
+        # much as the probe itself where plain decoding wins.
+        if k > 0 and not self._probing_plain:
+            self._since_draft = 0
+        elif k == 0:
+            self._since_draft += 1
         return k
 
     @property
     def tracks_drafter_kv(self) -> bool:
-        """Whether the k = 0 just chosen should keep the drafter's KV (see `track_steps`)."""
-        return self._since_draft <= self.track_steps
+        """Whether the k = 0 just chosen should keep the drafter's KV (see `track_steps`). Not
+        while the bucket has no plain step measured: a tracked step stands in for plain
+        decoding's cost until one is, and it is dearer (H100, batch 64: 9.5 ms against 7.8),
+        so k = 0 looked worse than it was, was never held long enough to be measured, and the
+        budget drafted where plain decoding won. The price: the drafter's KV misses the
+        positions of those few steps (acceptance, never outputs)."""
+        return self._since_draft <= self.track_steps and not self._plain_unmeasured
 
     @property
     def mean_budget(self) -> float:
@@ -367,7 +406,7 @@ class DraftBudget:
     def record_step(self, batch: int, k: int, seconds: float, tracked: bool = False) -> None:
         """A steady decode step (k drafts verified and k proposed) of `batch` requests took
         `seconds` of wall time; `tracked`: a k = 0 step that ran the draft prefill."""
-        c = self.costs.setdefault(self.bucket(batch), _Costs.empty(self.max_k, self.cost_window))
+        c = self._bucket_costs(batch)
         if k == 0 and tracked:
             c.t_tracked = c.add(self.max_k + 1, seconds)
             c.last[0] = c.steps
