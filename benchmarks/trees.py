@@ -1,15 +1,19 @@
-"""Cost of verifying a draft tree vs a plain step and the K = 4 chain, Llama-3-8B shape,
-EAGLE-3-shaped head, random bf16 weights (load_format=dummy).
+"""Cost of verifying a draft tree vs a plain step and the K = 4 chain, Llama-3-8B shape (or
+the GPU reference family's ~100M target, `--shape family`), EAGLE-3-shaped head, random bf16
+weights (load_format=dummy). `--profile` also counts each step's CUDA kernels and lists the
+costliest, which tells a launch-bound step from a bandwidth-bound one.
 
 For batch 1 and 16: ms per engine step of plain decoding, the K = 4 chain, and EAGLE-2 trees of
 8 / 16 / 32 / 64 verified tokens (root + 7 / 15 / 31 / 63 nodes), and the drafting share of
 each step (CUDA events around drafting: the tree draft loop runs depth - 1 expansions of topk
 nodes a request). Random weights accept almost nothing: these are step costs, not speed-ups.
 Tree steps replay CUDA graphs as chains do (the target's verification with its tree fields,
-the whole tree drafting in one graph), every row on one attention backend (`--backend`: the Triton kernel, which takes tree masks, on CUDA; torch on the CPU). Tree
-outputs are checked against the chain's (greedy: identical tokens).
+the whole tree drafting in one graph), every row on one attention backend (`--backend`: the
+Triton kernel, which takes tree masks, on CUDA; torch on the CPU). Outputs are not compared
+here: tests/test_tree_graphs_gpu.py checks tree graphs against eager steps.
 
     python benchmarks/trees.py                          # GPU, $OUT/trees.json, < 10 min
+    python benchmarks/trees.py --shape family --batches 1 --profile  # the e2e family's size
     python benchmarks/trees.py --device cpu --shape tiny  # smoke run of the code paths
 """
 
@@ -42,6 +46,27 @@ TINY = {
 TINY_HEAD = {**EAGLE3_HEAD, **{k: TINY[k] for k in TINY if k in EAGLE3_HEAD}}
 TINY_HEAD["draft_vocab_size"] = 256
 TINY_HEAD["architectures"] = EAGLE3_HEAD["architectures"]
+# The GPU reference family's shapes (specserve/train/presets.py "gpu": 100.7M parameters), the
+# size at which benchmarks/e2e.py --parts trees measures trees end to end.
+FAMILY = {
+    **LLAMA3_8B,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "vocab_size": 16384,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+}
+FAMILY_HEAD = {**EAGLE3_HEAD, **{k: FAMILY[k] for k in FAMILY if k in EAGLE3_HEAD}}
+FAMILY_HEAD["draft_vocab_size"] = 8192
+FAMILY_HEAD["architectures"] = EAGLE3_HEAD["architectures"]
+SHAPES = {
+    "llama3-8b": (LLAMA3_8B, EAGLE3_HEAD),
+    "family": (FAMILY, FAMILY_HEAD),
+    "tiny": (TINY, TINY_HEAD),
+}
 # verified tokens (root + nodes) -> (nodes, topk, depth); topk * (depth - 1) < nodes
 TREES = {8: (7, 2, 3), 16: (15, 4, 4), 32: (31, 4, 6), 64: (63, 8, 6)}
 
@@ -94,10 +119,49 @@ def _time(llm, batch: int, steps: int, prompt_len: int) -> tuple[float, float, l
     return ms, draft_ms, outs
 
 
+def _profile(llm, batch: int, steps: int) -> dict:
+    """CUDA kernels of `steps` decode steps (after a prefill): launches and GPU time a step and
+    the kernels that take most of it, to tell a launch-bound step from a bandwidth-bound one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specserve import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(
+            f"p{time.monotonic_ns()}-{i}", [(5 * i + j) % 500 + 1 for j in range(64)], sp
+        )
+    eng.step()  # prefill
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        n = 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            n += 1
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:60], []).append(e.device_time_total / 1e3)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]
+    return {
+        "steps": n,
+        "kernels_per_step": len(kernels) / max(n, 1),
+        "gpu_ms_per_step": sum(e.device_time_total for e in kernels) / 1e3 / max(n, 1),
+        "top": [(name, len(v) / max(n, 1), sum(v) / max(n, 1)) for name, v in top],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--shape", default="llama3-8b", choices=["llama3-8b", "tiny"])
+    ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also count each step's CUDA kernels (torch.profiler)",
+    )
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--sizes", default="8,16,32,64")
     ap.add_argument("--steps", type=int, default=24)
@@ -107,8 +171,9 @@ def main() -> None:
         args.backend = "triton" if args.device.startswith("cuda") else "torch"
     tiny = args.shape == "tiny"
     root = tempfile.mkdtemp(prefix="trees-")
-    target = write_config(TINY if tiny else LLAMA3_8B, os.makedirs(f"{root}/t") or f"{root}/t")
-    head = write_config(TINY_HEAD if tiny else EAGLE3_HEAD, os.makedirs(f"{root}/h") or f"{root}/h")
+    target_cfg, head_cfg = SHAPES[args.shape]
+    target = write_config(target_cfg, os.makedirs(f"{root}/t") or f"{root}/t")
+    head = write_config(head_cfg, os.makedirs(f"{root}/h") or f"{root}/h")
     steps = 6 if tiny else args.steps
     rows = []
     for batch in map(int, args.batches.split(",")):
@@ -121,8 +186,16 @@ def main() -> None:
         for name, spec in configs:
             llm = _engine(target, spec, batch, args.device, args.backend)
             ms, draft_ms, _ = _time(llm, batch, steps, 64 if tiny else 256)
-            rows.append({"batch": batch, "config": name, "step_ms": ms, "draft_ms": draft_ms})
+            row = {"batch": batch, "config": name, "step_ms": ms, "draft_ms": draft_ms}
             print(f"batch {batch:3d}  {name:28s} {ms:8.2f} ms/step  drafting {draft_ms:6.2f} ms")
+            if args.profile and args.device.startswith("cuda"):
+                row["profile"] = prof = _profile(llm, batch, 8)
+                print(f"    {prof['kernels_per_step']:.0f} kernels, "
+                      f"{prof['gpu_ms_per_step']:.2f} ms of GPU time a step; top kernels "
+                      "(launches, ms a step):")  # fmt: skip
+                for kname, count, kms in prof["top"]:
+                    print(f"      {count:5.1f} {kms:6.3f}  {kname}")
+            rows.append(row)
             del llm
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
