@@ -262,12 +262,11 @@ def test_stalls_do_not_move_the_choice(acceptance: float) -> None:
     assert s.tokens / s.batch / s.seconds >= 0.97 * best, s.chosen[-100:]
 
 
-def test_probes_from_zero_do_not_restart_the_tracked_steps() -> None:
-    """Where plain decoding wins and k = 0 steps that run the draft prefill are 12% dearer (as
-    on the CPU at batch 1), a probe from k = 0 does not restart them: the drafter's KV already
-    misses the plain stretch before the probe. (Restarted, they took most of the time drafting
-    was off.) What remains, probes and the drafts a lucky run of acceptances buys, costs
-    under 2.5%."""
+def test_probes_from_zero_pay_for_the_tracked_steps_they_restart() -> None:
+    """Where plain decoding wins and the k = 0 steps after a probe still run the draft prefill
+    (12% dearer, as on the CPU at batch 1), probes are spaced so that they and the tracked
+    steps they restart cost under 1.5%: a probe every ~20 steps made those steps most of the
+    time drafting was off."""
     costs = [1.0, 1.3, 1.45, 1.6]
     rates = []
     for seed in range(3):
@@ -277,16 +276,7 @@ def test_probes_from_zero_do_not_restart_the_tracked_steps() -> None:
         t0, n0 = s.seconds, s.tokens
         s.run(1500, 0.2, table(costs))
         rates.append((s.tokens - n0) / (s.seconds - t0))
-    assert np.mean(rates) >= 0.975, rates  # plain decoding: 1 token a second
-    c = DraftBudget(3)
-    c.record_step(1, 0, 1.0)  # plain measured
-    c._decide(2)
-    for _ in range(c.track_steps + 1):
-        c._decide(0)
-    assert not c.tracks_drafter_kv
-    c._decide(1, probe_from_plain=True)
-    c._decide(0)
-    assert not c.tracks_drafter_kv
+    assert np.mean(rates) >= 0.985, rates  # plain decoding: 1 token a second
 
 
 def test_plain_decoding_is_measured_where_tracked_steps_are_dear() -> None:

@@ -32,10 +32,10 @@ The choice maximizes expected tokens per second of the batch:
               decoding's cost) and its KV has holes at the positions decoded meanwhile; steps
               with prompt chunks still run the draft prefill, so every prompt is in its KV.
               Tracked steps are dearer than plain ones (H100, batch 64: 9.5 against 7.8 ms),
-              so going down to 0 must pay for them over `track_horizon` steps; a probe from 0
-              does not restart them; and a bucket whose plain step is not measured yet takes
-              k = 0 untracked, to measure it. Outputs never depend on drafts (coupled
-              verification), only acceptance right after a switch back does.
+              so going down to 0 must pay for them over `track_horizon` steps, and a bucket
+              whose plain step is not measured yet takes k = 0 untracked, to measure it.
+              Outputs never depend on drafts (coupled verification), only acceptance right
+              after a switch back does.
 
 Exploration: the choice is held for at least two steps (a decision sets the drafts the next
 step verifies, so a switch costs one transitional step whose time is not recorded; going up,
@@ -43,10 +43,10 @@ that step verifies the old k at the new k's price, so a larger k is taken only w
 over `explore_every` steps pays for it). Every `explore_every` decode steps of a bucket, the
 controller probes the neighbour of its choice whose cost measurement is oldest (from k = 0:
 k = 1, which also refreshes acceptance), but less often when the probe, its transitional
-steps included, is estimated to lose much: at most `explore_budget` of the time is spent on
-expected losses. The first bucket ever visited starts at the maximum K (acceptance at every
-position), then k = 0 (plain decoding's cost); later buckets start from the nearest measured
-bucket's cost shape.
+steps included (from k = 0, also the tracked k = 0 steps it restarts), is estimated to lose
+much: at most `explore_budget` of the time is spent on expected losses. The first bucket ever
+visited starts at the maximum K (acceptance at every position), then k = 0 (plain decoding's
+cost); later buckets start from the nearest measured bucket's cost shape.
 
 Convergence: with gamma = 0.9, observations older than 32 steps weigh 3%; a change visible at
 the current k (acceptance falling, a batch-size bucket already measured) moves the choice in a
@@ -200,7 +200,6 @@ class DraftBudget:
     _budget_n: int = 0
     _since_draft: int = 10**9  # decisions since the last k > 0
     _plain_unmeasured: bool = False  # the bucket of the last decision has no plain step yet
-    _probing_plain: bool = False  # the k > 0 now held is a probe from k = 0
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -326,29 +325,37 @@ class DraftBudget:
             switch = 1.0 - t[cur] / t[best]
             if (v[best] - v[cur]) / v[best] * self.explore_every <= switch:
                 best = cur
-        elif best == 0 < cur and not self._probing_plain and not math.isnan(c.t_tracked):
+        elif best == 0 < cur and not math.isnan(c.t_tracked):
             # Going down to 0 starts `track_steps` tracked steps, each dearer than a plain one
             # (H100, batch 64: +22%): worth it only if plain decoding's gain over
             # `track_horizon` steps pays for them. Where the two are near equal, flapping
-            # between them paid the tracked steps every ~20 steps (0.94x of either).
+            # between them paid the tracked steps every ~20 steps (0.94x of either, simulated).
             track = self.track_steps * max(0.0, c.t_tracked / t[0] - 1.0)
             if (v[0] - v[cur]) / v[0] * self.track_horizon <= track:
                 best = cur
         if c.steps >= c.probe_at:
             probe = self._probe(best, c)
             # Space probes so that their expected loss stays under `explore_budget` of the time.
-            loss = self._probe_loss(best, probe, e, t) / self.explore_budget
+            loss = self._probe_loss(best, probe, e, t, c) / self.explore_budget
             c.probe_at = c.steps + max(self.explore_every, math.ceil(loss))
             if probe != best:
-                return self._decide(probe, probe_from_plain=best == 0)
+                return self._decide(probe)
         return self._decide(best)
 
-    def _probe_loss(self, best: int, probe: int, e: np.ndarray, t: np.ndarray) -> float:
+    def _probe_loss(
+        self, best: int, probe: int, e: np.ndarray, t: np.ndarray, c: _Costs | None = None
+    ) -> float:
         """Expected steps lost by a probe of k = `probe` from `best`: the transitional step in
         (it verifies `best` drafts but proposes `probe`, so it costs the larger k's step),
         `hold` steps at `probe`, and the transitional step back. The transitional steps are
         most of it when drafting is dear (from k = 0, the first drafts' step yields one
-        token)."""
+        token). From k = 0, a probe also restarts the `track_steps` k = 0 steps that run the
+        draft prefill (each dearer than a plain step by the bucket's measured share: on the
+        CPU at batch 1 ~10%, as much as the probe itself); left out, probes came every ~20
+        steps and those steps took most of the time drafting was off. They are worth
+        restarting: the next probe drafts from complete recent KV. (A variant that did not
+        restart them drafted over holes; in its one CPU run, copy prompts at batch 1, the
+        budget averaged k = 0.75 and ran 0.94x plain where K = 3 ran 1.28x.)"""
         if probe == best:
             return 0.0
         v_best = e[best] / t[best]
@@ -356,7 +363,10 @@ class DraftBudget:
         steps_in = 1.0 - e[best] / wide / v_best
         at = 1.0 - e[probe] / t[probe] / v_best
         steps_out = 1.0 - e[probe] / wide / v_best
-        return max(0.0, steps_in) + self.hold * max(0.0, at) + max(0.0, steps_out)
+        loss = max(0.0, steps_in) + self.hold * max(0.0, at) + max(0.0, steps_out)
+        if best == 0 and c is not None and not math.isnan(c.t_tracked) and not np.isnan(c.t[0]):
+            loss += self.track_steps * max(0.0, c.t_tracked / c.t[0] - 1.0)
+        return loss
 
     def _probe(self, best: int, c: _Costs) -> int:
         if best == 0:
@@ -364,23 +374,16 @@ class DraftBudget:
         near = [k for k in (best - 1, best + 1) if 0 <= k <= self.max_k]
         return min(near, key=lambda k: c.last[k])
 
-    def _decide(self, k: int, probe_from_plain: bool = False) -> int:
+    def _decide(self, k: int) -> int:
         if k != self.last_k:
             self._held = self.hold - 1
         self.last_k = k
-        self._probing_plain = probe_from_plain
         return self._chosen(k)
 
     def _chosen(self, k: int) -> int:
         self._budget_sum += k
         self._budget_n += 1
-        # A probe from k = 0 does not restart the tracked steps: the drafter's KV already
-        # misses the plain stretch before it, and 16 tracked steps after each probe cost as
-        # much as the probe itself where plain decoding wins.
-        if k > 0 and not self._probing_plain:
-            self._since_draft = 0
-        elif k == 0:
-            self._since_draft += 1
+        self._since_draft = 0 if k > 0 else self._since_draft + 1
         return k
 
     @property
