@@ -338,10 +338,12 @@ def spec_case(
 ) -> dict:
     """ms per speculative step at each of args.spec_batches; `kw` goes to the engine
     (enforce_eager, draft_graph_mode)."""
+    # A fixed K: the adaptive draft budget (the engine's default) would choose its own.
     spec = {
         **spec,
         "rejection_sample_method": "synthetic",
         "synthetic_acceptance_rate": ACCEPTANCE,
+        "adaptive": False,
     }
     kw.setdefault("max_num_seqs", max(args.spec_batches))
     llm = make_llm(model_dir, args, speculative_config=spec, **kw)

@@ -48,7 +48,8 @@ PTD_HEAD = {**EAGLE3_HEAD, "parallel_draft": True, "ptd_token_id": 128255}
 
 def synthetic_spec(head: str, k: int, acceptance: float, parallel_draft: bool = False) -> dict:
     """An EAGLE-3 (or parallel-drafting) config over the head at `head`, K drafts, accepted
-    at the synthetic rate `acceptance` (the step costs of real acceptance, any weights)."""
+    at the synthetic rate `acceptance` (the step costs of real acceptance, any weights). K is
+    fixed: the adaptive draft budget (the engine's default) would choose its own."""
     return {
         "method": "eagle3",
         "model": head,
@@ -56,6 +57,7 @@ def synthetic_spec(head: str, k: int, acceptance: float, parallel_draft: bool = 
         "rejection_sample_method": "synthetic",
         "synthetic_acceptance_rate": acceptance,
         "parallel_draft": parallel_draft,
+        "adaptive": False,
     }
 
 

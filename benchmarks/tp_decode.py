@@ -341,8 +341,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="tp-decode-")
     target = write_config(target_cfg, os.makedirs(f"{root}/target") or f"{root}/target")
     head = write_config(head_cfg, os.makedirs(f"{root}/eagle3") or f"{root}/eagle3")
-    # Fixed K: synthetic_spec leaves the adaptive draft budget on, which would pick its own K.
-    spec = {**synthetic_spec(head, K, ACCEPTANCE), "adaptive": False}
+    spec = synthetic_spec(head, K, ACCEPTANCE)
     bw_before = None
     if cuda:
         bw_before = copy_bandwidth()
