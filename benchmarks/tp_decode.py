@@ -247,9 +247,7 @@ def engine_rows(
         max_model_len=max_len,
         max_num_seqs=max(args.batches),
         # A pool of exactly max_num_seqs full-length sequences (the most the engine would size
-        # anyway), not one sized from free memory: every TP size gets the same pool, and a
-        # rank's allocator cache (the whole target is built on each GPU before it is sharded)
-        # cannot starve it.
+        # anyway), not one sized from free memory: every TP size gets the same pool.
         num_gpu_blocks_override=max(args.batches) * -(-max_len // 16),
         block_size=16,
         speculative_config=spec,
@@ -324,18 +322,6 @@ def main() -> None:
     target_cfg, head_cfg = SHAPES[args.shape]
     hidden, layers = target_cfg["hidden_size"], target_cfg["num_hidden_layers"]
     notes: list[str] = []
-    if cuda:
-        # The engine builds the whole target on each GPU before it shards it (load_model in
-        # specserve/models/registry.py), so every rank needs the full weights for a moment.
-        full = step_bytes(target_cfg, 0, 0) + 2 * hidden * target_cfg["vocab_size"]
-        gpu = torch.cuda.get_device_properties(0).total_memory
-        if full > 0.95 * gpu:
-            notes.append(
-                f"WARNING: the full {args.shape} weights ({full / 2**30:.0f} GiB) do not fit one "
-                f"GPU ({gpu / 2**30:.0f} GiB), and each rank builds the whole target before "
-                "sharding it: expect CUDA out-of-memory at engine start"
-            )
-            print(notes[-1], flush=True)
     vocab = min(target_cfg["vocab_size"] - 16, 128000)
     dtype = torch.bfloat16 if cuda else torch.float32
     root = tempfile.mkdtemp(prefix="tp-decode-")

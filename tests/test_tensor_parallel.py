@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import jsonschema
 import pytest
+import torch
+from torch import nn
 
 from specserve import LLM, SamplingParams, StructuredOutputsParams
 from specserve.data import embedded_model_dir, load_prompts
@@ -292,3 +294,29 @@ def test_structured_outputs_equal_tp1(drafter: str | None) -> None:
             assert re.fullmatch(REGEX, c.text), c.text
         else:
             assert c.text in CHOICES, c.text
+
+
+def test_a_sharded_model_is_built_without_its_full_weights(ckpt_dir) -> None:
+    """Under tensor parallelism the model is built with its parameters on the meta device and
+    each rank allocates only its shard (a Llama-3-70B built whole would need ~131 GiB on each
+    GPU first); buffers such as the rotary tables are built for real. A one-rank group: the
+    shard is the whole tensor, loaded equal to the unsharded model's."""
+    from specserve.distributed import TensorParallel
+    from specserve.models.registry import load_model
+    from specserve.models.tensor_parallel import params_on_meta
+
+    path = ckpt_dir("tp_qwen2", "qwen2", **DENSE)
+    with torch.device("cpu"), params_on_meta():
+        lin = nn.Linear(4, 8)
+        lin.register_buffer("table", torch.arange(3.0))
+    assert lin.weight.is_meta and lin.bias.is_meta and not lin.table.is_meta
+    assert lin.table.tolist() == [0.0, 1.0, 2.0]
+    assert not nn.Linear(2, 2).weight.is_meta  # outside the context: real again
+    tp = TensorParallel(0, 1, "127.0.0.1", 0, torch.device("cpu"), 30.0)
+    sharded, _ = load_model(path, torch.float32, "cpu", 128, tp=tp)
+    whole, _ = load_model(path, torch.float32, "cpu", 128)
+    got, want = dict(sharded.named_parameters()), dict(whole.named_parameters())
+    assert not any(p.is_meta for p in got.values())
+    assert not any(b.is_meta for b in sharded.buffers())
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, rtol=0, atol=0, msg=name)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,7 +81,12 @@ def load_model(
         mxfp4_experts = "dequantize"  # NOTE: no sharded 4-bit experts yet
     keep = keep_mxfp4(mxfp4_experts, torch.device(device))
     kw = {"keep_mxfp4": keep} if getattr(cls, "supports_mxfp4", False) else {}
-    with torch.device(device), default_dtype(dtype):
+    meta: Any = nullcontext()
+    if tp is not None:
+        from specserve.models.tensor_parallel import params_on_meta
+
+        meta = params_on_meta()  # each rank allocates only its shard
+    with torch.device(device), default_dtype(dtype), meta:
         model = cls.from_config_dict(cfg, max_position, **kw)
     if tp is not None:
         from specserve.models.tensor_parallel import shard_model_

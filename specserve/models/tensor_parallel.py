@@ -17,11 +17,16 @@ vLLM shards):
 that cuts this rank's slice from the checkpoint tensor as models/loader.py reads it (`part`:
 the fused shard index, or the expert tensor's kind). Norms, routers, EAGLE's fc and MTP's
 eh_proj stay replicated: their inputs are the full residual stream on every rank.
+
+A sharded model is built under `params_on_meta()`: its parameters take no memory until
+`shard_model_` allocates each rank's part (a Llama-3-70B built whole would need ~131 GiB on
+every GPU before sharding); buffers (rotary tables) are built on the device as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
@@ -242,6 +247,42 @@ def _shard_mla(a: MLAAttention, tp: TensorParallel) -> None:
     a.tp = tp
 
 
+@contextlib.contextmanager
+def params_on_meta(keep: nn.Module | None = None) -> Iterator[None]:
+    """Every parameter registered inside goes to the meta device (no memory; its module keeps
+    working as a shape), buffers stay where they are built; `keep`'s own parameters (a
+    target a drafter shares weights with) stay as they are. Each parameter is still allocated
+    where it is created and moved at once, so the peak is one full parameter at a time."""
+    register = nn.Module.register_parameter
+    kept = {id(p) for p in keep.parameters()} if keep is not None else set()
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta and id(param) not in kept:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _materialize_(model: nn.Module, device: torch.device) -> None:
+    """Allocate every meta parameter left after sharding on `device` (uninitialized: the
+    loader or dummy_weights_ fills it), keeping its attributes and its ties."""
+    done: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        for n, p in list(m._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in done:
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+                new.__dict__.update(p.__dict__)
+                done[id(p)] = new
+            m._parameters[n] = done[id(p)]
+
+
 def shard_model_(model: nn.Module, tp: TensorParallel) -> None:
     """Shard `model` for this rank of `tp` in place (see the module docstring). Modules it
     shares with a model sharded before (a drafter's target embedding and lm_head) are left
@@ -289,6 +330,7 @@ def shard_model_(model: nn.Module, tp: TensorParallel) -> None:
             key = tied.get((id(m), n))
             if p is not None and key is not None:
                 m._parameters[n] = first.setdefault(key, p)
+    _materialize_(model, tp.device)
     for m in model.modules():
         # Shared experts add to the routed experts' partial sums: one all-reduce for both.
         if isinstance(m, SparseMoE) and m.shared_experts is not None:
