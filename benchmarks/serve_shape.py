@@ -3,8 +3,9 @@ every id of its vocabulary, and an EAGLE-3-shaped head config; weights come from
 `--load-format dummy`, so nothing is downloaded or trained.
 
 `llama3-8b` is the shape of vLLM's published Llama-3-8B EAGLE table (benchmarks/decode.py's
-LLAMA3_8B, spec_step.py's EAGLE3_HEAD); `tiny` is the same layout at test size, for the CPU
-smoke run (tests/test_serve_sweep.py).
+LLAMA3_8B, spec_step.py's EAGLE3_HEAD); `llama3-70b` a Llama-3-70B with an EAGLE-3 head of the
+published 70B layout (the tensor-parallel runs); `tiny` is the same layout at test size, for the
+CPU smoke run (tests/test_serve_sweep.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,34 @@ TINY_HEAD = {
     "max_position_embeddings": 4096,
     "torch_dtype": "float32",
 }
-SHAPES = {"llama3-8b": (LLAMA3_8B, EAGLE3_HEAD), "tiny": (TINY, TINY_HEAD)}
+LLAMA3_70B = {
+    **LLAMA3_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+}
+# The published Llama-3.x-70B EAGLE-3 head's layout: one 8192-wide layer, fc over 3 x 8192,
+# a 32000-token draft vocabulary.
+EAGLE3_HEAD_70B = {
+    **EAGLE3_HEAD,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "draft_vocab_size": 32000,
+}
+SHAPES = {
+    "llama3-8b": (LLAMA3_8B, EAGLE3_HEAD),
+    "llama3-70b": (LLAMA3_70B, EAGLE3_HEAD_70B),
+    "tiny": (TINY, TINY_HEAD),
+}
 
 UNK = "<unk>"
 BOS = "<|begin_of_text|>"

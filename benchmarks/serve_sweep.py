@@ -9,6 +9,8 @@ Two kinds of model:
                       table). Defaults: random prompts of 84 tokens, 1536 output tokens,
                       concurrency 1,16,64, 4 x concurrency prompts.
   (no --shape)        the GPU reference family (build_family.py), code prompts, EAGLE-3 K=5.
+  --shape llama3-70b --tensor-parallel-size 4 --acceptance 0.7   the same flow at Llama-3-70B
+                      shape (an EAGLE-3 head of the published 70B layout) over 4 GPUs.
   --shape tiny --device cpu   the llama3-8b flow at test size on the CPU (a smoke run).
 
 Each configuration starts `specserve serve` on 127.0.0.1, runs `bench serve` at each max
@@ -72,7 +74,13 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: str, seconds: float = 60
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default=None, choices=("llama3-8b", "tiny"), help="no build")
+    ap.add_argument(
+        "--shape", default=None, choices=("llama3-8b", "llama3-70b", "tiny"), help="no build"
+    )
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="the server's")
+    ap.add_argument(
+        "--acceptance", type=float, default=None, help="synthetic acceptance (--shape; 0.505)"
+    )
     ap.add_argument("--device", default="auto", help="the server's --device (cpu: smoke run)")
     ap.add_argument("--family-dir", default="/tmp/family")
     ap.add_argument("--skip-build", action="store_true", help="use --family-dir as it is")
@@ -112,7 +120,10 @@ def models(args: argparse.Namespace) -> tuple[str, dict]:
         from serve_shape import write_shape
 
         target, head = write_shape(os.path.join(args.result_dir, "models"), args.shape)
-        return target, {**SHAPE_EAGLE3, "model": head}
+        spec = {**SHAPE_EAGLE3, "model": head}
+        if args.acceptance is not None:
+            spec["synthetic_acceptance_rate"] = args.acceptance
+        return target, spec
     fam = args.family_dir
     if not args.skip_build:
         sh([py, os.path.join(ROOT, "benchmarks", "build_family.py"), "--family", "gpu", "--cache",
@@ -129,6 +140,8 @@ def serve_cmd(args: argparse.Namespace, target: str, spec: dict | None) -> list[
            "--max-model-len", str(max_len), "--device", args.device]  # fmt: skip
     if args.shape:
         cmd += ["--load-format", "dummy"]
+    if args.tensor_parallel_size > 1:
+        cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     if args.async_scheduling is not None:

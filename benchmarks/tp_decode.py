@@ -49,32 +49,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_json  # noqa: E402
 from decode import LLAMA3_8B, copy_bandwidth, step_bytes, write_config  # noqa: E402
-from serve_shape import TINY, TINY_HEAD  # noqa: E402
+from serve_shape import EAGLE3_HEAD_70B, LLAMA3_70B, TINY, TINY_HEAD  # noqa: E402
 from spec_step import EAGLE3_HEAD, measure, synthetic_spec  # noqa: E402
 
-LLAMA3_70B = {
-    **LLAMA3_8B,
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "rope_theta": 500000.0,
-    "torch_dtype": "bfloat16",
-}
-# The published Llama-3.x-70B EAGLE-3 head's layout: one 8192-wide layer, fc over 3 x 8192,
-# a 32000-token draft vocabulary.
-EAGLE3_HEAD_70B = {
-    **EAGLE3_HEAD,
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "draft_vocab_size": 32000,
-}
 SHAPES = {
     "llama3-8b": (LLAMA3_8B, EAGLE3_HEAD),
     "llama3-70b": (LLAMA3_70B, EAGLE3_HEAD_70B),
