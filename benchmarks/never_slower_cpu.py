@@ -6,6 +6,7 @@ T = 0 and T = 1 (seeded), batch 1 and 6. All ratios come from one run: each cell
 engines back to back `--repeats` times, in a rotated order each time (a slow spell of the
 shared cores then falls on every engine alike), the adaptive budget afresh each time, and
 reports each engine's median; outputs are checked to equal the plain run's token for token.
+The JSON keeps each adaptive run's decisions and step-time samples (never_slower.py's trace).
 
     python benchmarks/never_slower_cpu.py             # ~19 min on 2 cores
     python benchmarks/never_slower_cpu.py --max-tokens 32 --repeats 1   # quicker
@@ -21,6 +22,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_json  # noqa: E402
+from never_slower import traced_budget  # noqa: E402
 
 COPY_TEXT = [
     "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat.",
@@ -72,7 +74,6 @@ def main() -> None:
 
     from specserve import LLM, SamplingParams
     from specserve.data import default_model
-    from specserve.spec_decode.dynamic import DraftBudget
 
     gguf, spec = default_model()
     common = dict(max_model_len=1024, max_num_seqs=6, disable_log_stats=True)
@@ -97,12 +98,14 @@ def main() -> None:
                     for name in names[rep % 3 :] + names[: rep % 3]:
                         llm = engines[name]
                         if llm.engine.budget is not None:  # a fresh budget every run
-                            llm.engine.budget = DraftBudget(spec["num_speculative_tokens"])
+                            llm.engine.budget = traced_budget(spec["num_speculative_tokens"])
                         tps, outs = timed(llm, ps, sp, batch)
                         runs[name].append(tps)
                         cell[f"{name} same"] = cell.get(f"{name} same", True) and outs == ref
                         if name == "adaptive":
                             budgets.append(llm.engine.budget.mean_budget)
+                            # Decisions and step-time samples: why a cell lost, if it did.
+                            cell.setdefault("budget", []).append(llm.engine.budget.report())
                 for name in names:
                     cell[name] = float(np.median(runs[name]))
                     cell[f"{name} runs"] = runs[name]
