@@ -68,7 +68,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="prompt sets per cell")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine and cell")
+    ap.add_argument(
+        "--cells", default=None, help="only these cells, as kind:T:B,... (e.g. chat:1:6)"
+    )
     args = ap.parse_args()
+    only = None if args.cells is None else set(args.cells.split(","))
     import numpy as np
     import torch
 
@@ -87,6 +91,8 @@ def main() -> None:
     for kind in ("chat", "copy"):
         for temp in (0.0, 1.0):
             for batch in (1, 6):
+                if only is not None and f"{kind}:{temp:g}:{batch}" not in only:
+                    continue
                 ps = prompts(kind, tok, 6 * args.rounds)
                 sp = SamplingParams(temperature=temp, seed=7, max_tokens=args.max_tokens)
                 cell: dict[str, Any] = {"kind": kind, "T": temp, "batch": batch}
