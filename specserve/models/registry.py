@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,12 +81,10 @@ def load_model(
         mxfp4_experts = "dequantize"  # NOTE: no sharded 4-bit experts yet
     keep = keep_mxfp4(mxfp4_experts, torch.device(device))
     kw = {"keep_mxfp4": keep} if getattr(cls, "supports_mxfp4", False) else {}
-    meta: Any = nullcontext()
-    if tp is not None:
-        from specserve.models.tensor_parallel import params_on_meta
+    from specserve.models.tensor_parallel import params_on_meta
 
-        meta = params_on_meta()  # each rank allocates only its shard
-    with torch.device(device), default_dtype(dtype), meta:
+    # Under TP each rank allocates only its shard (shard_model_ below).
+    with torch.device(device), default_dtype(dtype), params_on_meta(tp is not None):
         model = cls.from_config_dict(cfg, max_position, **kw)
     if tp is not None:
         from specserve.models.tensor_parallel import shard_model_

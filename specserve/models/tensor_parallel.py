@@ -248,11 +248,15 @@ def _shard_mla(a: MLAAttention, tp: TensorParallel) -> None:
 
 
 @contextlib.contextmanager
-def params_on_meta(keep: nn.Module | None = None) -> Iterator[None]:
+def params_on_meta(enabled: bool = True, keep: nn.Module | None = None) -> Iterator[None]:
     """Every parameter registered inside goes to the meta device (no memory; its module keeps
     working as a shape), buffers stay where they are built; `keep`'s own parameters (a
     target a drafter shares weights with) stay as they are. Each parameter is still allocated
-    where it is created and moved at once, so the peak is one full parameter at a time."""
+    where it is created and moved at once, so the peak is one full parameter at a time.
+    `enabled` False: a no-op (a model that will not be sharded)."""
+    if not enabled:
+        yield
+        return
     register = nn.Module.register_parameter
     kept = {id(p) for p in keep.parameters()} if keep is not None else set()
 

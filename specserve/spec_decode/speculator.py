@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -365,12 +364,10 @@ def _build_device(
     # A dummy-weight drafter (benchmarks) may be a bare config.json.
     dummy = load_format == "dummy" and not _has_weights(draft_dir)
     names = set() if dummy else {n for n, _, _ in _iter_names(draft_dir)}
-    meta: Any = contextlib.nullcontext()
-    if tp is not None:
-        from specserve.models.tensor_parallel import params_on_meta
+    from specserve.models.tensor_parallel import params_on_meta
 
-        meta = params_on_meta(keep=target)  # each rank allocates only its shard
-    with torch.device(device), default_dtype(dtype), meta:
+    # Under TP each rank allocates only its shard (shard_model_ below).
+    with torch.device(device), default_dtype(dtype), params_on_meta(tp is not None, target):
         drafter, rename, allow_missing = _construct(spec, cfg, tc, target, max_position, names)
         if spec.parallel_draft:
             from specserve.spec_decode.parallel import configure_parallel_drafter
