@@ -358,3 +358,30 @@ def test_follows_costs_that_drift_with_context(acceptance: float) -> None:
         s.run_with(steps, acceptance, step_cost)
         got.append(s.tokens / batch / s.seconds)
     assert np.mean(got) >= 0.96 * max(fixed) / 1.06, (got, fixed)  # 1.06: the stalls' mean
+
+
+def test_climbs_past_the_next_k_only_to_recently_measured_costs() -> None:
+    """The machine slows down (the CPU's slow spells: every step 1.45x) after k = 3 was last
+    measured: its old, cheap cost must not send the budget from 0 straight to 3. It climbs one
+    k at a time, measuring each at today's speed; a recently measured k is reached at once."""
+    c = DraftBudget(3)
+    reqs = [(f"r{i}", False) for i in range(6)]
+    for k, t in ((3, 1.6), (2, 1.45), (1, 1.3)):
+        for _ in range(5):
+            c.record_step(6, k, t)
+    for _ in range(6):  # good acceptance at every position
+        c.record_acceptances([r for r, _ in reqs], [False] * 6, [3] * 6, [3] * 6)
+    c.last_k = 0
+    while c.costs[8].steps <= c.explore_every + 1:  # k > 0 not measured for a while
+        c.costs[8].steps += 1
+        c.record_step(6, 0, 1.45)  # plain steps in the slow spell
+    c.costs[8].probe_at = 10**9  # no probe in the way
+    assert c.choose(6, reqs) == 1
+    c.record_step(6, 1, 1.3 * 1.45)
+    for _ in range(c.hold):
+        c.choose(6, reqs)
+    assert c.last_k == 2  # k = 2 is stale too: one more step
+    c.record_step(6, 2, 1.45 * 1.45)
+    c.costs[8].last[3] = c.costs[8].steps  # k = 3 measured recently: reached at once
+    c.last_k, c._held = 0, 0
+    assert c.choose(6, reqs) == 3

@@ -40,7 +40,9 @@ The choice maximizes expected tokens per second of the batch:
 Exploration: the choice is held for at least two steps (a decision sets the drafts the next
 step verifies, so a switch costs one transitional step whose time is not recorded; going up,
 that step verifies the old k at the new k's price, so a larger k is taken only when its gain
-over `explore_every` steps pays for it). Every `explore_every` decode steps of a bucket, the
+over `explore_every` steps pays for it, and past the next k only to a k whose cost was measured
+in the last `explore_every` decisions: an older sample may come from another speed of the
+machine, so the climb goes one k at a time and measures each on the way). Every `explore_every` decode steps of a bucket, the
 controller probes the neighbour of its choice whose cost measurement is oldest (from k = 0:
 k = 1, which also refreshes acceptance), but less often when the probe, its transitional
 steps included (from k = 0, also the tracked k = 0 steps it restarts), is estimated to lose
@@ -316,8 +318,16 @@ class DraftBudget:
             return self._decide(0)  # then plain decoding's cost
         e = self.batch_tokens(requests)
         v = e / np.maximum(t, 1e-12)
-        best = int(np.argmax(v))
         cur = self.last_k
+        if cur >= 0:
+            # Climbing past the next k only to a k measured recently: an old sample comes
+            # from another speed of the machine (the CPU's slow spells change every step's
+            # price by up to 40%) or a shorter context, and read cheap it sent the budget up
+            # to k = 3 where it lost. One k at a time, each is measured on the way.
+            stale = c.steps - c.last > self.explore_every
+            stale[: cur + 2] = False
+            v = np.where(stale, -np.inf, v)
+        best = int(np.argmax(v))
         if 0 <= cur < best and t[best] > 0:
             # Going up costs a transitional step at the larger k's price that still yields the
             # current k's tokens: worth it only if the gain over `explore_every` steps pays it
