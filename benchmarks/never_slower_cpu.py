@@ -3,13 +3,13 @@
 (the adaptive budget on by default, and the fixed K = 3 for reference) against no
 speculation, on chat prompts and on copy tasks (prompts asking to repeat a given text), at
 T = 0 and T = 1 (seeded), batch 1 and 6. All ratios come from one run: each cell runs its
-engines back to back `--repeats` times, in a rotated order each time (a slow spell of the
-shared cores then falls on every engine alike), the adaptive budget afresh each time, and
-reports each engine's median; outputs are checked to equal the plain run's token for token.
+engines back to back `--repeats` times (`--batched-repeats` at batch 6), in a rotated order
+each time (a slow spell of the shared cores then falls on every engine alike), the adaptive
+budget afresh each time, and reports each engine's median; outputs are checked to equal the plain run's token for token.
 The JSON keeps each adaptive run's decisions and step-time samples (never_slower.py's trace).
 
-    python benchmarks/never_slower_cpu.py             # ~19 min on 2 cores
-    python benchmarks/never_slower_cpu.py --max-tokens 32 --repeats 1   # quicker
+    python benchmarks/never_slower_cpu.py             # ~30 min on 2 cores
+    python benchmarks/never_slower_cpu.py --max-tokens 32 --repeats 1 --batched-repeats 1   # quicker
 """
 
 from __future__ import annotations
@@ -67,7 +67,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1, help="prompt sets per cell")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine and cell")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine, batch-1 cells")
+    ap.add_argument(
+        "--batched-repeats", type=int, default=9,
+        help="timed runs per engine, batch-6 cells (each run is a quarter of a batch-1 run's "
+        "time; the cores' slow spells last tens of seconds, so three runs left a cell's ratio "
+        "to chance: plain's runs spread 40-62 tok/s within one cell)",
+    )  # fmt: skip
     ap.add_argument(
         "--cells", default=None, help="only these cells, as kind:T:B,... (e.g. chat:1:6)"
     )
@@ -100,7 +106,8 @@ def main() -> None:
                 runs: dict[str, list[float]] = {n: [] for n in names}
                 budgets: list[float] = []
                 ref = timed(engines["plain"], ps, sp, batch)[1]  # also warms this cell's shapes
-                for rep in range(args.repeats):
+                repeats = args.repeats if batch == 1 else args.batched_repeats
+                for rep in range(repeats):
                     for name in names[rep % 3 :] + names[: rep % 3]:
                         llm = engines[name]
                         if llm.engine.budget is not None:  # a fresh budget every run
@@ -120,7 +127,10 @@ def main() -> None:
                 rows.append(cell)
                 print(cell, flush=True)
                 write_json("never_slower_cpu.json", result)
-    print(f"\nCPU; tok/s, the median of {args.repeats} runs; ratios to plain from the same run")
+    print(
+        f"\nCPU; tok/s, the median of {args.repeats} runs at B = 1 and {args.batched_repeats} "
+        "at B = 6; ratios to plain from the same run"
+    )
     print(f"{'prompts':<6} {'T':>3} {'B':>2} {'plain':>8} {'adaptive':>9} {'x':>5} "
           f"{'K=3':>8} {'x':>5} {'mean K':>6} same")  # fmt: skip
     for c in rows:
