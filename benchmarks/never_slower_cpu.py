@@ -6,7 +6,8 @@ T = 0 and T = 1 (seeded), batch 1 and 6. All ratios come from one run: each cell
 engines back to back `--repeats` times (`--batched-repeats` at batch 6), in a rotated order
 each time (a slow spell of the shared cores then falls on every engine alike), the adaptive
 budget afresh each time, and reports each engine's median; outputs are checked to equal the
-plain run's token for token. The JSON keeps each adaptive run's decisions and step-time samples (never_slower.py's trace).
+plain run's token for token. The JSON keeps each adaptive run's decisions and step-time
+samples (never_slower.py's trace).
 
     python benchmarks/never_slower_cpu.py             # ~30 min on 2 cores
     python benchmarks/never_slower_cpu.py --max-tokens 32 --repeats 1 --batched-repeats 1
