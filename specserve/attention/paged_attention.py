@@ -414,7 +414,7 @@ def paged_attention(
     check_kv_scales(kv_cache.dtype, kv_scales)
     # The dtype the dots run in: the cache's, or q's for an fp8 cache (dequantized tiles).
     cdt = compute_dtype(kv_cache.dtype, q.dtype)
-    cfg = launch_config(group, common.max_query_len, head_dim, cdt)
+    cfg = launch_config(group, common.max_query_len, head_dim, cdt, cdt != kv_cache.dtype)
     block_q = cfg.block_m // group
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     bt = common.block_table
