@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from specserve.attention.backend import CommonAttentionMetadata
-from specserve.attention.kv_quant import check_kv_scales, compute_dtype, is_fp8, kv_quant_args
+from specserve.attention.kv_quant import check_kv_scales, compute_dtype, kv_quant_args
 from specserve.attention.kv_write import fp8_quantize
 from specserve.attention.launch_policy import launch_config, split_count
 from specserve.attention.rope_kv_write import _norm_weights, _rope_tile, _rope_trig
@@ -414,7 +414,7 @@ def paged_attention(
     check_kv_scales(kv_cache.dtype, kv_scales)
     # The dtype the dots run in: the cache's, or q's for an fp8 cache (dequantized tiles).
     cdt = compute_dtype(kv_cache.dtype, q.dtype)
-    cfg = launch_config(group, common.max_query_len, head_dim, cdt, is_fp8(kv_cache.dtype))
+    cfg = launch_config(group, common.max_query_len, head_dim, cdt, cdt != kv_cache.dtype)
     block_q = cfg.block_m // group
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     bt = common.block_table
