@@ -109,7 +109,7 @@ def run_server(
     # serve_sweep's command sizes --max-model-len as input + output + 64.
     ns = argparse.Namespace(shape=args.shape, port=args.port, max_num_seqs=args.max_num_seqs,
                             device=args.device, input_len=s["max_len"] - 64, output_len=0,
-                            async_scheduling=None)  # fmt: skip
+                            async_scheduling=None, tensor_parallel_size=1)  # fmt: skip
     cmd = serve_cmd(ns, target, spec)
     if not cache:
         cmd.append("--no-enable-prefix-caching")
