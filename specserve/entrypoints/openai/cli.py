@@ -151,4 +151,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uv = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     server = SpecServer(uv, app.state.engine, args.shutdown_timeout)
     server.run()
+    if server.abandoned_by is not None:
+        # The lifespan's engine shutdown was skipped: stop the engine thread here (it ends
+        # after at most the step it is in), so that the interpreter does not exit under it.
+        server.engine.shutdown(timeout=1.0)
+        return 128 + server.abandoned_by
     return 1 if server.engine_failed else 0

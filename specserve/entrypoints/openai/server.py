@@ -223,7 +223,11 @@ class SpecServer(uvicorn.Server):
 
     Exit status: a drain (finished or cut at the deadline) is the orderly end the signal asked
     for, so the process exits 0; uvicorn would re-raise the signal once it returns (status
-    143 for SIGTERM). A second signal, which abandons the drain, is re-raised as uvicorn does."""
+    143 for SIGTERM). A second signal abandons the drain: the process exits with 128 + its
+    number (130 for SIGINT), as a shell reports a process the signal ended. Not by re-raising
+    it as uvicorn does: what a re-raised signal does depends on the handler found in place
+    (asyncio's own SIGINT handler, or SIG_IGN inherited from a parent), and one such run
+    exited 0."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float):
         # Backstop: connections still open a second after the deadline are cancelled.
@@ -233,6 +237,8 @@ class SpecServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         # Set when the server exits because the engine can never run again.
         self.engine_failed = False
+        # The signal that abandoned the drain (the second one), or None.
+        self.abandoned_by: int | None = None
 
     async def on_tick(self, counter: int) -> bool:
         # A failed tensor-parallel rank ends the engine for good: its requests got their 503s
@@ -248,6 +254,8 @@ class SpecServer(uvicorn.Server):
             logger.warning("second %s: exiting now", signal.Signals(sig).name)
             super().handle_exit(sig, frame)
             self.force_exit = True
+            self._captured_signals.clear()
+            self.abandoned_by = sig
             return
         super().handle_exit(sig, frame)
         # Not re-raised after `serve` returns: the graceful shutdown exits 0.
