@@ -102,17 +102,22 @@ def bench(args: argparse.Namespace, url: str, target: str, name: str, flags: lis
         return json.load(f)
 
 
-def run_server(
-    args: argparse.Namespace, target: str, label: str, spec: dict | None, cache: bool, work: tuple
-) -> dict:
+def server_cmd(args: argparse.Namespace, target: str, spec: dict | None, cache: bool) -> list[str]:
+    """`specserve serve` for one configuration (serve_sweep's command)."""
     s = SIZES[args.size]
     # serve_sweep's command sizes --max-model-len as input + output + 64.
     ns = argparse.Namespace(shape=args.shape, port=args.port, max_num_seqs=args.max_num_seqs,
                             device=args.device, input_len=s["max_len"] - 64, output_len=0,
                             async_scheduling=None, tensor_parallel_size=1)  # fmt: skip
     cmd = serve_cmd(ns, target, spec)
-    if not cache:
-        cmd.append("--no-enable-prefix-caching")
+    return cmd if cache else [*cmd, "--no-enable-prefix-caching"]
+
+
+def run_server(
+    args: argparse.Namespace, target: str, label: str, spec: dict | None, cache: bool, work: tuple
+) -> dict:
+    s = SIZES[args.size]
+    cmd = server_cmd(args, target, spec, cache)
     url = f"http://127.0.0.1:{args.port}"
     log = os.path.join(args.result_dir, f"{label}-server.log")
     print("+", " ".join(cmd), f"> {log}", flush=True)

@@ -75,3 +75,24 @@ def test_tiny_sweep_on_cpu(tmp_path: Any) -> None:
     assert all(r["spec_decode_draft_tokens"] > 0 for r in runs["eagle3"])
     assert "| Max ITL (ms) |" in p.stdout and "| Acceptance length |" in p.stdout
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prefix_cache_server_commands_parse() -> None:
+    """benchmarks/prefix_cache.py's `specserve serve` commands (built on serve_sweep's) are
+    ones the real CLI accepts, with caching on and off as configured."""
+    sys.path.insert(0, BENCH)
+    try:
+        import prefix_cache
+    finally:
+        sys.path.remove(BENCH)
+    from specserve.entrypoints.cli import build_parser
+
+    args = prefix_cache.parse_args(["--device", "cpu", "--shape", "tiny"])
+    for label, spec, cache, _ in prefix_cache.CONFIGS:
+        cmd = prefix_cache.server_cmd(
+            args, "/models/target", prefix_cache.SPEC if spec else None, cache
+        )
+        assert cmd[1:3] == ["-m", "specserve.entrypoints.cli"], label
+        ns = build_parser().parse_args(cmd[3:])
+        assert ns.enable_prefix_caching is cache, label
+        assert (ns.speculative_config is not None) is spec, label
