@@ -324,6 +324,48 @@ def test_tree_layout_kernels_equal_the_references(device: str, k: int) -> None:
     assert not torch.equal(want, torch.arange(T))  # some slot takes another node's state
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=[pytest.mark.interpret, _no_interpreter], id="interpret"),
+        pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda], id="cuda"),
+    ],
+)
+@pytest.mark.parametrize(
+    "n, vocab, k, dtype",
+    [(3, 100, 1, torch.float32), (4, 8192, 4, torch.float32), (5, 9000, 8, torch.bfloat16),
+     (2, 40000, 3, torch.float32)],
+)  # fmt: skip
+def test_topk_logprobs_kernel_equals_the_reference(
+    device: str, n: int, vocab: int, k: int, dtype: torch.dtype
+) -> None:
+    """The drafter's top-k children from two launches (chunk top-k and softmax sums, then a
+    merge) equal log_softmax + topk: the k best logits best first (ties, frequent in bf16, by
+    the lowest index; the same tokens where there are none), log-probabilities to float32
+    rounding; one vocabulary chunk and several, strided rows, and a row whose best tokens sit
+    in different chunks."""
+    pytest.importorskip("triton")
+    from specserve.spec_decode.tree import topk_logprobs
+    from specserve.spec_decode.tree_triton import topk_logprobs_triton
+
+    g = torch.Generator().manual_seed(vocab + k)
+    wide = torch.randn(n, vocab + 7, generator=g) * 3
+    wide[0, vocab - 1] = 20.0  # the best token in the last chunk, the second in the first
+    wide[0, 1] = 19.0
+    logits = wide[:, :vocab].to(dtype)  # strided rows
+    want_tok, want_lp = topk_logprobs(logits, k)
+    got_tok, got_lp = topk_logprobs_triton(logits.to(device), k)
+    got_tok, got_lp = got_tok.cpu(), got_lp.cpu()
+    assert torch.equal(logits.gather(1, got_tok), logits.gather(1, want_tok))
+    same = logits.gather(1, got_tok)[:, 1:] == logits.gather(1, got_tok)[:, :-1]
+    assert (got_tok[:, 1:] > got_tok[:, :-1])[same].all()
+    if dtype == torch.float32:
+        assert torch.equal(want_tok, got_tok)
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=1e-5)
+    if k >= 2:
+        assert want_tok[0, :2].tolist() == [vocab - 1, 1]
+
+
 # ---- attention ---------------------------------------------------------------------------
 def tree_case(num_ctx: list[int], trees: list[list[int]], block_size: int = 4, seed: int = 0):
     """A batch of requests, each with `num_ctx` cached tokens then a tree (parent list, node 0

@@ -293,21 +293,22 @@ class _Expansion:
         their draft log-probabilities [n, width]). Sampled rows under coupled verification rank
         by the target's own noise at that position, so the first child is the chain's draft."""
         d = self.sp.model
+        st = self.st
+        if st is None or st.all_greedy or self.sp.greedy_draft:
+            top, lp_top = topk_logprobs(d.draft_logits(out), width)
+            return d.to_target_ids(top), lp_top.clamp_min(_MIN_SCORE)
         logits = d.draft_logits(out).float()
         n, B = logits.shape[0], self.rows.shape[0]
-        st = self.st
         lp = logits.log_softmax(dim=-1)
+        rep = torch.arange(B, device=logits.device).repeat_interleave(n // B)
+        st_rows = st.index(rep)
+        proc = process_logits(logits, st_rows).log_softmax(dim=-1)
+        lp = torch.where(st_rows.greedy[:, None], lp, proc)
         rank = lp
-        if st is not None and not st.all_greedy and not self.sp.greedy_draft:
-            rep = torch.arange(B, device=logits.device).repeat_interleave(n // B)
-            st_rows = st.index(rep)
-            proc = process_logits(logits, st_rows).log_softmax(dim=-1)
-            lp = torch.where(st_rows.greedy[:, None], lp, proc)
-            rank = lp
-            if self.sp.coupled:
-                pos = (self.next_pos + depth)[rep]
-                g = gumbel(st_rows.seeds, pos, SALT_SAMPLE, logits.shape[1], self.cols)
-                rank = torch.where(st_rows.greedy[:, None], lp, lp + g)
+        if self.sp.coupled:
+            pos = (self.next_pos + depth)[rep]
+            g = gumbel(st_rows.seeds, pos, SALT_SAMPLE, logits.shape[1], self.cols)
+            rank = torch.where(st_rows.greedy[:, None], lp, lp + g)
         top = rank.topk(width, dim=-1).indices
         return d.to_target_ids(top), lp.gather(1, top).clamp_min(_MIN_SCORE)
 
@@ -354,6 +355,22 @@ class _Expansion:
         ctx = runner.forward_context(common)
         hin = h.flatten(0, 1) if h is not None else None
         return sp._forward(tok.flatten(), rope.repeat_interleave(f), hin, ctx)
+
+
+def topk_logprobs(
+    # [n, V] logits (any float dtype)
+    logits: Tensor,
+    k: int,
+) -> tuple[Tensor, Tensor]:
+    """-> (the k most likely tokens [n, k] int64, best first, their log-probabilities [n, k]
+    float32). Two Triton launches on CUDA (tree_triton.py) for the three kernels here, the
+    full-vocabulary top-k the costliest."""
+    if logits.is_cuda:
+        from specserve.spec_decode.tree_triton import topk_logprobs_triton
+
+        return topk_logprobs_triton(logits, k)
+    top = logits.float().log_softmax(dim=-1).topk(k, dim=-1)
+    return top.indices, top.values
 
 
 def target_tree_metadata(state: TreeState, inp: StepInputs) -> tuple[Tensor, Tensor, Tensor]:
