@@ -352,9 +352,10 @@ class DraftBudget:
         # the CPU a probe costs ~1.5 plain steps, which spaced the budget's probes ~300 steps
         # apart, and copy prompts that drafting wins ran at k = 0 for 90 steps (0.98x plain
         # where K = 3 ran 1.21x).
-        fresh = sum(r not in self._rows for r, _ in requests) * 2 >= max(len(requests), 1)
-        if best == 0 and fresh and c.steps >= c.probed + self.explore_every:
-            c.probe_at = min(c.probe_at, c.steps)
+        if best == 0 and c.steps >= c.probed + self.explore_every:
+            fresh = sum(r not in self._rows for r, _ in requests)
+            if fresh * 2 >= max(len(requests), 1):
+                c.probe_at = min(c.probe_at, c.steps)
         if c.steps >= c.probe_at:
             probe = self._probe(best, c)
             c.probed = c.steps

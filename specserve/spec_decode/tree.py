@@ -294,10 +294,11 @@ class _Expansion:
         by the target's own noise at that position, so the first child is the chain's draft."""
         d = self.sp.model
         st = self.st
+        logits = d.draft_logits(out)
         if st is None or st.all_greedy or self.sp.greedy_draft:
-            top, lp_top = topk_logprobs(d.draft_logits(out), width)
+            top, lp_top = topk_logprobs(logits, width)
             return d.to_target_ids(top), lp_top.clamp_min(_MIN_SCORE)
-        logits = d.draft_logits(out).float()
+        logits = logits.float()
         n, B = logits.shape[0], self.rows.shape[0]
         lp = logits.log_softmax(dim=-1)
         rep = torch.arange(B, device=logits.device).repeat_interleave(n // B)
