@@ -415,3 +415,41 @@ def test_probes_soon_when_most_of_the_batch_was_never_drafted_for() -> None:
         w.c.forget(f"again{i}-0")
         warm_t, warm_n = warm_t + w.seconds - t0, warm_n + w.tokens - n0
     assert warm_n / warm_t >= 0.97, w.chosen  # plain decoding: 1 token a second
+
+
+def test_step_cost_is_the_low_quantile_of_the_recent_samples() -> None:
+    """`_Costs.add` keeps the last `cost_window` samples less those over `cost_max_age`
+    decisions old, and gives their 25th percentile rounded down to a sample (numpy's
+    nanpercentile, "lower"), whatever the order of the samples and the gaps between them."""
+    rng = np.random.default_rng(0)
+    c = DraftBudget(MAX_K)._bucket_costs(8)
+    window: list[tuple[int, float]] = []
+    for _ in range(400):
+        c.steps += int(rng.choice([0, 1, 1, 2, 9, 40]))
+        x = float(rng.uniform(1e-3, 2e-3))
+        window = [*window, (c.steps, x)][-c.window :]
+        live = [v for st, v in window if st >= c.steps - c.max_age]
+        assert c.add(2, x) == np.nanpercentile(live, 25, method="lower")
+
+
+def test_a_row_freed_and_taken_again_starts_from_the_class() -> None:
+    """Rows of ended requests are reused, and the lookup of a batch's rows is cached: a
+    request in a reused row reads only its own counts, even when an ended request's id comes
+    back with the same batch list as before."""
+    b = DraftBudget(MAX_K)
+    ids = ["a", "b"]
+    for _ in range(20):
+        b.tick()
+        b.record_acceptances(ids, [True, True], [MAX_K, MAX_K], [MAX_K, 0])
+    b.forget("a")
+    b.record_acceptances(["c"], [True], [1], [0])  # "c" takes a's row
+    b.record_acceptances(ids, [True, True], [1, 1], [1, 0])  # "a" again: a new row
+    prior = b.class_acceptance(True)
+    s = b.request_strength  # c's counts: one draft reached, none accepted
+    expected = np.concatenate([[s * prior[0] / (1 + s)], prior[1:]])
+    np.testing.assert_allclose(b.request_acceptance("c", True), expected)
+    expected_a = np.concatenate([[(1 + s * prior[0]) / (1 + s)], prior[1:]])
+    np.testing.assert_allclose(b.request_acceptance("a", True), expected_a)
+    np.testing.assert_allclose(
+        b._request_estimates(["c", "a"], np.array([True, True])), [expected, expected_a]
+    )

@@ -58,6 +58,40 @@ def test_logprobs_of_steps_without_drafts(ckpt_dir) -> None:
                 assert a[t] == pytest.approx(b[t], abs=1e-4)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_steps_verify_only_the_drafts_they_have(ckpt_dir, temperature: float) -> None:
+    """A step whose requests verify at most d < K drafts computes d + 1 logits rows a request,
+    not K + 1 (the budget's k = 1 under K = 3 verifies two rows): outputs and logprobs equal
+    plain decoding's."""
+    target = ckpt_dir("llama_gqa", "llama")
+    cfg = {"method": "draft_model", "model": target, "num_speculative_tokens": 3}
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 5, 20, seed=5)]
+    sp = SamplingParams(temperature=temperature, seed=7, max_tokens=24, ignore_eos=True, logprobs=1)
+    llm = LLM(target, max_model_len=256, speculative_config=cfg)
+    pattern = [2, 2, 1, 1, 0, 0]
+    calls = iter(range(10**6))
+    llm.engine.budget.choose = lambda batch, requests: pattern[next(calls) % len(pattern)]
+    model = llm.engine.runner.model
+    rows: list[int] = []
+    compute = model.compute_logits
+
+    def spy(hidden):  # noqa: ANN001, ANN202
+        rows.append(hidden.shape[0])
+        return compute(hidden)
+
+    model.compute_logits = spy
+    outs = llm.generate(prompts, sp)
+    ref = LLM(target, max_model_len=256).generate(prompts, sp)
+    assert llm.get_metrics()["spec_decode_num_drafts_total"] > 0
+    assert 3 * 3 in rows and 3 * 4 not in rows  # two drafts verified as 3 rows; never K + 1
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert a[t] == pytest.approx(b[t], abs=1e-4)
+
+
 def test_fixed_k_opt_outs() -> None:
     from specserve.config.speculative import SpeculativeConfig
 
