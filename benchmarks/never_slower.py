@@ -16,6 +16,7 @@ and k, so that a cell that misses can be read without another run.
     python benchmarks/never_slower.py                   # one H100, ~8 min (estimate)
     python benchmarks/never_slower.py --only llama3-8b  # or gpt-oss-20b: one half
     python benchmarks/never_slower.py --quick           # 128 output tokens, fewer K
+    python benchmarks/never_slower.py --only llama3-8b --rates 0.3 --concurrency 64  # one cell
     python benchmarks/never_slower.py --device cpu --shape tiny --quick   # code paths only
 """
 
@@ -213,6 +214,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, choices=("llama3-8b", "gpt-oss-20b"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--rates", default=None, help="comma-separated subset of each shape's rates")
+    ap.add_argument("--concurrency", default=None, help="comma-separated subset of concurrencies")
     args = ap.parse_args()
     shape = args.only or args.shape
     if args.output_len is None:
@@ -226,6 +229,12 @@ def main() -> None:
     }
     if args.quick:
         plan["llama3-8b"] = ([0.3, 0.85], [1, 64], 5)
+    for name, (rates, concs, max_k) in plan.items():
+        if args.rates:
+            rates = [r for r in rates if str(r) in args.rates.split(",")]
+        if args.concurrency:
+            concs = [c for c in concs if str(c) in args.concurrency.split(",")]
+        plan[name] = (rates, concs, max_k)
     import torch
 
     result: dict[str, Any] = {
