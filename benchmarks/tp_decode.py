@@ -1,12 +1,13 @@
-"""Tensor parallelism: plain decode and EAGLE-3 step cost at TP = 1 / 2 / 4 / 8 (dummy weights).
+"""Tensor parallelism: plain decode and speculative step cost at TP = 1 / 2 / 4 / 8 (dummy weights).
 
 For each tensor-parallel size (one engine process per GPU, NCCL) and batch 1 / 16 / 64:
   - ms per plain decode step (engine.step after the prefill, as benchmarks/spec_step.py times
     it), against the per-GPU bandwidth floor: the bytes each GPU must read a step (its shard of
     the weights, its share of the KV cache read) over the copy bandwidth measured here on GPU 0
     (benchmarks/decode.py's step_bytes and copy_bandwidth);
-  - ms per EAGLE-3 K = 3 step (fixed K, an EAGLE-3-shaped head sharded like the target,
-    synthetic acceptance 0.7) against the plain step;
+  - ms per speculative K = 3 step (fixed K, synthetic acceptance 0.7; an EAGLE-3-shaped head
+    sharded like the target, or the model's own MTP layer where it has one) against the plain
+    step;
   - the all-reduce time a step: one all-reduce of [batch, hidden] in the model dtype, timed
     over many iterations (CUDA events; replayed from a CUDA graph, as the engine's captured
     steps run it, and launched eagerly), x 2 a layer (o_proj, down_proj) x the layers, and its
@@ -19,7 +20,9 @@ torch.multiprocessing, while no engine holds them: the engine's own group is rea
 run the steps rank 0 sends them (specserve/engine/tp_executor.py).
 
 Shapes: llama3-8b (TP 1, 2 by default) and llama3-70b (TP 4, 8; an EAGLE-3 head of the
-published 70B layout), bf16; tiny: a float32 test-size Llama for the CPU smoke run (gloo, wall
+published 70B layout), bf16; gpt-oss-120b (TP 1, 2; MXFP4 experts, the gpt-oss EAGLE-3 head
+shape) and glm-4.5-air (TP 2; its MTP layer; bf16, ~220 GB of weights: two H200s), batches 1 and
+16, no floor (the floor counts dense weights); tiny: a float32 test-size Llama for the CPU smoke run (gloo, wall
 clock instead of CUDA events, no floor). Prints a table last; $OUT/tp_decode.json (OUT default
 ./out). Exits 1 if any part failed (after writing what it has), and refuses to start when the
 machine has fewer GPUs than the largest TP size.
@@ -28,6 +31,8 @@ machine has fewer GPUs than the largest TP size.
     python benchmarks/tp_decode.py --shape llama3-70b           # TP 4 and 8 (8 GPUs)
     python benchmarks/tp_decode.py --shape llama3-70b --tp 4    # 4 GPUs
     python benchmarks/tp_decode.py --tp 1,2 --batches 1,16 --steps 12
+    python benchmarks/tp_decode.py --shape gpt-oss-120b        # TP 1 and 2 (2 GPUs)
+    python benchmarks/tp_decode.py --shape glm-4.5-air         # TP 2 (2 H200s)
     python benchmarks/tp_decode.py --device cpu --shape tiny --tp 1,2   # smoke run (gloo)
 """
 
@@ -49,15 +54,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import write_json  # noqa: E402
 from decode import LLAMA3_8B, copy_bandwidth, step_bytes, write_config  # noqa: E402
+from gpt_oss_decode import GPT_OSS_120B, GPT_OSS_EAGLE3  # noqa: E402
+from moe_decode import GLM45_AIR  # noqa: E402
 from serve_shape import EAGLE3_HEAD_70B, LLAMA3_70B, TINY, TINY_HEAD  # noqa: E402
 from spec_step import EAGLE3_HEAD, measure, synthetic_spec  # noqa: E402
 
-SHAPES = {
+# shape -> (target config, EAGLE-3 head config, or None: the target's own MTP layer drafts)
+SHAPES: dict[str, tuple[dict, dict | None]] = {
     "llama3-8b": (LLAMA3_8B, EAGLE3_HEAD),
     "llama3-70b": (LLAMA3_70B, EAGLE3_HEAD_70B),
+    "gpt-oss-120b": (GPT_OSS_120B, GPT_OSS_EAGLE3),
+    "glm-4.5-air": (GLM45_AIR, None),
     "tiny": (TINY, TINY_HEAD),
 }
-DEFAULT_TP = {"llama3-8b": [1, 2], "llama3-70b": [4, 8], "tiny": [1, 2]}
+DEFAULT_TP = {
+    "llama3-8b": [1, 2], "llama3-70b": [4, 8], "gpt-oss-120b": [1, 2], "glm-4.5-air": [2],
+    "tiny": [1, 2],
+}  # fmt: skip
+MOE_BATCHES = "1,16"  # the MoE shapes' default batches
 K = 3
 ACCEPTANCE = 0.7
 HOST = "127.0.0.1"
@@ -246,7 +260,7 @@ def engine_rows(
             # TP is the executor, not the ModelRunner that records them: 0, so not reported.
             r.pop("draft_ms")
             out[b] = r
-            print(f"  TP={tp} {'eagle3' if spec else 'plain':>6} B={b:>3}: "
+            print(f"  TP={tp} {spec['method'] if spec else 'plain':>6} B={b:>3}: "
                   f"{r['ms_per_step']:.3f} ms/step", flush=True)  # fmt: skip
         return out
     finally:
@@ -271,7 +285,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", choices=list(SHAPES))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--tp", default=None, help="TP sizes, e.g. 1,2 (default: per shape)")
-    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--batches", default=None, help="default 1,16,64 (MoE shapes: 1,16)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (20; tiny: 4)")
     ap.add_argument("--prompt-len", type=int, default=None, help="context (128; tiny: 16)")
     ap.add_argument("--ar-iters", type=int, default=None, help="all-reduces timed (200; cpu 50)")
@@ -280,7 +294,10 @@ def main() -> None:
     args = ap.parse_args()
     tiny, cuda = args.shape == "tiny", args.device == "cuda"
     tps = [int(t) for t in args.tp.split(",")] if args.tp else DEFAULT_TP[args.shape]
-    args.batches = [int(b) for b in args.batches.split(",")]
+    moe = args.shape in ("gpt-oss-120b", "glm-4.5-air")
+    args.batches = [
+        int(b) for b in (args.batches or (MOE_BATCHES if moe else "1,16,64")).split(",")
+    ]
     args.steps = args.steps or (4 if tiny else 20)
     args.prompt_len = args.prompt_len or (16 if tiny else 128)
     iters = args.ar_iters or (200 if cuda else 50)
@@ -303,8 +320,14 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     root = tempfile.mkdtemp(prefix="tp-decode-")
     target = write_config(target_cfg, os.makedirs(f"{root}/target") or f"{root}/target")
-    head = write_config(head_cfg, os.makedirs(f"{root}/eagle3") or f"{root}/eagle3")
-    spec = synthetic_spec(head, K, ACCEPTANCE)
+    if head_cfg is not None:
+        head = write_config(head_cfg, os.makedirs(f"{root}/eagle3") or f"{root}/eagle3")
+        spec = synthetic_spec(head, K, ACCEPTANCE)
+    else:  # the target's MTP layer, K = 3 recurrent steps of it
+        spec = {
+            "method": "mtp", "num_speculative_tokens": K, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rate": ACCEPTANCE, "adaptive": False,
+        }  # fmt: skip
     bw_before = None
     if cuda:
         bw_before = copy_bandwidth()
@@ -312,16 +335,16 @@ def main() -> None:
     errors: list[str] = []
     per_tp: dict[int, dict[str, Any]] = {}
     for tp in tps:
-        got: dict[str, Any] = {"plain": {}, "eagle3": {}, "allreduce": None}
+        got: dict[str, Any] = {"plain": {}, "spec": {}, "allreduce": None}
         per_tp[tp] = got
         if tp > 1:
             # Before this size's engines, while none holds the GPUs: the same NCCL group kind.
-            verify = [b * (K + 1) for b in args.batches]  # an EAGLE-3 step's verified rows
+            verify = [b * (K + 1) for b in args.batches]  # a speculative step's verified rows
             rows = sorted(set(args.batches) | set(verify))
             print(f"TP={tp}: all-reduce of [rows, {hidden}] {str(dtype)[6:]} x {iters}", flush=True)
             got["allreduce"] = ar = allreduce_times(tp, args.device, dtype, hidden, rows, iters)
             errors += [f"TP={tp} all-reduce: {e}" for e in ar["errors"]]
-        for name, s in (("plain", None), ("eagle3", spec)):
+        for name, s in (("plain", None), ("spec", spec)):
             print(f"TP={tp}: {name} engine", flush=True)
             try:
                 got[name] = engine_rows(target, s, tp, args, vocab)
@@ -340,14 +363,14 @@ def main() -> None:
         ar = got["allreduce"] or {}
         ar_us = ar.get("graph") or ar.get("eager") or {}
         for b in args.batches:
-            plain, eagle = got["plain"].get(b), got["eagle3"].get(b)
-            row: dict[str, Any] = {"tp": tp, "batch": b, "plain": plain, "eagle3": eagle}
+            plain, eagle = got["plain"].get(b), got["spec"].get(b)
+            row: dict[str, Any] = {"tp": tp, "batch": b, "plain": plain, "spec": eagle}
             p_ms = plain["ms_per_step"] if plain else None
             e_ms = eagle["ms_per_step"] if eagle else None
-            if bw:
+            if bw and not moe:
                 row["floor_ms"] = 1e3 * per_gpu_step_bytes(target_cfg, tp, b, ctx) / bw
                 row["of_floor"] = row["floor_ms"] / p_ms if p_ms else None
-            row["eagle3_x_plain"] = e_ms / p_ms if p_ms and e_ms else None
+            row["spec_x_plain"] = e_ms / p_ms if p_ms and e_ms else None
             if b in ar_us:
                 # 2 all-reduces a layer: o_proj's and down_proj's row-parallel outputs.
                 row["allreduce_us"] = ar_us[b]
@@ -368,6 +391,7 @@ def main() -> None:
         "gpus": torch.cuda.device_count() if cuda else 0,
         "shape": args.shape,
         "config": target_cfg,
+        "spec_method": spec["method"],
         "eagle3_head": head_cfg,
         "tp_sizes": tps,
         "batches": args.batches,
@@ -407,20 +431,20 @@ def main() -> None:
         f"\n{where}; {args.shape} (dummy {str(dtype)[6:]}); {args.steps} timed steps after "
         f"{args.prompt_len}-token prompts; {bw_txt}"
     )
-    print(f"EAGLE-3 K={K}, synthetic acceptance {ACCEPTANCE}; AR: one all-reduce of [batch, "
+    print(f"{spec['method']} K={K}, synthetic acceptance {ACCEPTANCE}; AR: one all-reduce of [batch, "
           f"{hidden}] x 2 x {layers} layers, {timing}")  # fmt: skip
     print(f"NOTE {WHY_SEPARATE_GROUP}")
     print(
         f"{'TP':>3} {'batch':>5} {'plain ms':>9} {'floor ms':>9} {'of floor':>9} "
-        f"{'eagle3 ms':>10} {'x plain':>8} {'tok/step':>8} {'AR us':>8} {'AR ms/step':>10} "
+        f"{'spec ms':>10} {'x plain':>8} {'tok/step':>8} {'AR us':>8} {'AR ms/step':>10} "
         f"{'of step':>8}"
     )
     for r in table:
-        p, e = r["plain"] or {}, r["eagle3"] or {}
+        p, e = r["plain"] or {}, r["spec"] or {}
         print(
             f"{r['tp']:>3} {r['batch']:>5} {f(p.get('ms_per_step'), '.3f'):>9} "
             f"{f(r.get('floor_ms'), '.3f'):>9} {pct(r.get('of_floor')):>9} "
-            f"{f(e.get('ms_per_step'), '.3f'):>10} {f(r['eagle3_x_plain'], '.2f'):>8} "
+            f"{f(e.get('ms_per_step'), '.3f'):>10} {f(r['spec_x_plain'], '.2f'):>8} "
             f"{f(e.get('tokens_per_step'), '.2f'):>8} {f(r.get('allreduce_us'), '.1f'):>8} "
             f"{f(r.get('allreduce_ms_per_step'), '.3f'):>10} {pct(r.get('allreduce_share')):>8}"
         )

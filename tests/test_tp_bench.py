@@ -24,9 +24,9 @@ def test_cpu_smoke_times_both_tp_sizes(tmp_path) -> None:
         (tp, b) for tp in (1, 2) for b in (1, 16, 64)
     ]
     for r in rows:
-        assert r["plain"]["ms_per_step"] > 0 and r["eagle3"]["ms_per_step"] > 0, r
+        assert r["plain"]["ms_per_step"] > 0 and r["spec"]["ms_per_step"] > 0, r
         # K = 3 at synthetic acceptance 0.7: between 1 and K + 1 tokens a request a step
-        assert 1.0 <= r["eagle3"]["tokens_per_step"] <= 4.0, r
+        assert 1.0 <= r["spec"]["tokens_per_step"] <= 4.0, r
         if r["tp"] == 2:
             assert r["allreduce_us"] > 0 and r["allreduce_ms_per_step"] > 0, r
             assert r["allreduce_share"] > 0, r
