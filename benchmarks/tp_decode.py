@@ -21,7 +21,7 @@ run the steps rank 0 sends them (specserve/engine/tp_executor.py).
 
 Shapes: llama3-8b (TP 1, 2 by default) and llama3-70b (TP 4, 8; an EAGLE-3 head of the
 published 70B layout), bf16; gpt-oss-120b (TP 1, 2; MXFP4 experts, the gpt-oss EAGLE-3 head
-shape) and glm-4.5-air (TP 2; its MTP layer; bf16, ~220 GB of weights: two H200s), batches 1 and
+shape) and glm-4.5-air (TP 2; its MTP layer; bf16, ~212 GB of weights: two H200s), batches 1 and
 16, no floor (the floor counts dense weights); tiny: a float32 test-size Llama for the CPU smoke run (gloo, wall
 clock instead of CUDA events, no floor). Prints a table last; $OUT/tp_decode.json (OUT default
 ./out). Exits 1 if any part failed (after writing what it has), and refuses to start when the
