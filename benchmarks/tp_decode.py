@@ -363,10 +363,10 @@ def main() -> None:
         ar = got["allreduce"] or {}
         ar_us = ar.get("graph") or ar.get("eager") or {}
         for b in args.batches:
-            plain, eagle = got["plain"].get(b), got["spec"].get(b)
-            row: dict[str, Any] = {"tp": tp, "batch": b, "plain": plain, "spec": eagle}
+            plain, drafted = got["plain"].get(b), got["spec"].get(b)
+            row: dict[str, Any] = {"tp": tp, "batch": b, "plain": plain, "spec": drafted}
             p_ms = plain["ms_per_step"] if plain else None
-            e_ms = eagle["ms_per_step"] if eagle else None
+            e_ms = drafted["ms_per_step"] if drafted else None
             if bw and not moe:
                 row["floor_ms"] = 1e3 * per_gpu_step_bytes(target_cfg, tp, b, ctx) / bw
                 row["of_floor"] = row["floor_ms"] / p_ms if p_ms else None

@@ -31,6 +31,16 @@ def test_adaptive_engine_is_lossless(ckpt_dir, temperature: float, async_schedul
     assert sum(c.n.sum() for c in budget.costs.values()) > 0
 
 
+def assert_same_tokens_and_logprobs(outs: list, ref: list) -> None:
+    """Each request's tokens equal the reference's, and its logprobs within 1e-4."""
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for t in a:
+                assert a[t] == pytest.approx(b[t], abs=1e-4)
+
+
 def test_logprobs_of_steps_without_drafts(ckpt_dir) -> None:
     """Steps at k = 0 compute one logits row a request (not K + 1 copies): their logprobs and
     top logprobs equal plain decoding's, as the drafted steps' do."""
@@ -50,12 +60,7 @@ def test_logprobs_of_steps_without_drafts(ckpt_dir) -> None:
     outs = llm.generate(prompts, sp)
     ref = LLM(target, max_model_len=256).generate(prompts, sp)
     assert 0 in chosen and max(chosen) > 0  # both kinds of step ran
-    for o, r in zip(outs, ref):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids
-        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
-            assert a.keys() == b.keys()
-            for t in a:
-                assert a[t] == pytest.approx(b[t], abs=1e-4)
+    assert_same_tokens_and_logprobs(outs, ref)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -84,12 +89,7 @@ def test_steps_verify_only_the_drafts_they_have(ckpt_dir, temperature: float) ->
     ref = LLM(target, max_model_len=256).generate(prompts, sp)
     assert llm.get_metrics()["spec_decode_num_drafts_total"] > 0
     assert 3 * 3 in rows and 3 * 4 not in rows  # two drafts verified as 3 rows; never K + 1
-    for o, r in zip(outs, ref):
-        assert o.outputs[0].token_ids == r.outputs[0].token_ids
-        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
-            assert a.keys() == b.keys()
-            for t in a:
-                assert a[t] == pytest.approx(b[t], abs=1e-4)
+    assert_same_tokens_and_logprobs(outs, ref)
 
 
 def test_fixed_k_opt_outs() -> None:
