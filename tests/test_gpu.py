@@ -7,6 +7,7 @@ can be compared with transformers on the CPU; one bf16 test compares graphs with
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -259,6 +260,73 @@ def test_draft_graphs_give_eager_drafts(drafters, ckpt_dir, prompts, method, sam
         runs[mode] = drafts_per_step(llm, prompts[:4], sp)
     assert runs["fused"] == runs["eager"]
     assert runs["per_step"] == runs["eager"]
+
+
+class _CountedGraph:
+    def __init__(self, graph: torch.cuda.CUDAGraph, count: list[int]) -> None:
+        self.graph, self.count = graph, count
+
+    def replay(self) -> None:
+        self.count[0] += 1
+        self.graph.replay()
+
+
+def _pin_budget(budget: Any, pattern: list[int]) -> list[int]:
+    """The budget chooses `pattern` cyclically; returns the list of its choices so far."""
+    calls = iter(range(10**6))
+    chosen: list[int] = []
+
+    def choose(batch: int, requests: list) -> int:
+        # Through `_chosen`, which counts the decisions since drafting (tracked k = 0).
+        chosen.append(budget._chosen(pattern[next(calls) % len(pattern)]))
+        return chosen[-1]
+
+    budget.choose = choose
+    return chosen
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
+def test_k0_steps_keep_the_drafters_kv_in_graphs(drafters, prompts, method) -> None:
+    """A k = 0 step of the adaptive budget that keeps the drafter's KV replays the draft
+    prefill's forward alone (the "kv" graph, no d1): the drafts proposed after stretches at 0
+    equal eager drafting's, so the graph wrote the same drafter KV, and outputs equal plain
+    decoding's."""
+    target = drafters["mtp"] if method == "mtp" else drafters["target"]
+    cfg: dict = {"method": method, "num_speculative_tokens": 3}
+    if method != "mtp":
+        cfg["model"] = drafters[method]
+    pattern = [0, 0, 0, 2, 2, 0, 0, 3, 3, 1, 0]
+    batch = prompts[:4]
+    runs, finals = {}, {}
+    for mode in ("fused", "eager"):
+        llm = cuda_llm(
+            target, speculative_config=cfg, draft_graph_mode=mode, async_scheduling=False
+        )
+        eng = llm.engine
+        chosen = _pin_budget(eng.budget, pattern)
+        kv_replays = [0]
+        if mode == "fused":
+            graphs = eng.runner.draft_graphs.graphs
+            for key in [key for key in graphs if key[0] == "kv"]:
+                graphs[key] = _CountedGraph(graphs[key], kv_replays)
+        for i, p in enumerate(batch):
+            eng.add_request(f"d{i}", {"prompt_token_ids": p}, GREEDY)
+        seen, final = [], {}
+        while eng.has_unfinished_requests():
+            final.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+            tok = eng.runner.states.token_ids
+            for r in sorted(eng.requests.values(), key=lambda r: r.request_id):
+                n = len(r.all_token_ids)
+                if r.row >= 0 and not r.is_finished() and r.num_computed_tokens == n - 1:
+                    seen.append((list(r.all_token_ids), tok[r.row, n : n + chosen[-1]].tolist()))
+        assert 0 in chosen and max(chosen) > 0
+        if mode == "fused":
+            assert kv_replays[0] > 0
+        runs[mode], finals[mode] = seen, final
+    assert runs["fused"] == runs["eager"]
+    ref = cuda_llm(target).generate([{"prompt_token_ids": p} for p in batch], GREEDY)
+    for i, r in enumerate(ref):
+        assert list(finals["fused"][f"d{i}"]) == r.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("method", ["eagle3", "draft_model"])

@@ -11,6 +11,8 @@ Three graph kinds per padded batch size b (the target's capture sizes):
   loop b          the whole K-1 step loop in one graph: metadata built once, then advanced in
                   place between steps by the backend (`advance_context_`); only when the backend
                   supports it (`supports_inplace_advance`)
+  kv (1, b)       the draft prefill's forward alone, no d1: a k = 0 step that keeps the
+                  drafter's KV (`tracks_kv_at_zero`) drafts nothing, as the eager path does not
 Draft trees (spec_decode/tree.py) capture one graph kind instead, per (q, b):
   tree (q, b)     the whole tree drafting: the draft prefill over the accepted paths (the target
                   graph's hidden states gathered into chain order through `perm`, which the
@@ -127,6 +129,13 @@ class DraftGraphRunner:
                 self.h = torch.zeros(self.sizes[-1], h.shape[1], dtype=h.dtype, device=h.device)
             self.h[:b].copy_(h)
 
+    def _kv_only(self, b: int) -> None:
+        with uniform_batch(b, b):
+            inp = self._inputs(1, b)
+            ctx = self.runner.forward_context(self.target._common(b, 1))
+            hidden, aux = self.target.outputs[(1, b)]
+            self.spec.prefill_forward(self.runner, inp, ctx, hidden, aux, self.num_acc[:b])
+
     def _tree(self, q: int, b: int) -> None:
         with uniform_batch(b, b):
             inp = self._inputs(q, b)
@@ -196,6 +205,10 @@ class DraftGraphRunner:
                         self._capture(("prefill", q, b), lambda q=q, b=b: self._prefill(q, b))
                 if self.tree is not None:
                     continue
+                if self.spec.tracks_kv_at_zero:
+                    self.target._fill_dummy(b, 1)
+                    self.num_draft[:b].zero_()
+                    self._capture(("kv", 1, b), lambda b=b: self._kv_only(b))
                 first = self.num_steps_before_decode
                 if n > 0:
                     # A replay always follows the prefill: start warm-up and capture from the
@@ -266,6 +279,9 @@ class DraftGraphRunner:
             self.perm[:T].copy_(src)
             self.perm[T:tg].copy_(self.ident[T:tg])  # padded rows: themselves
             self.graphs[("tree", q, bg)].replay()
+            return
+        if num_drafts == 0 and (kv := self.graphs.get(("kv", q, bg))) is not None:
+            kv.replay()  # the drafter's KV only: this k = 0 step drafts nothing
             return
         self.graphs[("prefill", q, bg)].replay()
         n = self.spec.decode_steps_for(num_drafts)
