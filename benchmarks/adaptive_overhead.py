@@ -1,12 +1,15 @@
 """What the adaptive draft budget costs a step, apart from its choices: plain decoding, a fixed
 K = k, the adaptive budget (max K), and the adaptive budget pinned at k (the controller runs
-and learns, its choice is ignored), on `never_slower.py`'s cells. Per configuration and repeat:
+and learns, its choice is ignored), on `never_slower.py`'s cells. With `--k 0`, also the budget
+pinned at 0 with the drafter's KV kept on every step (tracked k = 0: the draft prefill's forward
+runs; the others run no drafter once 16 decisions pass without drafts). Per configuration and repeat:
 output tok/s, steps, wall ms a step, ms a step the host waited for the device, and the
 controller's host time a step. Pinned at k against fixed K = k is the whole overhead of the
 adaptive engine at the same drafts; the controller's time is the host's part of it.
 
     python benchmarks/adaptive_overhead.py                          # Llama-3-8B, c = 64, r = 0.3
     python benchmarks/adaptive_overhead.py --shape gpt-oss-20b --concurrency 1 --rate 0.7 --k 3 --max-k 3
+    python benchmarks/adaptive_overhead.py --k 0                    # tracked k = 0 against plain
     python benchmarks/adaptive_overhead.py --device cpu --shape tiny --concurrency 4 --output-len 32
 """
 
@@ -31,7 +34,12 @@ class TimedBudget(DraftBudget):
     """The controller, its host time summed in `spent`; `pin` overrides its choice."""
 
     pin: int | None = None
+    track: bool | None = None  # overrides `tracks_drafter_kv`
     spent: float = 0.0
+
+    @property
+    def tracks_drafter_kv(self) -> bool:
+        return super().tracks_drafter_kv if self.track is None else self.track
 
     def choose(self, batch: int, requests: list[tuple[str, bool]]) -> int:
         t = time.perf_counter()
@@ -50,7 +58,9 @@ class TimedBudget(DraftBudget):
         self.spent += time.perf_counter() - t
 
 
-def measure(llm: Any, args: argparse.Namespace, vocab: int, pin: int | None) -> dict:
+def measure(
+    llm: Any, args: argparse.Namespace, vocab: int, pin: int | None, track: bool | None
+) -> dict:
     """One repeat: the cell's output tok/s and per-step times."""
     eng = llm.engine
     runner = eng.runner
@@ -66,7 +76,7 @@ def measure(llm: Any, args: argparse.Namespace, vocab: int, pin: int | None) -> 
 
     if eng.budget is not None:
         eng.budget = TimedBudget(eng.budget.max_k)
-        eng.budget.pin = pin
+        eng.budget.pin, eng.budget.track = pin, track
     runner.finish = timed_finish
     try:
         t0 = time.perf_counter()
@@ -101,12 +111,15 @@ def main() -> None:
     with open(os.path.join(target, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     result: dict[str, Any] = {"meta": {"command": " ".join(sys.argv)}, "rows": []}
-    for label, k, adaptive, pin in (
-        ("plain", None, False, None),
-        (f"K={args.k}", args.k, False, None),
-        ("adaptive", args.max_k, True, None),
-        (f"adaptive@{args.k}", args.max_k, True, args.k),
-    ):
+    configs = [
+        ("plain", None, False, None, None),
+        (f"K={args.k}", args.k, False, None, None),
+        ("adaptive", args.max_k, True, None, None),
+        (f"adaptive@{args.k}", args.max_k, True, args.k, None),
+    ]
+    if args.k == 0:  # K = 0 is plain decoding: tracked k = 0 instead
+        configs[1] = ("adaptive@0 tracked", args.max_k, True, 0, True)
+    for label, k, adaptive, pin, track in configs:
         spec = None
         if k is not None:
             spec = {
@@ -117,7 +130,7 @@ def main() -> None:
         llm = ns.make_llm(target, spec, args.concurrency, args.device)
         ns.run_cell(llm, args.concurrency, 16, vocab, 1)  # warm
         for rep in range(args.reps):
-            row = {"config": label, "rep": rep, **measure(llm, args, vocab, pin)}
+            row = {"config": label, "rep": rep, **measure(llm, args, vocab, pin, track)}
             result["rows"].append(row)
             print(f"  {label} rep {rep}: {row['tok_s']:.1f} tok/s", flush=True)
         del llm
@@ -130,11 +143,11 @@ def main() -> None:
         write_json("adaptive_overhead.json", result)
     print(f"\n{args.shape} c = {args.concurrency} r = {args.rate} ({args.output_len} tokens)")
     print(
-        f"{'config':>12} rep {'tok/s':>9} {'steps':>6} {'step ms':>8} {'wait ms':>8} {'ctl us':>7}"
+        f"{'config':>18} rep {'tok/s':>9} {'steps':>6} {'step ms':>8} {'wait ms':>8} {'ctl us':>7}"
     )
     for r in result["rows"]:
         print(
-            f"{r['config']:>12} {r['rep']:>3} {r['tok_s']:9.1f} {r['steps']:6d} "
+            f"{r['config']:>18} {r['rep']:>3} {r['tok_s']:9.1f} {r['steps']:6d} "
             f"{r['step_ms']:8.2f} {r['wait_ms']:8.2f} {r['controller_us']:7.0f}"
         )
 
