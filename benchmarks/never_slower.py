@@ -104,7 +104,8 @@ def configs(max_k: int, quick: bool) -> list[tuple[str, int | None, bool]]:
 
 
 def traced_budget(max_k: int) -> Any:
-    """A DraftBudget that keeps its decisions and step samples (what the JSON reports)."""
+    """A DraftBudget that keeps its decisions, step samples and their order (what the JSON
+    reports)."""
     import numpy as np
 
     from specserve.spec_decode.dynamic import DraftBudget
@@ -114,16 +115,28 @@ def traced_budget(max_k: int) -> Any:
             super().__init__(max_k)
             self.choices: list[int] = []
             self.samples: dict[str, list[float]] = {}
+            # In order: the batch of each decision, each recorded step as [batch, k, ms,
+            # tracked], and "end" where a request ended (where a cell's costs moved, and why).
+            self.trace: list[int | str | list] = []
+            self.ended: set[str] = set()
 
         def choose(self, batch: int, requests: list[tuple[str, bool]]) -> int:
             k = super().choose(batch, requests)
             self.choices.append(k)
+            self.trace.append(batch)
             return k
 
         def record_step(self, batch: int, k: int, seconds: float, tracked: bool = False) -> None:
             key = f"b{self.bucket(batch)} k{k}{' tracked' * tracked}"
             self.samples.setdefault(key, []).append(seconds * 1e3)
+            self.trace.append([batch, k, round(seconds * 1e3, 3), tracked])
             super().record_step(batch, k, seconds, tracked)
+
+        def forget(self, request_id: str) -> None:
+            if request_id not in self.ended:  # (the engine may forget a request twice)
+                self.ended.add(request_id)
+                self.trace.append("end")
+            super().forget(request_id)
 
         def report(self) -> dict:
             pct = lambda v, q: round(float(np.percentile(v, q)), 2)  # noqa: E731
@@ -137,6 +150,7 @@ def traced_budget(max_k: int) -> Any:
                     key: {"n": len(v), "p10": pct(v, 10), "p50": pct(v, 50), "p90": pct(v, 90)}
                     for key, v in sorted(self.samples.items())
                 },
+                "trace": self.trace,
             }
 
     return Traced(max_k)
