@@ -1,11 +1,12 @@
 """What the adaptive draft budget costs a step, apart from its choices: plain decoding, a fixed
 K = k, the adaptive budget (max K), and the adaptive budget pinned at k (the controller runs
-and learns, its choice is ignored), on `never_slower.py`'s cells. With `--k 0`, also the budget
+and learns, its choice is ignored), on `never_slower.py`'s cells. With `--k 0`, the budget
 pinned at 0 with the drafter's KV kept on every step (tracked k = 0: the draft prefill's forward
-runs; the others run no drafter once 16 decisions pass without drafts). Per configuration and repeat:
-output tok/s, steps, wall ms a step, ms a step the host waited for the device, and the
-controller's host time a step. Pinned at k against fixed K = k is the whole overhead of the
-adaptive engine at the same drafts; the controller's time is the host's part of it.
+runs) takes fixed K's row; "adaptive@0" runs no drafter once 16 decisions pass without drafts.
+Per configuration and repeat: output tok/s, steps, wall ms a step, ms a step the host waited
+for the device, and the controller's host time a step. Pinned at k against fixed K = k is the
+whole overhead of the adaptive engine at the same drafts; the controller's time is the host's
+part of it.
 
     python benchmarks/adaptive_overhead.py                          # Llama-3-8B, c = 64, r = 0.3
     python benchmarks/adaptive_overhead.py --shape gpt-oss-20b --concurrency 1 --rate 0.7 --k 3 --max-k 3

@@ -1,6 +1,6 @@
 """CUDA graphs of the drafting loop, for batches whose target forward replayed a graph.
 
-Three graph kinds per padded batch size b (the target's capture sizes):
+Four graph kinds per padded batch size b (the target's capture sizes):
   prefill (q, b)  draft prefill over the target graph's own buffers and outputs (q = 1 or K + 1
                   tokens per request), d1 sampled for shift-1 drafters; leaves the first decode
                   step's inputs (positions, carried hidden) in this runner's buffers
