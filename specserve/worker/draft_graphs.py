@@ -45,6 +45,7 @@ from specserve.ops.graph_rows import uniform_batch
 from specserve.sample.sampler import SamplingTensors
 
 if TYPE_CHECKING:
+    from specserve.attention.backend import ForwardContext
     from specserve.spec_decode.autoregressive import AutoregressiveSpeculator
     from specserve.spec_decode.multi_layer_mtp import MultiLayerMTPSpeculator
     from specserve.spec_decode.parallel import ParallelDraftSpeculator
@@ -115,10 +116,16 @@ class DraftGraphRunner:
         with uniform_batch(b, b):
             self._prefill_body(q, b)
 
+    def _target_view(
+        self, q: int, b: int, chain: bool = False
+    ) -> tuple[SimpleNamespace, ForwardContext, torch.Tensor, list[torch.Tensor]]:
+        """(inputs, forward context, hidden, aux) of the target graph (q, b): what the drafter
+        reads. `chain`: causal metadata over a tree's accepted paths."""
+        ctx = self.runner.forward_context(self.target._common(b, q, chain=chain))
+        return (self._inputs(q, b), ctx, *self.target.outputs[(q, b)])
+
     def _prefill_body(self, q: int, b: int) -> None:
-        inp = self._inputs(q, b)
-        ctx = self.runner.forward_context(self.target._common(b, q))
-        hidden, aux = self.target.outputs[(q, b)]
+        inp, ctx, hidden, aux = self._target_view(q, b)
         pos, h = self.spec.draft_prefill(
             self.runner, inp, ctx, hidden, aux, self.num_acc[:b], self._st(b)
         )
@@ -131,18 +138,14 @@ class DraftGraphRunner:
 
     def _kv_only(self, b: int) -> None:
         with uniform_batch(b, b):
-            inp = self._inputs(1, b)
-            ctx = self.runner.forward_context(self.target._common(b, 1))
-            hidden, aux = self.target.outputs[(1, b)]
+            inp, ctx, hidden, aux = self._target_view(1, b)
             self.spec.prefill_forward(self.runner, inp, ctx, hidden, aux, self.num_acc[:b])
 
     def _tree(self, q: int, b: int) -> None:
         with uniform_batch(b, b):
-            inp = self._inputs(q, b)
             # The drafter sees the accepted paths as chains: causal metadata, hidden states
             # in chain order.
-            ctx = self.runner.forward_context(self.target._common(b, q, chain=True))
-            hidden, aux = self.target.outputs[(q, b)]
+            inp, ctx, hidden, aux = self._target_view(q, b, chain=True)
             perm = self.perm[: b * q]
             hidden, aux = hidden[perm], [a[perm] for a in aux]
             st = None if self.spec.greedy_draft else self._st(b)

@@ -321,9 +321,8 @@ class ModelRunner:
         # K + 1 (lm_head, processors and sampling over K + 1 rows made a step of the adaptive
         # budget at k = 1 under K = 5 cost 0.4-0.45 ms more than a fixed K = 1 step, 5-6%:
         # Llama-3-8B shape, batch 64, H100 and H200). Trees verify their K + 1 nodes; grammar
-        # masks keep K + 1 rows. A
-        # uniform batch with `rows - 1` drafts everywhere has its verified slots in token
-        # order: no gather.
+        # masks keep K + 1 rows. A uniform batch with `rows - 1` drafts everywhere has its
+        # verified slots in token order: no gather.
         verified = fwd.hidden
         rows = k1 if gs is not None or (drafted and fwd.tree is not None) else d + 1
         if rows == 1 and inp.num_tokens != B:
