@@ -461,26 +461,25 @@ def test_a_steady_rate_is_estimated_over_the_slow_scale_and_a_fall_over_the_fast
     a fall from 0.9 to 0 still moves the estimate within four steps."""
     rng = np.random.default_rng(0)
     c = DraftBudget(3)
+
+    def verify(k: int, acceptance: float) -> None:
+        n = 0
+        while n < k and rng.random() < acceptance:
+            n += 1
+        c.record_acceptance("r", True, k, n)
+        c.tick()
+
     est = []
     for i in range(600):
-        n = 0
-        while n < 2 and rng.random() < 0.3:
-            n += 1
-        c.record_acceptance("r", True, 2, n)
-        c.tick()
+        verify(2, 0.3)
         if i >= 100:
             est.append(c.request_acceptance("r", True)[0])
     assert np.std(est) < 0.06, np.std(est)
     assert abs(np.mean(est) - 0.3) < 0.03
     for _ in range(300):
-        n = 0
-        while n < 3 and rng.random() < 0.9:
-            n += 1
-        c.record_acceptance("r", True, 3, n)
-        c.tick()
+        verify(3, 0.9)
     for _ in range(4):
-        c.record_acceptance("r", True, 3, 0)
-        c.tick()
+        verify(3, 0.0)
     assert c.request_acceptance("r", True)[0] < 0.7
 
 
