@@ -568,6 +568,10 @@ class DraftBudget:
         self._accepted_slow[rows] = self._accepted_slow[rows] * f_slow + acc
         self._row_step[rows] = self.step
 
+    def _row_counts(self) -> tuple[np.ndarray, ...]:
+        """[rows, K] each: reached and accepted on the fast scale, then on the slow one."""
+        return self._reached, self._accepted, self._reached_slow, self._accepted_slow
+
     def _row(self, request_id: str) -> int:
         row = self._rows.get(request_id)
         if row is not None:
@@ -577,13 +581,12 @@ class DraftBudget:
             grow = max(16, n)
             more = np.zeros((grow, self.max_k))
             self._reached, self._accepted, self._reached_slow, self._accepted_slow = (
-                np.concatenate([x.reshape(n, self.max_k), more])
-                for x in (self._reached, self._accepted, self._reached_slow, self._accepted_slow)
+                np.concatenate([x.reshape(n, self.max_k), more]) for x in self._row_counts()
             )
             self._row_step = np.concatenate([self._row_step, np.zeros(grow, dtype=np.int64)])
             self._free = list(range(n + grow - 1, n - 1, -1))
         row = self._rows[request_id] = self._free.pop()
-        for x in (self._reached, self._accepted, self._reached_slow, self._accepted_slow):
+        for x in self._row_counts():
             x[row] = 0
         self._row_step[row] = self.step
         return row
