@@ -27,10 +27,11 @@ The choice maximizes expected tokens per second of the batch:
               of a shorter context. Cells never measured come from a linear fit t0 + k * dt
               over the bucket's measured cells, or, with fewer than two, from the nearest
               measured bucket's shape.
-  k = 0       no drafts. For `track_steps` decisions after the last k > 0, an autoregressive
-              drafter (EAGLE, EAGLE-3, MTP, a draft model) still runs its draft prefill over
-              the verified token, so its KV stays complete for a switch back; after that, and
-              for the other drafters, the drafter does not run on pure decode steps (plain
+  k = 0       no drafts. For `track_steps` decisions after the last k > 0 (unless that was
+              a probe from 0 that found drafting losing) and before the bucket's next probe,
+              an autoregressive drafter (EAGLE, EAGLE-3, MTP, a draft model) still runs its
+              draft prefill over the verified token, so its KV is complete for a switch back;
+              otherwise, and for the other drafters, the drafter does not run on pure decode steps (plain
               decoding's cost) and its KV has holes at the positions decoded meanwhile; steps
               with prompt chunks still run the draft prefill, so every prompt is in its KV.
               Tracked steps are dearer than plain ones (H100, Llama-3-8B shape, batch 64,
@@ -252,6 +253,8 @@ class DraftBudget:
     _budget_n: int = 0
     _since_draft: int = 10**9  # decisions since the last k > 0
     _plain_unmeasured: bool = False  # the bucket of the last decision has no plain step yet
+    _probed_up: bool = False  # the last k > 0 was a probe from k = 0
+    _to_probe: int = 10**9  # decisions of the bucket until its next probe may start
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -445,7 +448,12 @@ class DraftBudget:
             loss = self._probe_loss(best, probe, e, t, c) / self.explore_budget
             c.probe_at = c.steps + max(self.explore_every, math.ceil(loss))
             if probe != best:
+                self._probed_up = best == 0
+                self._to_probe = c.probe_at - c.steps
                 return self._decide(probe)
+        if best > 0:
+            self._probed_up = False
+        self._to_probe = c.probe_at - c.steps
         return self._decide(best)
 
     def _probe_loss(
@@ -455,13 +463,13 @@ class DraftBudget:
         (it verifies `best` drafts but proposes `probe`, so it costs the larger k's step),
         `hold` steps at `probe`, and the transitional step back. The transitional steps are
         most of it when drafting is dear (from k = 0, the first drafts' step yields one
-        token). From k = 0, a probe also restarts the `track_steps` k = 0 steps that run the
-        draft prefill (each dearer than a plain step by the bucket's measured share: on the
-        CPU at batch 1 ~10%, as much as the probe itself); left out, probes came every ~20
-        steps and those steps took most of the time drafting was off. They are worth
-        restarting: the next probe drafts from complete recent KV. (A variant that did not
-        restart them drafted over holes; in its one CPU run, copy prompts at batch 1, the
-        budget averaged k = 0.75 and ran 0.94x plain where K = 3 ran 1.28x.)"""
+        token). From k = 0, a probe also costs the `track_steps` k = 0 steps before it that run
+        the draft prefill (each dearer than a plain step by the bucket's measured share: on
+        the CPU at batch 1 ~10%, as much as the probe itself); left out, probes came every ~20
+        steps and those steps took most of the time drafting was off. They are worth their
+        price: the probe drafts from complete recent KV. (A variant without them drafted over
+        holes; in its one CPU run, copy prompts at batch 1, the budget averaged k = 0.75 and
+        ran 0.94x plain where K = 3 ran 1.28x.)"""
         if probe == best:
             return 0.0
         v_best = e[best] / t[best]
@@ -494,13 +502,23 @@ class DraftBudget:
 
     @property
     def tracks_drafter_kv(self) -> bool:
-        """Whether the k = 0 just chosen should keep the drafter's KV (see `track_steps`). Not
-        while the bucket has no plain step measured: a tracked step stands in for plain
+        """Whether the k = 0 just chosen should keep the drafter's KV (see `track_steps`): in
+        the `track_steps` decisions after drafting, so that a short stretch at 0 resumes from
+        complete KV, and in those before the bucket's next probe, so that the probe measures
+        acceptance over complete recent KV. Not after a probe from k = 0 that found drafting
+        still losing: the next switch up is then the next probe, which the steps before it
+        serve, and tracking the steps after each probe as well made tracked steps ~80% of
+        the steps of requests that drafting loses at batch 1 (a new request is probed within
+        `explore_every` decisions; its prompt, prefilled by the drafter, has no holes).
+        Not while the bucket has no plain step measured: a tracked step stands in for plain
         decoding's cost until one is, and it is dearer (H100, batch 64: 7.39 ms against 6.92),
         so k = 0 looked worse than it was, was never held long enough to be measured, and the
         budget drafted where plain decoding won. The price: the drafter's KV misses the
-        positions of those few steps (acceptance, never outputs)."""
-        return self._since_draft <= self.track_steps and not self._plain_unmeasured
+        positions of the untracked steps (acceptance, never outputs)."""
+        if self._plain_unmeasured:
+            return False
+        after = self._since_draft <= self.track_steps and not self._probed_up
+        return after or self._to_probe <= self.track_steps
 
     @property
     def mean_budget(self) -> float:
