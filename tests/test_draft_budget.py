@@ -540,3 +540,34 @@ def test_the_steps_before_a_scheduled_probe_keep_the_drafters_kv() -> None:
     for z in stretches:
         assert z.endswith("t" * n) and "t" not in z.lstrip("t")[:-n], z
     assert trace.count("t") <= 2 * n * (len(stretches) + 1), trace
+
+
+def test_a_probe_from_zero_drafts_the_k_that_would_win() -> None:
+    """Concave step costs (the default model on the CPU at batch 1: the first draft costs 0.75
+    of a plain step, each further one 0.1): at acceptance 0.62 k = 1 loses to plain decoding
+    and k = 3 wins. Where k = 3 was last measured too long ago to climb to it at once, the
+    budget stays at 0, and a probe from there drafts 3. Probing k = 1 alone, the budget stayed
+    at 0 on copy prompts (0.96x plain where K = 3 ran 1.06x)."""
+    costs = [1.0, 1.75, 1.85, 1.95]
+    c = DraftBudget(3)
+    reqs = [("r", True)]
+    for k, t in enumerate(costs):
+        for _ in range(3):
+            c.record_step(1, k, t)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = 0
+        while n < 3 and rng.random() < 0.62:
+            n += 1
+        c.record_acceptance("r", True, 3, n)
+        c.tick()
+    tokens = c.batch_tokens(reqs)
+    assert tokens[1] / costs[1] < 1.0 < tokens[3] / costs[3], tokens
+    b = c.costs[1]
+    b.steps += c.explore_every + 1  # k > 0 last measured long ago: no climb past k = 1
+    c.record_step(1, 0, costs[0])
+    c.last_k = 0
+    b.probe_at = 10**9
+    assert c.choose(1, reqs) == 0
+    b.probe_at = b.steps + 1  # the next decision probes
+    assert c.choose(1, reqs) == 3
