@@ -31,9 +31,10 @@ The choice maximizes expected tokens per second of the batch:
               a probe from 0 that found drafting losing) and before the bucket's next probe,
               an autoregressive drafter (EAGLE, EAGLE-3, MTP, a draft model) still runs its
               draft prefill over the verified token, so its KV is complete for a switch back;
-              otherwise, and for the other drafters, the drafter does not run on pure decode steps (plain
-              decoding's cost) and its KV has holes at the positions decoded meanwhile; steps
-              with prompt chunks still run the draft prefill, so every prompt is in its KV.
+              otherwise, and for the other drafters, the drafter does not run on pure decode
+              steps (plain decoding's cost) and its KV has holes at the positions decoded
+              meanwhile; steps with prompt chunks still run the draft prefill, so every prompt
+              is in its KV.
               Tracked steps are dearer than plain ones (H100, Llama-3-8B shape, batch 64,
               same context: 7.39 against 6.92 ms), so going down to 0 must pay for them over
               `track_horizon` steps, and a bucket whose plain step is not measured yet takes
@@ -231,9 +232,10 @@ class DraftBudget:
     explore_every: int = 16
     explore_budget: float = 0.005  # fraction of time probes may lose, in expectation
     hold: int = 2  # decisions a choice is kept (one transitional step + one measured step)
-    # Decisions after the last k > 0 during which k = 0 still keeps the drafter's KV (its
-    # prefill costs ~7% of a batch-1 step on the CPU): short stretches at 0 resume drafting
-    # from complete KV; long ones, where drafting lost, cost plain decoding's price.
+    # Decisions after the last k > 0, and before a probe, during which k = 0 still keeps the
+    # drafter's KV (its prefill costs ~7% of a batch-1 step on the CPU): short stretches at 0
+    # resume drafting from complete KV; long ones, where drafting lost, cost plain decoding's
+    # price.
     track_steps: int = 16
     track_horizon: int = 64  # steps over which going down to k = 0 must pay its tracked steps
     classes: dict[bool, _Acceptance] = field(default_factory=dict)
