@@ -257,7 +257,7 @@ class DraftBudget:
     _since_draft: int = 10**9  # decisions since the last k > 0
     _plain_unmeasured: bool = False  # the bucket of the last decision has no plain step yet
     _probed_up: bool = False  # the last k > 0 was a probe from k = 0
-    _to_probe: int = 10**9  # decisions of the bucket until its next probe may start
+    _decided_in: _Costs | None = None  # the bucket of the last decision past its first visit
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -408,6 +408,7 @@ class DraftBudget:
             return self._decide(self.max_k)  # first visit: every position's acceptance
         if first and not measured[0]:
             return self._decide(0)  # then plain decoding's cost
+        self._decided_in = c
         e = self.batch_tokens(requests)
         v = v_all = e / np.maximum(t, 1e-12)
         cur = self.last_k
@@ -452,11 +453,9 @@ class DraftBudget:
             c.probe_at = c.steps + max(self.explore_every, math.ceil(loss))
             if probe != best:
                 self._probed_up = best == 0
-                self._to_probe = c.probe_at - c.steps
                 return self._decide(probe)
         if best > 0:
             self._probed_up = False
-        self._to_probe = c.probe_at - c.steps
         return self._decide(best)
 
     def _probe_loss(
@@ -528,7 +527,8 @@ class DraftBudget:
         if self._plain_unmeasured:
             return False
         after = self._since_draft <= self.track_steps and not self._probed_up
-        return after or self._to_probe <= self.track_steps
+        c = self._decided_in
+        return after or c is not None and c.probe_at - c.steps <= self.track_steps
 
     @property
     def mean_budget(self) -> float:
