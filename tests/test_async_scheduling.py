@@ -191,6 +191,31 @@ def test_async_self_drafting_accepts_everything(drafters) -> None:
     assert m["spec_decode_num_accepted_tokens_total"] == m["spec_decode_num_draft_tokens_total"]
 
 
+def test_async_kv_follows_the_accepted_tokens(drafters) -> None:
+    """Each step behind one that verifies drafts holds KV for the host's true count plus two
+    steps' drafts, not for a bound built on the last step's bound (which grew by 1 + K
+    positions a step whatever was accepted, filled the cache and stopped the overlap)."""
+    target, cfg = _spec(drafters, "eagle3", 3)
+    cfg["adaptive"] = False  # K = 3 every step; the random head's drafts are all rejected
+    llm = LLM(target, speculative_config=cfg, async_scheduling=True, max_model_len=480)
+    eng, kv = llm.engine, llm.engine.kv
+    stats = _count_overlaps(llm)
+    sp = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    eng.add_request("a", {"prompt_token_ids": random_prompts(1, 20, 21, seed=3)[0]}, sp)
+    worst = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        for req in eng.scheduler.running:
+            slack = len(req.block_ids) - kv.blocks_needed(req.num_computed_tokens)
+            worst = max(worst, slack)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_accepted_tokens_total"] < m["spec_decode_num_draft_tokens_total"] / 2
+    assert stats["overlapped"] > 50
+    # Two steps of 1 + K = 4 positions and the drafter's lookahead: at most one block past
+    # the computed tokens' (16-token blocks), where the compounding bound reached ~18.
+    assert worst <= kv.blocks_needed(2 * 4 + kv.lookahead) + 1, worst
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 def test_preemption_while_a_step_is_in_flight(ckpt_dir, drafters, monkeypatch, speculative) -> None:
     """Overlap forced even when the KV cache is nearly full: requests preempted while the step

@@ -568,7 +568,7 @@ class LLMEngine:
             for s in sched.scheduled:
                 # What N computes if every draft is accepted: exact without drafts, else the
                 # upper bound KV is allocated for (the device places the step exactly).
-                s.req.num_computed_tokens = s.start + s.num_tokens
+                s.req.num_computed_tokens = s.end_bound()
                 if s.samples:
                     s.req.num_pending_tokens = 1 + s.num_draft
                     s.req.start_on_device = on_device
@@ -629,7 +629,7 @@ class LLMEngine:
         # it waits for blocks. (A reserve for them made a KV cache sized to max_num_seqs *
         # max_model_len, the default, never overlap.)
         kv = self.kv
-        after = {id(s.req): s.start + s.num_tokens for s in sched.scheduled}
+        after = {id(s.req): s.end_bound() for s in sched.scheduled}
         per_decode = kv.blocks_needed(k1 + self.num_spec_tokens) + 1
         room, prefilling = 0, False
         for req in self.scheduler.running:
