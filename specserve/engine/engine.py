@@ -240,6 +240,12 @@ class LLMEngine:
             from specserve.ops.gemv_plan import tune_decode_gemv_
 
             self.decode_matmul_plan = tune_decode_gemv_(models)
+        elif config.decode_matmul != "cublas" and device.type == "cpu":
+            # Verification's few rows a request (ops/cpu_linear.py says why).
+            from specserve.ops.cpu_linear import use_cpu_linear_
+
+            for m in models:
+                use_cpu_linear_(m)
         num_blocks = self._num_kv_blocks()
         if self.tp is not None:  # every rank's pool holds the same blocks
             num_blocks = self.tp.min_int(num_blocks)
