@@ -106,8 +106,8 @@ class EngineConfig:
     # Matmuls of decode batches (<= 8 rows) on CUDA: cublas (F.linear) | triton (ops/gemv.py)
     # | auto (per bf16/fp16 weight shape and row count 1-2, whichever was faster when timed at
     # start-up, once per process); float32 weights use F.linear there. On the CPU, auto and
-    # triton run float32 products of 2-8 rows as W @ x^T (ops/cpu_linear.py; verification
-    # steps), cublas keeps F.linear.
+    # triton run float32 products of 2-32 rows as W @ x^T (ops/cpu_linear.py: verification
+    # and small decode batches), cublas keeps F.linear.
     decode_matmul: str = "auto"
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Tensor parallelism (engine/tp_executor.py): the target (and the drafter, unless

@@ -4,13 +4,16 @@ Verification feeds the target 1 + K tokens a request, and on the CPU F.linear (x
 for such skinny inputs: on this workplace's 2-core AMD EPYC (torch 2.13, oneDNN) a 4-row product
 with SmolLM2-135M's 49152 x 576 lm_head took ~20 ms against ~8 ms for one row, and the model's
 other layers ~1.6x their one-row time. The same product as W @ x^T (W the left operand, the few
-rows the narrow right one) took ~7 ms, and fixed K = 3 on copy prompts at batch 1 went from
-0.95x plain decoding's tokens/s to 1.6x (`benchmarks/RESULTS.md`, 2026-12-07 fourth entry).
+rows the narrow right one) took ~8 ms, and fixed K = 3 on copy prompts at batch 1 went from
+1.06x plain decoding's tokens/s to 1.65x (`benchmarks/RESULTS.md`, 2026-12-07 fourth entry).
 The result is copied back to row-major: a transposed view fed to the next layer's W @ x^T turns
 its right operand into a plain matrix, which oneDNN multiplies as slowly as F.linear.
 
-One row stays F.linear (a matrix-vector product, as fast either way), and so do larger row
-counts (prompt chunks), float16 / bfloat16 and anything that needs gradients.
+Up to 32 rows, so that batch-6 verification (24 rows) takes it as batch-6 plain decoding (6
+rows) does: with 8, plain decoding gained more than drafting and two sampled batch-6 cells of
+`benchmarks/never_slower_cpu.py` fell to 0.88-0.89x plain (0.92-0.94x with 32). One row stays
+F.linear (a matrix-vector product, as fast either way), and so do longer prompt chunks,
+float16 / bfloat16 and anything that needs gradients.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 8
+MAX_ROWS = 32
 
 
 def takes(x: torch.Tensor) -> bool:
