@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.ops.linear_swap import replace_linears_
+
 MAX_ROWS = 32
 
 
@@ -77,10 +79,4 @@ class CpuLinear(nn.Linear):
 def use_cpu_linear_(model: nn.Module) -> int:
     """Replace every plain nn.Linear child of `model` by a CpuLinear holding the same
     parameters; returns how many."""
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, CpuLinear.sharing(child))
-                n += 1
-    return n
+    return replace_linears_(model, CpuLinear.sharing)

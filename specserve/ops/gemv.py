@@ -21,6 +21,7 @@ from torch import nn
 
 from specserve.ops import graph_rows, l2, pdl, skinny
 from specserve.ops.jit import launcher
+from specserve.ops.linear_swap import replace_linears_
 
 try:
     import triton
@@ -559,10 +560,4 @@ def use_decode_gemv_(model: nn.Module, config: Config | None = DEFAULT_CONFIG) -
     """Replace every plain nn.Linear child of `model` by a DecodeLinear holding the same
     parameters (tied weights stay tied), planned to `config` (`default_plan`); returns how
     many."""
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, DecodeLinear.sharing(child, config))
-                n += 1
-    return n
+    return replace_linears_(model, lambda child: DecodeLinear.sharing(child, config))
