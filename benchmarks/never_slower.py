@@ -138,6 +138,12 @@ def traced_budget(max_k: int) -> Any:
                 self.trace.append("end")
             super().forget(request_id)
 
+        def restart_trace(self) -> None:
+            """Forget the decisions and samples kept so far (not what the budget learned):
+            `report` and `mean_budget` then cover what follows."""
+            self.choices, self.samples, self.trace = [], {}, []
+            self._budget_sum, self._budget_n = 0.0, 0
+
         def report(self) -> dict:
             pct = lambda v, q: round(float(np.percentile(v, q)), 2)  # noqa: E731
             return {
