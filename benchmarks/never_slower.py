@@ -156,7 +156,8 @@ def traced_budget(max_k: int) -> Any:
                     key: {"n": len(v), "p10": pct(v, 10), "p50": pct(v, 50), "p90": pct(v, 90)}
                     for key, v in sorted(self.samples.items())
                 },
-                "trace": self.trace,
+                # a copy: the next cell's warm-up still runs with this budget
+                "trace": list(self.trace),
             }
 
     return Traced(max_k)
