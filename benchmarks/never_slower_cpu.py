@@ -15,7 +15,7 @@ The adaptive budget is measured twice, as two engines of the rotation sharing on
   adaptive, cold  a fresh budget before every timed run: each run (at batch 6, ~60 steps)
                   also pays the budget's first visit (K, then 0) and its first probe.
 
-    python benchmarks/never_slower_cpu.py             # ~30 min on 2 cores
+    python benchmarks/never_slower_cpu.py             # ~27 min on 2 cores
     python benchmarks/never_slower_cpu.py --max-tokens 32 --repeats 1 --batched-repeats 1
 """
 
