@@ -64,6 +64,13 @@ change shows on it within a few steps (a fall from 0.9 to 0 at batch 1 within fo
 at which point the estimate follows it; a change visible at the current k (acceptance falling,
 a batch-size bucket already measured) moves the choice in a few steps, one hidden at k = 0
 (acceptance rising) at the next probe (<= 16 steps when the probe is cheap).
+
+Limits: a k is compared with the others at the price it had when last measured. On a machine
+whose speed wanders more than the margin between two choices, a k measured in a slow spell
+looks dearer than it is until a probe measures it again, and probes are spaced by that same
+price. The 2-core CPU this was built on runs the same step at 0.82x-1.33x its median (p10-p90;
+benchmarks/RESULTS.md): a batch-6 plain step measured once at 141 ms (75-95 ms most of the
+time) kept the budget drafting at 0.82x plain where every K loses.
 """
 
 from __future__ import annotations
