@@ -35,6 +35,7 @@ from specserve.models.loader import (
     stacked_target,
 )
 from specserve.ops.fp8_matmul import fp8_block_matmul
+from specserve.ops.linear_swap import plain_attributes
 
 FP8_WEIGHTS_MODES = ("auto", "keep", "dequantize")
 
@@ -87,9 +88,8 @@ class Fp8Linear(nn.Module):
         new = cls(
             linear.in_features, linear.out_features, has_bias, block, linear.weight.device, dtype
         )
-        for k, v in vars(linear).items():
-            if not k.startswith("_") and k not in ("in_features", "out_features", "training"):
-                setattr(new, k, v)
+        for k, v in plain_attributes(linear).items():
+            setattr(new, k, v)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

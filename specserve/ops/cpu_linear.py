@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.ops.linear_swap import replace_linears_
+from specserve.ops.linear_swap import replace_linears_, sharing
 
 MAX_ROWS = 32
 
@@ -59,16 +59,8 @@ class CpuLinear(nn.Linear):
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> CpuLinear:
-        """A CpuLinear over `linear`'s own Parameter objects (no copy: tied weights stay tied)."""
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        new.weight = linear.weight
-        new.bias = linear.bias
-        # Markers the models set on their layers (models/layers.py) go with the layer.
-        for name in ("norm_fed", "silu_gate_up", "early_trigger", "keep_dense"):
-            if hasattr(linear, name):
-                setattr(new, name, getattr(linear, name))
-        return new
+        """A CpuLinear over `linear`'s own Parameter objects and markers (no copy)."""
+        return sharing(cls, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if takes(x):
@@ -78,5 +70,5 @@ class CpuLinear(nn.Linear):
 
 def use_cpu_linear_(model: nn.Module) -> int:
     """Replace every plain nn.Linear child of `model` by a CpuLinear holding the same
-    parameters; returns how many."""
+    parameters (and markers); returns how many."""
     return replace_linears_(model, CpuLinear.sharing)

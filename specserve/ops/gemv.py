@@ -21,7 +21,7 @@ from torch import nn
 
 from specserve.ops import graph_rows, l2, pdl, skinny
 from specserve.ops.jit import launcher
-from specserve.ops.linear_swap import replace_linears_
+from specserve.ops.linear_swap import replace_linears_, sharing
 
 try:
     import triton
@@ -491,15 +491,9 @@ class DecodeLinear(nn.Linear):
     def sharing(cls, linear: nn.Linear, config: Config | None = DEFAULT_CONFIG) -> DecodeLinear:
         """A DecodeLinear over `linear`'s own Parameter objects (no copy), planned to `config`
         for up to MAX_M rows and the skinny default above (`default_plan`)."""
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        new.weight = linear.weight
-        new.bias = linear.bias
+        new = sharing(cls, linear)  # its markers too (norm_fed ...; class defaults otherwise)
         new.plan = default_plan(config)
         new.silu_plan = default_plan(config)
-        new.norm_fed = getattr(linear, "norm_fed", False)
-        new.silu_gate_up = getattr(linear, "silu_gate_up", False)
-        new.early_trigger = getattr(linear, "early_trigger", False)
         w = linear.weight
         # Column tiles of the narrowest skinny config (block_n 16), allocated outside any capture
         new.counters = (
