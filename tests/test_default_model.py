@@ -115,6 +115,44 @@ def test_unsupported_gguf_architecture_is_one_line(tmp_path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_gguf_header_strings_equal_the_gguf_readers(tmp_path) -> None:
+    """read_gguf_string reads up to its key only, past arrays of strings and numbers and
+    scalars of every width: each string field equals gguf's GGUFReader's."""
+    import gguf
+    import numpy as np
+
+    from specserve.models.gguf import read_gguf_string
+
+    path = str(tmp_path / "fields.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_token_list(["<s>", "a", "bc", "déf"])
+    w.add_array("test.floats", [0.5, 1.5, -2.0])
+    w.add_array("test.nested", [["x", "y"], ["z"]])
+    w.add_bool("test.bool", True)
+    w.add_uint64("test.u64", 1 << 40)
+    w.add_float64("test.f64", 2.5)
+    w.add_int8("test.i8", -3)
+    w.add_string("test.last", "after all of them")
+    w.add_tensor("token_embd.weight", np.zeros((4, 2), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fields = gguf.GGUFReader(path).fields
+    strings = {
+        k: bytes(f.parts[f.data[0]]).decode()
+        for k, f in fields.items()
+        if f.types == [gguf.GGUFValueType.STRING]
+    }
+    assert {"general.architecture", "test.last"} <= strings.keys()
+    for key, value in strings.items():
+        assert read_gguf_string(path, key) == value
+    with pytest.raises(KeyError):
+        read_gguf_string(path, "test.absent")
+    with pytest.raises(ValueError, match="not a string"):
+        read_gguf_string(path, "test.u64")
+
+
 def test_not_a_gguf_file_is_one_line(tmp_path) -> None:
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"not a gguf file at all")

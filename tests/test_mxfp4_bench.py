@@ -1,6 +1,7 @@
 """benchmarks/mxfp4.py --cpu-smoke: the whole flow (random MXFP4 layers, routing, the decode
 kernels' table configs and a sweep candidate checked against the reference, the JSON) at tiny
-shapes under the Triton interpreter."""
+shapes under the Triton interpreter. It runs in the interpreter stage of `make test`, in
+parallel with the other interpreter tests (it is single-threaded Python, ~80 s)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from .test_triton_attention import needs_interpreter
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
+@pytest.mark.interpret
+@needs_interpreter
 def test_mxfp4_bench_cpu_smoke(tmp_path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     script = os.path.join(ROOT, "benchmarks", "mxfp4.py")
