@@ -54,6 +54,38 @@ def make_checkpoint(path: str, arch: str = "llama", seed: int = 0, **overrides: 
     return _save(model, path)
 
 
+@pytest.fixture(autouse=True)
+def interpreter_builtin_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under TRITON_INTERPRET=1: the Triton (3.6) interpreter re-patches triton.language for
+    every launch and for every call of a @triton.jit helper inside every program, each time
+    listing the modules' members with inspect.getmembers to find the builtins. The list never
+    changes, so it is taken once a test (a third of some kernels' interpreter time)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    triton = pytest.importorskip("triton")
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    assert triton.__version__.startswith("3.6"), "re-check _patch_builtin for this version"
+    builtins: dict[int, list[tuple[str, Any]]] = {}
+
+    def patch_builtin(pkg: Any, builder: Any, scope: Any) -> None:
+        # Listed at the test's first patch, before anything is patched. As upstream, only the
+        # members that are builtins now are patched: inside a program, those its launch has
+        # not patched already.
+        members = builtins.get(id(pkg))
+        if members is None:
+            members = [(n, m) for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
+            builtins[id(pkg)] = members
+        for name, member in members:
+            if getattr(pkg, name, None) is member:
+                ti._patch_attr(pkg, name, member, builder, scope)
+
+    monkeypatch.setattr(ti, "_patch_builtin", patch_builtin)
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """One intra-op torch thread for a module's tests (`pytestmark = pytest.mark.usefixtures(

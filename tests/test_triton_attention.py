@@ -48,6 +48,7 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     1. It holds scalars as 1-element arrays and converts them with int(array), which numpy >= 2.3
        rejects: `range(start, end)` with tensor bounds fails.
     2. It keeps bf16 as raw uint16 and tl.dot multiplies those integers: widen them to fp32.
+    (conftest.py's `interpreter_builtin_lists` spares every interpreter test one of its costs.)
     """
     pytest.importorskip("triton")
     import numpy as np
