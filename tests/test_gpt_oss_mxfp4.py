@@ -18,7 +18,8 @@ from .conftest import hf_generate, hf_model
 from .test_gpt_oss import GREEDY, gpt_oss_ckpt, random_prompts, write_mxfp4
 from .test_triton_attention import interpreter, needs_interpreter  # noqa: F401 - a fixture
 
-FEW = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+# Two decode steps after the prefill: each is ~4 s of the interpreter.
+FEW = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
