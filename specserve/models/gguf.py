@@ -49,7 +49,7 @@ def gguf_architecture(path: str) -> str:
     one clear error line for a file specserve cannot run."""
     try:
         arch = read_gguf_string(path, "general.architecture")
-    except (KeyError, ValueError, OSError, UnicodeDecodeError) as e:
+    except (KeyError, ValueError, OSError) as e:  # (a bad UTF-8 name: a ValueError)
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(
