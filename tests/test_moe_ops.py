@@ -17,12 +17,9 @@ import torch
 from specserve.ops.moe import fused_moe, fused_moe_ref
 from specserve.tunables import override, tunables
 
-from .test_triton_attention import interpreter  # noqa: F401  (fixture)
+from .test_triton_attention import interpreter, needs_interpreter  # noqa: F401  (fixture)
 
 ON_CUDA = torch.cuda.is_available()
-needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run on CPU"
-)
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 
 
@@ -105,7 +102,6 @@ def _decodes(T: int, path: str) -> bool:
     return path == "decode" or (path == "auto" and T <= 8)
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("T, routing, path, dtype", CASES_DTYPES)
@@ -151,7 +147,6 @@ OAI_CASES = [
 ]
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -176,7 +171,6 @@ def test_moe_triton_gpt_oss_experts(
     assert (fused_moe_ref(*args).float() - ref.float()).norm() > 0.1 * ref.float().norm()
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("path", ["decode", "gemm"])
@@ -191,7 +185,6 @@ def test_moe_triton_strided_input_and_int64_ids(path: str) -> None:
     _check(out, fused_moe_ref(x, w13, w2, tw, ids))
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("routing", ["random", "idle", "same"])
@@ -224,7 +217,6 @@ DOWN_TABLE_SHAPES = {
 }
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize(
@@ -251,7 +243,6 @@ def test_moe_decode_down_steps(
     _check(out, fused_moe_ref(*args, **kw))
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 def test_every_launch_config() -> None:
@@ -288,7 +279,6 @@ def test_every_launch_config() -> None:
     _check(mt.fused_moe_decode(*args, configs=((4, 64, 4), (2, 64, 4))), ref)
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("per_sm", [1, 3, 64])

@@ -9,8 +9,6 @@ Qwen3-30B-A3B / GLM-4.5-Air / DeepSeek-V3 router shapes and inside a CUDA graph.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,12 +17,9 @@ from specserve.ops.fused import qk_norm_, qk_norm_ref
 from specserve.ops.moe_router import norm_route, norm_route_ref, select_experts_ref
 from specserve.tunables import override
 
-from .test_triton_attention import interpreter  # noqa: F401  (fixture)
+from .test_triton_attention import interpreter, needs_interpreter  # noqa: F401  (fixture)
 
 ON_CUDA = torch.cuda.is_available()
-needs_interpreter = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="set TRITON_INTERPRET=1 to run on CPU"
-)
 needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs CUDA")
 
 
@@ -99,7 +94,6 @@ def router_bias(scoring: str, E: int, dtype: torch.dtype, seed: int) -> torch.Te
     return torch.randn(E, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("case", ROUTE_CASES)
@@ -152,7 +146,6 @@ def test_norm_route_matches_reference(case: tuple, dtype: torch.dtype) -> None:
         assert int(counter) == 0  # reset by the last program: the next launch starts at 0
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("case", [c for c in ROUTE_CASES if c[4] == "softmax"])
@@ -190,7 +183,6 @@ def test_norm_route_softmax_topk_switch(case: tuple, monkeypatch: pytest.MonkeyP
         assert torch.equal(out[0], plain[0])
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 def test_norm_route_without_residual_and_ties() -> None:
@@ -245,7 +237,6 @@ def test_norm_route_cpu_is_reference_and_select_experts_validates() -> None:
     assert torch.equal(out[0], ws) and torch.equal(out[1], ids_s)
 
 
-@pytest.mark.interpret
 @needs_interpreter
 @pytest.mark.usefixtures("interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -10,14 +10,11 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from .test_triton_attention import needs_interpreter
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-@pytest.mark.interpret
 @needs_interpreter
 def test_mxfp4_bench_cpu_smoke(tmp_path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}

@@ -88,29 +88,27 @@ def read_gguf_string(path: str, key: str) -> str:
         # The byte order is the one that reads the version as a small number.
         order = "<" if struct.unpack("<I", f.read(4))[0] < 1 << 16 else ">"
 
-        def take(fmt: str) -> int | float | bool:
-            fmt = order + fmt
-            data = f.read(struct.calcsize(fmt))
-            if len(data) < struct.calcsize(fmt):
-                raise ValueError("the header ends early")
-            return struct.unpack(fmt, data)[0]
-
-        def string() -> bytes:
-            n = int(take("Q"))
+        def read(n: int) -> bytes:
             data = f.read(n)
             if len(data) < n:
                 raise ValueError("the header ends early")
             return data
 
+        def take(fmt: str) -> int | float | bool:
+            return struct.unpack(order + fmt, read(struct.calcsize(order + fmt)))[0]
+
+        def string() -> bytes:
+            return read(int(take("Q")))
+
         def skip(kind: int) -> None:
             if kind in _GGUF_SCALARS:
-                f.seek(struct.calcsize(_GGUF_SCALARS[kind]), os.SEEK_CUR)
+                f.seek(struct.calcsize("<" + _GGUF_SCALARS[kind]), os.SEEK_CUR)
             elif kind == _GGUF_STRING:
                 f.seek(int(take("Q")), os.SEEK_CUR)
             elif kind == _GGUF_ARRAY:
                 item, n = int(take("I")), int(take("Q"))
                 if item in _GGUF_SCALARS:
-                    f.seek(n * struct.calcsize(_GGUF_SCALARS[item]), os.SEEK_CUR)
+                    f.seek(n * struct.calcsize("<" + _GGUF_SCALARS[item]), os.SEEK_CUR)
                 else:
                     for _ in range(n):
                         skip(item)
