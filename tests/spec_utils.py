@@ -1,10 +1,11 @@
-"""Writers for tiny random drafter checkpoints in the reference layouts."""
+"""Writers for tiny random drafter checkpoints in the reference layouts, and drafter checks."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -321,3 +322,45 @@ def write_speculators_eagle3(
         t["embed_tokens.weight"] = torch.randn(VOCAB, hidden, generator=g) * 0.1
     save_file(t, os.path.join(path, "model.safetensors"))
     return path
+
+
+def check_tracked_kv_writes(make_llm: Callable[[], Any], prompts: list, sp: Any) -> list:
+    """Generate twice under a pinned budget whose k = 0 steps keep the drafter's KV (tracked):
+    through `Drafter.write_kv`, then through the drafter's full forward. The drafter's KV
+    caches after, the drafts and the acceptance must be equal, bit for bit. Returns the
+    outputs' token ids."""
+
+    def run(full: bool) -> tuple[list, list, int, int]:
+        llm = make_llm()
+        eng = llm.engine
+        pattern = [3, 3, 0, 0, 0, 0, 2, 2, 0, 0, 0, 1, 1]
+        calls = iter(range(10**6))
+        eng.budget.choose = lambda batch, reqs: pattern[next(calls) % len(pattern)]
+        eng.budget._since_draft = 0  # every k = 0 step keeps the drafter's KV
+        drafter = eng.runner.speculator.model
+        writes = []
+
+        def write_kv(ids, pos, hidden, ctx) -> None:  # noqa: ANN001
+            writes.append(ids.shape[0])
+            if full:
+                drafter.forward(ids, pos, hidden, ctx)
+            else:
+                type(drafter).write_kv(drafter, ids, pos, hidden, ctx)
+
+        drafter.write_kv = write_kv
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        caches = [c.clone() for c in eng.runner.kv_caches[eng.runner.num_target_kv :]]
+        m = llm.get_metrics()
+        assert m["spec_decode_num_drafts_total"] > 0
+        return outs, caches, m["spec_decode_num_accepted_tokens_total"], len(writes)
+
+    outs, caches, accepted, writes = run(full=False)
+    ref_outs, ref_caches, ref_accepted, ref_writes = run(full=True)
+    assert outs == ref_outs
+    assert writes == ref_writes > 0
+    assert accepted == ref_accepted
+    assert len(caches) == len(ref_caches) > 0
+    for c, r in zip(caches, ref_caches):
+        assert c.abs().sum() > 0
+        torch.testing.assert_close(c, r, rtol=0, atol=0)
+    return outs

@@ -11,7 +11,7 @@ from specserve import LLM, SamplingParams
 
 from .conftest import random_prompts
 from .mla_utils import mla_ckpt  # noqa: F401 - fixture
-from .spec_utils import append_mtp_layers
+from .spec_utils import append_mtp_layers, check_tracked_kv_writes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 MODES = {
@@ -120,3 +120,13 @@ def test_deepseek_mtp_drafts_equal_transformers_use_mtp(mtp: dict, monkeypatch) 
     spec = {"method": "mtp", "num_speculative_tokens": 1, "adaptive": False}
     llm = LLM(path, max_model_len=128, speculative_config=spec)
     assert_same_drafts(drafts_per_step(llm, prompts, GREEDY), theirs)
+
+
+def test_tracked_steps_write_only_the_mla_mtp_kv(mtp: dict) -> None:
+    """The adaptive budget's tracked k = 0 steps run the MTP layer's MLA (its latent KV write)
+    without its MoE: the latent KV and every later draft equal the full forward's."""
+    path, ref = mtp["deepseek_v3", 1]
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    prompts = [{"prompt_token_ids": p} for p in mtp["prompts"]]
+    make = lambda: LLM(path, max_model_len=128, speculative_config=spec)  # noqa: E731
+    assert check_tracked_kv_writes(make, prompts, GREEDY) == ref

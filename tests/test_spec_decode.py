@@ -9,7 +9,7 @@ import pytest
 from specserve import LLM, SamplingParams
 
 from .conftest import random_prompts
-from .spec_utils import write_eagle, write_eagle3, write_mtp_target
+from .spec_utils import check_tracked_kv_writes, write_eagle, write_eagle3, write_mtp_target
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 TARGET = ("llama_gqa", "llama")
@@ -277,3 +277,14 @@ def test_decode_batches_stay_uniform_near_max_tokens(setup: dict) -> None:
     for o, r in zip(outs, setup["ref"]):
         assert o.outputs[0].token_ids == r[: len(o.outputs[0].token_ids)]
     assert shapes and all(s == {4} for s in shapes), shapes
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "eagle3", "mtp"])
+def test_tracked_steps_write_only_the_drafters_kv(setup: dict, method: str) -> None:
+    """A k = 0 step that keeps the drafter's KV (the adaptive budget's tracked steps) runs
+    `Drafter.write_kv`, which stops after the last layer's KV write: the drafter's KV cache
+    after such steps, and so every later draft, equals that of the drafter's full forward."""
+    n = 3
+    prompts = [{"prompt_token_ids": p} for p in setup["prompts"][:n]]
+    outs = check_tracked_kv_writes(lambda: spec_llm(setup, method, 3), prompts, GREEDY)
+    assert outs == setup["ref"][:n]

@@ -80,6 +80,17 @@ class MLADecoderLayer(nn.Module):
         x, residual = self.self_attn.norm_forward(positions, self.input_layernorm, x, residual, ctx)
         return norm_ffn(self.post_attention_layernorm, self.mlp, x, residual)
 
+    def write_kv(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> None:
+        """This layer's latent KV at `positions`: the attention (whose backend writes it)
+        without the MLP or MoE after it."""
+        self.self_attn.norm_forward(positions, self.input_layernorm, x, residual, ctx)
+
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     config: DeepseekArchConfig

@@ -6,6 +6,8 @@ Every drafter exposes the same small surface used by the drafting loop:
   uses_hidden      whether forward() takes hidden states
   combine_hidden() target hidden (+ EAGLE-3 aux taps) -> drafter hidden input
   forward()        -> (hidden for logits, hidden carried to the next draft step)
+  write_kv()       forward()'s KV writes alone (a k = 0 step that keeps the drafter's KV
+                   complete: the last layer stops after its KV write, no MLP, no logits)
   draft_logits()   logits over the drafter's vocabulary; `to_target_ids` maps its ids
 """
 
@@ -45,6 +47,16 @@ class Drafter(nn.Module):
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.d2t is None else ids + self.d2t[ids]
 
+    def write_kv(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> None:
+        """The KV `forward` writes at `positions`, without the rest of its work."""
+        raise NotImplementedError
+
     def sliding_windows(self) -> set[int | None]:
         return {m.sliding_window for m in self.modules() if isinstance(m, KVCacheLayer)}
 
@@ -70,6 +82,15 @@ class DraftModelDrafter(Drafter):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h, _ = self.lm(input_ids, positions, ctx)
         return h, None
+
+    def write_kv(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> None:
+        self.lm.model.write_kv(input_ids, positions, ctx)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm.compute_logits(h)
@@ -97,12 +118,31 @@ class Eagle1Drafter(Drafter):
         hidden: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], -1))
+        x = self._input(input_ids, hidden)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
         out = x + residual
         return out, out
+
+    def write_kv(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> None:
+        x = self._input(input_ids, hidden)
+        residual = None
+        for layer in self.layers[:-1]:
+            x, residual = layer(positions, x, residual, ctx)
+        self.layers[-1].write_kv(positions, x, residual, ctx)
+
+    def _input(self, input_ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        assert hidden is not None
+        return self.fc(
+            torch.cat([self.embed_tokens(input_ids), hidden.to(self.fc.weight.dtype)], -1)
+        )
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)
@@ -150,6 +190,17 @@ class Eagle3Layer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def write_kv(
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> None:
+        """`forward`'s KV write alone: no o_proj, no MLP (most of the head's weights)."""
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+        self.self_attn.attend_heads(positions, self.self_attn.qkv_proj(x), ctx)
+
 
 class Eagle3Drafter(Drafter):
     def __init__(
@@ -193,6 +244,16 @@ class Eagle3Drafter(Drafter):
         normed, prenorm = self.norm(x, residual)
         return normed, prenorm
 
+    def write_kv(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> None:
+        assert hidden is not None
+        self.midlayer.write_kv(positions, self.embed_tokens(input_ids), hidden, ctx)
+
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)
 
@@ -229,15 +290,29 @@ class MTPDrafter(Drafter):
         hidden: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.layer(positions, self._input(input_ids, positions, hidden), None, ctx)
+        out = x + residual
+        return out, out
+
+    def write_kv(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> None:
+        self.layer.write_kv(positions, self._input(input_ids, positions, hidden), None, ctx)
+
+    def _input(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert hidden is not None
         e = self.embed_tokens(input_ids)
         if self.mask_position0:
             # vLLM's DeepSeek MTP sees no token embedding at position 0; GLM's (transformers,
             # vLLM) does: the target class says which (`mtp_mask_position0`).
             e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], -1))
-        x, residual = self.layer(positions, x, None, ctx)
-        out = x + residual
-        return out, out
+        return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(hidden.to(e.dtype))], -1))
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(self.shared_head_norm(h))

@@ -246,6 +246,19 @@ class Attention(KVCacheLayer):
         ctx: ForwardContext,
     ) -> torch.Tensor:
         """Everything after qkv_proj: RoPE, KV write, attention, o_proj."""
+        out = self.attend_heads(positions, qkv, ctx)
+        return tp_reduce(self.tp, self.o_proj(out.reshape(-1, self.q_size)))
+
+    def attend_heads(
+        self,
+        # [num_tokens]
+        positions: torch.Tensor,
+        # [num_tokens, q_size + 2 * kv_size]: qkv_proj's output
+        qkv: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """RoPE, KV write and attention -> [num_tokens, num_heads, head_dim], before o_proj.
+        Alone, it is a layer's KV write (`DecoderLayer.write_kv`)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -282,7 +295,7 @@ class Attention(KVCacheLayer):
             if calc_scales:
                 compute_kv_scales_(self.kv_scales, k, v)
             out = ctx.backend.forward(q, k, v, *args, **kw)
-        return tp_reduce(self.tp, self.o_proj(out.reshape(-1, self.q_size)))
+        return out
 
     def _partial_rope(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, rd: int

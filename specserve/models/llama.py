@@ -203,6 +203,20 @@ class DecoderLayer(nn.Module):
         )
         return mlp.down(act), residual
 
+    def write_kv(
+        self,
+        positions: torch.Tensor,
+        # [num_tokens, hidden]
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> None:
+        """This layer's KV at `positions` and nothing after it: input norm, qkv, RoPE, the KV
+        write (and the backend's attention, which a draft step's one token a request makes
+        cheap); no o_proj, no MLP or MoE, most of the layer's weights."""
+        qkv, _ = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        self.self_attn.attend_heads(positions, qkv, ctx)
+
 
 def norm_ffn(
     norm: RMSNorm,
@@ -257,6 +271,17 @@ class LlamaModel(nn.Module):
             x, residual = layer(positions, x, residual, ctx)
         x, _ = self.norm(x, residual)
         return x, [taps[i] for i in aux_layers]
+
+    def write_kv(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> None:
+        """Every layer's KV at `positions`, nothing else: the last layer stops at its KV write
+        (`DecoderLayer.write_kv`)."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers[:-1]:
+            x, residual = layer(positions, x, residual, ctx)
+        self.layers[-1].write_kv(positions, x, residual, ctx)
 
 
 def make_rope(c: ArchConfig, max_position: int) -> RotaryEmbedding:

@@ -11,8 +11,8 @@ Four graph kinds per padded batch size b (the target's capture sizes):
   loop b          the whole K-1 step loop in one graph: metadata built once, then advanced in
                   place between steps by the backend (`advance_context_`); only when the backend
                   supports it (`supports_inplace_advance`)
-  kv (1, b)       the draft prefill's forward alone, no d1: a k = 0 step that keeps the
-                  drafter's KV (`tracks_kv_at_zero`) drafts nothing, as the eager path does not
+  kv (1, b)       the draft prefill's KV writes alone (`prefill_kv`): a k = 0 step that keeps
+                  the drafter's KV (`tracks_kv_at_zero`) drafts nothing, as the eager path does not
 Draft trees (spec_decode/tree.py) capture one graph kind instead, per (q, b):
   tree (q, b)     the whole tree drafting: the draft prefill over the accepted paths (the target
                   graph's hidden states gathered into chain order through `perm`, which the
@@ -139,7 +139,7 @@ class DraftGraphRunner:
     def _kv_only(self, b: int) -> None:
         with uniform_batch(b, b):
             inp, ctx, hidden, aux = self._target_view(1, b)
-            self.spec.prefill_forward(self.runner, inp, ctx, hidden, aux, self.num_acc[:b])
+            self.spec.prefill_kv(self.runner, inp, ctx, hidden, aux, self.num_acc[:b])
 
     def _tree(self, q: int, b: int) -> None:
         with uniform_batch(b, b):
