@@ -35,10 +35,11 @@ The choice maximizes expected tokens per second of the batch:
               steps (plain decoding's cost) and its KV has holes at the positions decoded
               meanwhile; steps with prompt chunks still run the draft prefill, so every prompt
               is in its KV.
-              Tracked steps are dearer than plain ones (H100, Llama-3-8B shape, batch 64,
-              same context: 7.39 against 6.92 ms), so going down to 0 must pay for them over
-              `track_horizon` steps, and a bucket whose plain step is not measured yet takes
-              k = 0 untracked, to measure it.
+              Tracked steps write only the drafter's KV (`Drafter.write_kv`) but are still
+              dearer than plain ones (H100, p50: gpt-oss-20b shape, batch 1, 1.81 against
+              1.73 ms; Llama-3-8B shape, batch 64, 7.93 against 7.35), so going down to 0
+              must pay for them over `track_horizon` steps, and a bucket whose plain step is
+              not measured yet takes k = 0 untracked, to measure it.
               Outputs never depend on drafts (coupled verification), only acceptance right
               after a switch back does.
 
