@@ -21,7 +21,13 @@ from torch import nn
 
 from specserve.attention.backend import ForwardContext
 from specserve.models.layers import MLP, Attention, KVCacheLayer, RMSNorm, RotaryEmbedding
-from specserve.models.llama import ArchConfig, DecoderLayer, LlamaForCausalLM, make_rope
+from specserve.models.llama import (
+    ArchConfig,
+    DecoderLayer,
+    LlamaForCausalLM,
+    make_rope,
+    write_kv_through,
+)
 
 
 class Drafter(nn.Module):
@@ -132,11 +138,7 @@ class Eagle1Drafter(Drafter):
         hidden: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> None:
-        x = self._input(input_ids, hidden)
-        residual = None
-        for layer in self.layers[:-1]:
-            x, residual = layer(positions, x, residual, ctx)
-        self.layers[-1].write_kv(positions, x, residual, ctx)
+        write_kv_through(self.layers, positions, self._input(input_ids, hidden), ctx)
 
     def _input(self, input_ids: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
         assert hidden is not None

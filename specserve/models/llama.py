@@ -275,13 +275,23 @@ class LlamaModel(nn.Module):
     def write_kv(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> None:
-        """Every layer's KV at `positions`, nothing else: the last layer stops at its KV write
-        (`DecoderLayer.write_kv`)."""
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers[:-1]:
-            x, residual = layer(positions, x, residual, ctx)
-        self.layers[-1].write_kv(positions, x, residual, ctx)
+        """Every layer's KV at `positions`, nothing else (`write_kv_through`)."""
+        write_kv_through(self.layers, positions, self.embed_tokens(input_ids), ctx)
+
+
+def write_kv_through(
+    layers: nn.ModuleList,
+    positions: torch.Tensor,
+    # [num_tokens, hidden]: the first layer's input
+    x: torch.Tensor,
+    ctx: ForwardContext,
+) -> None:
+    """Every layer's KV at `positions`: the layers before the last run in full (the next one
+    reads their output), the last stops at its KV write (`DecoderLayer.write_kv`)."""
+    residual = None
+    for layer in layers[:-1]:
+        x, residual = layer(positions, x, residual, ctx)
+    layers[-1].write_kv(positions, x, residual, ctx)
 
 
 def make_rope(c: ArchConfig, max_position: int) -> RotaryEmbedding:
