@@ -266,8 +266,9 @@ def test_router_kernels_compile_for_sm90() -> None:
     """The fused router compiles for sm_90 without spills at Qwen3-30B-A3B (softmax, bf16
     router, 128 experts, top-8, 1 and 8 tokens; every ROUTE_CONFIGS entry at 1 token, with and
     without PDL), GLM-4.7-Flash (64 experts), GLM-4.5-Air (sigmoid, float32 router) and
-    DeepSeek-V3 (256 experts, 8 groups, top-4 groups) and gpt-oss (biased router, softmax of
-    the k best) shapes, the sigmoid ones also with a fused shared expert appended, and
+    DeepSeek-V3 (256 experts, 8 groups, top-4 groups, its shared expert fused) and gpt-oss
+    (biased router, softmax of the k best) shapes, the other sigmoid ones also with a fused
+    shared expert appended, and
     requests its router rows before the PDL wait; the choice by one partial sort (the
     default) and, at ROUTE_CONFIG, by k rounds (more barriers), moe_route_softmax_topk at Qwen3 batch
     1 (fewer barriers after the atomic); qk-norm at Qwen3's 32 q / 4 kv
@@ -292,15 +293,15 @@ def test_router_kernels_compile_for_sm90() -> None:
         ("softmax", "bf16", 8, 1, 1, 8, 128, 2048, 0),
         ("softmax", "bf16", 4, 1, 1, 1, 64, 2048, 0),  # GLM-4.7-Flash-sized softmax
         ("sigmoid", "fp32", 8, 1, 1, 1, 128, 4096, 0),
-        ("sigmoid", "fp32", 8, 8, 4, 4, 256, 7168, 0),
-        ("sigmoid", "fp32", 8, 8, 4, 8, 256, 7168, 0),
         ("softmax_topk", "bf16", 4, 1, 1, 1, 32, 2880, 0),  # gpt-oss-20b (router bias)
         ("softmax_topk", "bf16", 4, 1, 1, 8, 128, 2880, 0),  # gpt-oss-120b
         ("softmax_topk", "bf16", 4, 1, 1, 8, 32, 2880, 0),  # 20b, 8 tokens (2 K tiles spilled)
-        # Shared experts fused (appended columns): GLM-4.7-Flash, GLM-4.5-Air, DeepSeek-V3.
+        # Shared experts fused (appended columns): GLM-4.7-Flash, GLM-4.5-Air, DeepSeek-V3
+        # (whose bf16 and fp8 experts always run its shared expert fused: models/moe.py).
         ("sigmoid", "fp32", 4, 1, 1, 1, 64, 2048, 1),
         ("sigmoid", "fp32", 4, 1, 1, 8, 64, 2048, 1),
         ("sigmoid", "fp32", 8, 1, 1, 8, 128, 4096, 1),
+        ("sigmoid", "fp32", 8, 8, 4, 4, 256, 7168, 1),
         ("sigmoid", "fp32", 8, 8, 4, 8, 256, 7168, 1),
     ]
     for scoring, w_dtype, top_k, n_group, topk_group, block_t, E, H, n_shared in cases:
@@ -327,7 +328,9 @@ def test_router_kernels_compile_for_sm90() -> None:
             assert "atom.global.gpu.acq_rel.add" in ptx
             if pdl:  # the router rows are requested before the wait
                 assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
-            if config == mr.ROUTE_CONFIG and pdl:  # the k rounds: no spills, more barriers
+            # The k rounds: no spills, more barriers (not at DeepSeek-V3's 8 tokens: ~35 s of
+            # compile on the CI's 2 cores for what its 4 tokens already show)
+            if config == mr.ROUTE_CONFIG and pdl and (E, block_t) != (256, 8):
                 rounds_ptx = _compile(
                     mr._norm_route_kernel, {**consts, "TOPK_SORT": False}, warps, 3,
                     {**types, "w_ptr": f"*{w_dtype}"},
