@@ -588,6 +588,44 @@ def test_coupled_verify_matches_reference_and_plain_sampling(device: str) -> Non
     assert bool((acc == 0).any()) and bool((acc == 3).any())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_synthetic_verify_kernels_match_reference(device: str) -> None:
+    """ "synthetic" (the benchmarks' fixed acceptance rate) through the coupled kernels ==
+    the reference: the same drafts accepted (keyed by seed and position), the accepted drafts
+    then the target's draw at the next slot (greedy, mixed, filtered rows, vocab splits)."""
+    from specserve.sample.rejection import _processed_rows
+    from specserve.sample.rejection_triton import coupled_sample_triton
+
+    g = torch.Generator().manual_seed(81)
+    accepted = []
+    for temps, filters, vocab in (([0.0], False, 300), ([0.0, 1.0, 0.7], False, 300),
+                                  ([0.9, 0.0, 1.1], True, 2500)):  # fmt: skip
+        (logits, drafts, _, num_draft, positions), st = _verify_inputs(
+            g, 12, 3, vocab, temps, "none", filters
+        )
+        args = [t.to(device) for t in (logits, drafts, num_draft, positions)]
+        dst = _st_to(st, device)
+        for rate in (0.0, 0.6, 1.0):
+            ref = rejection_sample_ref(
+                args[0], args[1], None, args[2], dst, args[3], "synthetic", rate
+            )
+            for block_v in (64, None):
+                kw = {} if block_v is None else {"block_v": block_v}
+                out = coupled_sample_triton(
+                    args[0], args[1], args[2], dst.temperature, dst.seeds, args[3],
+                    dst.all_greedy, _processed_rows(args[0], dst), synthetic_rate=rate, **kw,
+                )  # fmt: skip
+                _assert_equal(out[0], ref[0], f"synthetic tokens, rate {rate}")
+                _assert_equal(out[1], ref[1], f"synthetic num_accepted, rate {rate}")
+            if rate == 1.0:
+                assert torch.equal(ref[1].cpu(), num_draft)
+            if rate == 0.6:
+                accepted.append(ref[1].cpu())
+    acc = torch.cat(accepted)
+    assert bool((acc == 0).any()) and bool((acc == 3).any())
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_kernels_replay_in_a_cuda_graph() -> None:

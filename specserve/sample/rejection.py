@@ -162,15 +162,19 @@ def rejection_sample(
     Gumbel-max sample at its slot (draft_probs unused), so the output is plain sampling's.
     "synthetic" (benchmarking only) accepts drafts with a fixed probability.
     The recovered/bonus token is drawn only at each request's final slot, so Gumbel noise costs
-    [B, V], not [B, K+1, V]. On CUDA "strict" and "probabilistic" run as Triton kernels
-    (sample/rejection_triton.py) checked against `rejection_sample_ref`, the CPU path.
+    [B, V], not [B, K+1, V]. On CUDA every method runs as Triton kernels
+    (sample/rejection_triton.py: "coupled" and "synthetic" in `coupled_sample_triton`) checked
+    against `rejection_sample_ref`, the CPU path.
     """
     if method not in METHODS:
         raise ValueError(f"rejection_sample method must be one of {METHODS}, got {method!r}.")
     k = target_logits.shape[1] - 1
-    if target_logits.is_cuda and method != "synthetic" and k > 0:
-        if method == "coupled":
-            return coupled_sample_kernel(target_logits, draft_tokens, num_draft, st, positions)
+    if target_logits.is_cuda and k > 0:
+        if method in ("coupled", "synthetic"):
+            rate = synthetic_acceptance_rate if method == "synthetic" else None
+            return coupled_sample_kernel(
+                target_logits, draft_tokens, num_draft, st, positions, rate
+            )
         return rejection_sample_kernel(
             target_logits, draft_tokens, draft_probs, num_draft, st, positions
         )
@@ -202,9 +206,10 @@ def coupled_sample_kernel(
     num_draft: Tensor,
     st: SamplingTensors,
     positions: Tensor,
+    synthetic_rate: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The Triton path of `rejection_sample(method="coupled")` (CUDA, or CPU tensors under
-    TRITON_INTERPRET=1); same arguments and results, K >= 1."""
+    """The Triton path of `rejection_sample(method="coupled")`, or of "synthetic" given its
+    rate (CUDA, or CPU tensors under TRITON_INTERPRET=1); same arguments and results, K >= 1."""
     from specserve.sample.rejection_triton import coupled_sample_triton
 
     return coupled_sample_triton(
@@ -216,6 +221,7 @@ def coupled_sample_kernel(
         positions,
         st.all_greedy,
         _processed_rows(target_logits, st),
+        synthetic_rate=synthetic_rate,
     )
 
 

@@ -20,6 +20,7 @@ _INV_2_24 = tl.constexpr(_g._INV_2_24)
 _U_MAX = tl.constexpr(_g._U_MAX)
 _SALT_ACCEPT = tl.constexpr(_g.SALT_ACCEPT)
 _SALT_SAMPLE = tl.constexpr(_g.SALT_SAMPLE)
+_SALT_SYNTHETIC = tl.constexpr(_g.SALT_SYNTHETIC)
 
 
 # ---- counter-based random numbers (mirror sample/gumbel.py) -----------------------------------
@@ -404,11 +405,18 @@ def _coupled_accept_kernel(
     num_splits,
     draft_stride,
     out_stride,
+    seeds_ptr,
+    positions_ptr,
+    seed_stride,
+    synthetic_rate,
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    SYNTHETIC: tl.constexpr,
 ):
-    """Per request: every slot's token from the splits; drafts accepted while equal to it."""
+    """Per request: every slot's token from the splits; drafts accepted while equal to it
+    (`SYNTHETIC`: each with probability `synthetic_rate`, uniform(seed, pos + j,
+    SALT_SYNTHETIC) below it, as rejection.py's `_synthetic_accept`)."""
     b = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_K)
     s = tl.arange(0, BLOCK_S)
@@ -421,8 +429,15 @@ def _coupled_accept_kernel(
     _, target = _argmax_parts(tv, ti, 1, vocab)
     d = tl.load(draft_ptr + b * draft_stride + j, mask=j < K, other=0)
     d = tl.minimum(tl.maximum(d, 0), vocab - 1)
-    ok = (d == target) & (j < tl.load(num_draft_ptr + b))
+    if SYNTHETIC:
+        seed = tl.load(seeds_ptr + b * seed_stride).to(tl.int64)
+        pos = tl.load(positions_ptr + b).to(tl.int64) + j
+        hit = _to_unit(_row_key(seed, pos, _SALT_SYNTHETIC)) < synthetic_rate
+    else:
+        hit = d == target
+    ok = hit & (j < tl.load(num_draft_ptr + b))
     n = tl.min(tl.where(ok, BLOCK_K, j), axis=0)
-    out = tl.where(j <= n, target.to(tl.int64), -1)
+    # accepted drafts, then the target's token (coupled: the drafts accepted ARE its tokens)
+    out = tl.where(j <= n, tl.where(j < n, d, target).to(tl.int64), -1)
     tl.store(out_tokens_ptr + b * out_stride + j, out, mask=in_slots)
     tl.store(num_acc_ptr + b, n.to(tl.int64))
