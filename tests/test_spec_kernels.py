@@ -626,6 +626,25 @@ def test_synthetic_verify_kernels_match_reference(device: str) -> None:
     assert bool((acc == 0).any()) and bool((acc == 3).any())
 
 
+def test_coupled_accept_compiles_for_sm90() -> None:
+    """The coupled acceptance kernel compiles for sm_90 with and without the synthetic
+    acceptance test (no GPU needed: the interpreter does not type-check as the compiler
+    does)."""
+    pytest.importorskip("triton")
+    from specserve.sample.gumbel import _MUL1
+    from specserve.sample.rejection_kernels import _coupled_accept_kernel as kernel
+
+    from .test_pdl import compile_sm90
+
+    types = {n: "*i64" for n in kernel.arg_names if n.endswith("_ptr")}
+    types.update(tok_val_ptr="*fp32", tok_idx_ptr="*i32", synthetic_rate="fp32")
+    for synthetic in (False, True):
+        consts = dict(K=3, BLOCK_K=4, BLOCK_S=64, SYNTHETIC=synthetic)
+        ptx = compile_sm90(kernel, consts, 1, types=types)
+        # the synthetic test hashes (seed, position): gumbel.py's first multiplier, in decimal
+        assert (str(_MUL1) in ptx) == synthetic
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_kernels_replay_in_a_cuda_graph() -> None:
