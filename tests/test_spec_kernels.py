@@ -9,6 +9,8 @@ bit-identical tokens and accept counts.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import Tensor
@@ -547,37 +549,51 @@ def test_verify_acceptance_at_the_boundary(device: str) -> None:
     assert torch.equal(acc, below.long())  # the construction is right: accept iff below
 
 
+def _coupled_cases(
+    g: torch.Generator, device: str
+) -> Iterator[tuple[tuple[Tensor, Tensor, Tensor], SamplingTensors, list[Tensor], SamplingTensors]]:
+    """Verification inputs for the coupled kernels: greedy, mixed, and filtered rows over
+    several vocab splits -> (CPU inputs, their SamplingTensors, the same on `device`)."""
+    for temps, filters, vocab in (([0.0], False, 300), ([0.0, 1.0, 0.7], False, 300),
+                                  ([0.9, 0.0, 1.1], True, 2500)):  # fmt: skip
+        (logits, drafts, _, num_draft, positions), st = _verify_inputs(
+            g, 12, 3, vocab, temps, "none", filters
+        )
+        args = [t.to(device) for t in (logits, drafts, num_draft, positions)]
+        yield (logits, num_draft, positions), st, args, _st_to(st, device)
+
+
+def _check_coupled_kernels(
+    args: list[torch.Tensor], dst: SamplingTensors, ref: tuple, label: str, **kw: float
+) -> None:
+    """`coupled_sample_triton` over `args` (logits, drafts, num_draft, positions) equals `ref`
+    at two vocabulary block sizes; `kw`: its synthetic_rate."""
+    from specserve.sample.rejection import _processed_rows
+    from specserve.sample.rejection_triton import coupled_sample_triton
+
+    for block_v in ({"block_v": 64}, {}):
+        out = coupled_sample_triton(
+            args[0], args[1], args[2], dst.temperature, dst.seeds, args[3],
+            dst.all_greedy, _processed_rows(args[0], dst), **block_v, **kw,
+        )  # fmt: skip
+        _assert_equal(out[0], ref[0], f"{label} tokens")
+        _assert_equal(out[1], ref[1], f"{label} num_accepted")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_coupled_verify_matches_reference_and_plain_sampling(device: str) -> None:
     """ "coupled": kernels == reference (greedy, mixed, filtered rows, several vocab splits), and
     every output slot is what `sample` draws at that position from the same logits (plain
     decoding's token), however many drafts were accepted."""
-    from specserve.sample.rejection_triton import coupled_sample_triton
     from specserve.sample.sampler import sample
 
-    g = torch.Generator().manual_seed(80)
     accepted = []
-    for temps, filters, vocab in (([0.0], False, 300), ([0.0, 1.0, 0.7], False, 300),
-                                  ([0.9, 0.0, 1.1], True, 2500)):  # fmt: skip
-        (logits, drafts, _, num_draft, positions), st = _verify_inputs(
-            g, 12, 3, vocab, temps, "none", filters
-        )
-        dev_args = [t.to(device) for t in (logits, drafts, num_draft, positions)]
-        dst = _st_to(st, device)
-        ref = rejection_sample_ref(
-            dev_args[0], dev_args[1], None, dev_args[2], dst, dev_args[3], "coupled"
-        )
-        from specserve.sample.rejection import _processed_rows
-
-        for block_v in (64, None):
-            kw = {} if block_v is None else {"block_v": block_v}
-            out = coupled_sample_triton(
-                dev_args[0], dev_args[1], dev_args[2], dst.temperature, dst.seeds, dev_args[3],
-                dst.all_greedy, _processed_rows(dev_args[0], dst), **kw,
-            )  # fmt: skip
-            _assert_equal(out[0], ref[0], "coupled tokens")
-            _assert_equal(out[1], ref[1], "coupled num_accepted")
+    for (logits, _, positions), st, args, dst in _coupled_cases(
+        torch.Generator().manual_seed(80), device
+    ):
+        ref = rejection_sample_ref(args[0], args[1], None, args[2], dst, args[3], "coupled")
+        _check_coupled_kernels(args, dst, ref, "coupled")
         toks, n_acc = ref[0].cpu(), ref[1].cpu()
         for j in range(4):
             plain = sample(logits[:, j], st, positions + j)
@@ -594,30 +610,15 @@ def test_synthetic_verify_kernels_match_reference(device: str) -> None:
     """ "synthetic" (the benchmarks' fixed acceptance rate) through the coupled kernels ==
     the reference: the same drafts accepted (keyed by seed and position), the accepted drafts
     then the target's draw at the next slot (greedy, mixed, filtered rows, vocab splits)."""
-    from specserve.sample.rejection import _processed_rows
-    from specserve.sample.rejection_triton import coupled_sample_triton
-
-    g = torch.Generator().manual_seed(81)
     accepted = []
-    for temps, filters, vocab in (([0.0], False, 300), ([0.0, 1.0, 0.7], False, 300),
-                                  ([0.9, 0.0, 1.1], True, 2500)):  # fmt: skip
-        (logits, drafts, _, num_draft, positions), st = _verify_inputs(
-            g, 12, 3, vocab, temps, "none", filters
-        )
-        args = [t.to(device) for t in (logits, drafts, num_draft, positions)]
-        dst = _st_to(st, device)
+    for (_, num_draft, _), _, args, dst in _coupled_cases(
+        torch.Generator().manual_seed(81), device
+    ):
         for rate in (0.0, 0.6, 1.0):
             ref = rejection_sample_ref(
                 args[0], args[1], None, args[2], dst, args[3], "synthetic", rate
             )
-            for block_v in (64, None):
-                kw = {} if block_v is None else {"block_v": block_v}
-                out = coupled_sample_triton(
-                    args[0], args[1], args[2], dst.temperature, dst.seeds, args[3],
-                    dst.all_greedy, _processed_rows(args[0], dst), synthetic_rate=rate, **kw,
-                )  # fmt: skip
-                _assert_equal(out[0], ref[0], f"synthetic tokens, rate {rate}")
-                _assert_equal(out[1], ref[1], f"synthetic num_accepted, rate {rate}")
+            _check_coupled_kernels(args, dst, ref, f"synthetic, rate {rate}", synthetic_rate=rate)
             if rate == 1.0:
                 assert torch.equal(ref[1].cpu(), num_draft)
             if rate == 0.6:
