@@ -72,12 +72,13 @@ looks dearer than it is until a probe measures it again, and probes are spaced b
 price. The 2-core CPU this was built on runs the same step at 0.82x-1.33x its median (p10-p90;
 benchmarks/RESULTS.md): a batch-6 plain step measured once at 141 ms (75-95 ms most of the
 time) kept the budget drafting at 0.82x plain where every K loses.
-At batch 1, where drafting gains only a little (gpt-oss-20b shape on an H100: K = 3 4-20%
-faster than plain at acceptance 0.7-0.8), one request's ~2 observations a step leave the
-estimate noisy; once it dips below break-even the budget goes to k = 0, where the evidence
-stays at its floor, and a probe (~2 plain steps with its tracked steps) comes ~400 decisions
-later within `explore_budget`. It keeps about half of such a gain (0.93-0.96x of the best K,
-simulated and measured).
+At batch 1 the estimate rests on one request's ~2 observations a step, so a short request's
+own draws decide between near-equal k: over one 512-token request at acceptance 0.6 (Llama-3-8B
+shape, H100 step costs) the budget ends more than 5% behind the best fixed K of the same draws
+about one time in five, over 2048 tokens one in thirty (`benchmarks/budget_sim.py`). Where
+drafting gains only a little, an unlucky stretch takes the estimate below break-even and the
+budget to k = 0, where the evidence stays at its floor and a probe (~2 plain steps with its
+tracked steps) comes ~400 decisions later within `explore_budget`.
 """
 
 from __future__ import annotations
