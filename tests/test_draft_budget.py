@@ -198,6 +198,26 @@ def test_a_probe_at_k1_moves_deeper_positions() -> None:
     assert (c.class_acceptance(True) > 0.85).all()
 
 
+def test_positions_no_longer_drafted_follow_the_ones_before() -> None:
+    """Two unlucky verifications at K = 5 (the third draft rejected), then 100 steps at k = 2
+    accepting 0.6 of drafts: positions 3-5 come back to position 2's fresh estimate rather than
+    keeping the stale rejections (kept at a floor of evidence, they held position 3 near 0.2,
+    and the budget at k = 2 where K = 4 was best)."""
+    c = DraftBudget(5)
+    for _ in range(2):
+        c.record_acceptance("r", True, 5, 2)
+        c.tick()
+    # 25 steps: the first draft accepted in 15, the second in 9 of those (0.6 at each)
+    pattern = np.random.default_rng(0).permutation([0] * 10 + [1] * 6 + [2] * 9)
+    for n in np.tile(pattern, 4):
+        c.record_acceptance("r", True, 2, int(n))
+        c.tick()
+    a = c.request_acceptance("r", True)
+    assert 0.5 < a[1] < 0.7, a
+    # the stale rejections fade on the slow scale (0.98 a step) instead of being kept
+    assert (np.abs(a[2:] - a[1]) < 0.15).all(), a
+
+
 def test_unmeasured_costs_come_from_a_linear_fit_and_the_nearest_bucket() -> None:
     c = DraftBudget(4)
     c.record_step(8, 0, 1.0)

@@ -107,18 +107,22 @@ class _Acceptance:
         return cls(np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k), step)
 
     def decay_to(self, step: int, gamma: float, gamma_slow: float, floor: float = 0.0) -> None:
-        """Age the counts to `step`. A position's count never decays below `floor` drafts:
-        what was last seen is kept (with less weight) through long stretches without drafts,
-        rather than drifting back to the prior."""
+        """Age the counts to `step`. The first position's count never decays below `floor`
+        drafts: what was last seen is kept (with less weight) through long stretches without
+        drafts, rather than drifting back to the prior. Deeper positions decay to nothing, so
+        that a position no longer drafted comes back to its prior, the position before it,
+        which fresh drafts keep current: with the floor at every position, two unlucky
+        verifications at K = 5 held the third position near 0.2 through 100 steps at k = 2 that
+        accepted 0.6, and the budget at k = 2 where K = 4 was best (`benchmarks/budget_sim.py`;
+        an H100 cell of that shape held k = 2 at 0.93x of the best K)."""
         if step > self.step:
             for g, reached, accepted in (
                 (gamma, self.reached, self.accepted),
                 (gamma_slow, self.reached_slow, self.accepted_slow),
             ):
-                keep = np.where(
-                    reached > 0, np.minimum(reached, floor) / np.maximum(reached, 1e-12), 0
-                )
-                scale = np.maximum(g ** (step - self.step), keep)
+                scale = np.full(len(reached), g ** (step - self.step))
+                if reached[0] > 0:  # the first position keeps min(its count, floor) drafts
+                    scale[0] = max(scale[0], min(1.0, floor / reached[0]))
                 reached *= scale
                 accepted *= scale
             self.step = step
@@ -240,7 +244,7 @@ class DraftBudget:
     change_z: float = 2.0  # standard errors between the two scales that mean a change
     request_strength: float = 2.0  # prior weight (in drafts) of the class estimate for a request
     position_strength: float = 2.0  # prior weight of position i-1 for position i
-    floor: float = 4.0  # drafts of evidence a class position keeps however old
+    floor: float = 4.0  # drafts of evidence a class's first position keeps however old
     prior_acceptance: float = 0.5
     cost_window: int = 5  # recent step times a cost is a low quantile of
     cost_max_age: int = 32  # decisions of a bucket after which a step time no longer counts
