@@ -75,7 +75,7 @@ time) kept the budget drafting at 0.82x plain where every K loses.
 At batch 1 the estimate rests on one request's ~2 observations a step, so a short request's
 own draws decide between near-equal k: over one 512-token request at acceptance 0.6 (Llama-3-8B
 shape, H100 step costs) the budget ends more than 5% behind the best fixed K of the same draws
-about one time in five, over 2048 tokens one in thirty (`benchmarks/budget_sim.py`). Where
+about one time in eight, over 2048 tokens one in a hundred (`benchmarks/budget_sim.py`). Where
 drafting gains only a little, an unlucky stretch takes the estimate below break-even and the
 budget to k = 0, where the evidence stays at its floor and a probe (~2 plain steps with its
 tracked steps) comes ~400 decisions later within `explore_budget`.
