@@ -120,11 +120,14 @@ class _Acceptance:
                 (gamma, self.reached, self.accepted),
                 (gamma_slow, self.reached_slow, self.accepted_slow),
             ):
-                scale = np.full(len(reached), g ** (step - self.step))
-                if reached[0] > 0:  # the first position keeps min(its count, floor) drafts
-                    scale[0] = max(scale[0], min(1.0, floor / reached[0]))
-                reached *= scale
-                accepted *= scale
+                f = g ** (step - self.step)
+                # the first position keeps min(its count, floor) drafts (scalars: no arrays
+                # allocated, this runs on the host every step)
+                f0 = max(f, min(1.0, floor / reached[0])) if reached[0] > 0 else f
+                reached[1:] *= f
+                accepted[1:] *= f
+                reached[0] *= f0
+                accepted[0] *= f0
             self.step = step
 
     def add(self, reach: np.ndarray, acc: np.ndarray) -> None:
